@@ -1,0 +1,119 @@
+"""Configuration: one small dataclass per concern, validated at construction.
+
+Each error names the field and the CLI flag that sets it, so a user knows what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import ConfigError
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Hyper-parameters of a run. None of them depends on the number of workers."""
+
+    steps: int = 100
+    """Optimizer steps to train (``--steps``)."""
+    global_batch: int = 32
+    """Samples per step, summed over all workers (``--global-batch``). Fixed for the run."""
+    micro_batch: int | None = None
+    """Most samples one worker puts through one forward/backward (``--micro-batch``);
+    a larger slice is split and its gradients accumulated. None: the whole slice at once."""
+    seed: int = 0
+    """Seeds model initialisation and the sampler's shuffles (``--seed``)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup from 0 over this many steps (``--warmup-steps``)."""
+    lr_reference_batch: int | None = None
+    """Linear scaling rule: the optimizer's learning rates are multiplied by
+    ``global_batch / lr_reference_batch`` (``--lr-reference-batch``). None: no scaling."""
+    clip_grad_norm: float | None = None
+    """Clip gradients to this global L2 norm before each update (``--clip-grad-norm``)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16`` runs forward/backward under bf16 autocast (``--precision``)."""
+    reduce_fp32: bool = True
+    """Reduce gradients in fp32 even when parameters are bf16 (``--no-reduce-fp32``)."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB; each full bucket is all-reduced while backward goes
+    on (``--bucket-mb``)."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0, f"steps must be >= 0, got {self.steps} (--steps)")
+        _require(self.global_batch > 0,
+                 f"global_batch must be positive, got {self.global_batch} (--global-batch)")
+        _require(self.micro_batch is None or self.micro_batch > 0,
+                 f"micro_batch must be positive, got {self.micro_batch} (--micro-batch)")
+        _require(self.warmup_steps >= 0,
+                 f"warmup_steps must be >= 0, got {self.warmup_steps} (--warmup-steps)")
+        _require(self.lr_reference_batch is None or self.lr_reference_batch > 0,
+                 f"lr_reference_batch must be positive, got {self.lr_reference_batch} "
+                 "(--lr-reference-batch)")
+        _require(self.clip_grad_norm is None or self.clip_grad_norm > 0,
+                 f"clip_grad_norm must be positive, got {self.clip_grad_norm} (--clip-grad-norm)")
+        _require(self.precision in ("fp32", "bf16"),
+                 f"precision must be 'fp32' or 'bf16', got {self.precision!r} (--precision)")
+        _require(self.bucket_mb > 0, f"bucket_mb must be positive, got {self.bucket_mb} (--bucket-mb)")
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier on every param group's base learning rate at ``step`` (0-based)."""
+        factor = 1.0
+        if self.lr_reference_batch is not None:
+            factor *= self.global_batch / self.lr_reference_batch
+        if self.warmup_steps and step < self.warmup_steps:
+            factor *= (step + 1) / self.warmup_steps
+        return factor
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    """Where and how the workers run."""
+
+    workers: int = 2
+    """Worker actors, one model replica each (``--workers``)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``cuda``: one GPU per worker with NCCL; ``cpu``: one CPU slot per worker with gloo;
+    ``auto``: cuda when the cluster has GPUs (``--device``)."""
+    address: str | None = None
+    """Ray cluster to attach to; None: ``RAY_ADDRESS`` if set, else an embedded local
+    Ray (``--address``)."""
+    placement_timeout_s: float = 60.0
+    """How long to wait for the cluster to place every worker (``--placement-timeout``)."""
+    step_timeout_s: float = 600.0
+    """Deadline for one step on every worker (``--step-timeout``)."""
+    collective_timeout_s: float = 300.0
+    """Timeout of each collective in the process group (``--collective-timeout``)."""
+
+    def __post_init__(self) -> None:
+        _require(self.workers > 0, f"workers must be positive, got {self.workers} (--workers)")
+        _require(self.device in ("auto", "cpu", "cuda"),
+                 f"device must be auto, cpu or cuda, got {self.device!r} (--device)")
+        for name in ("placement_timeout_s", "step_timeout_s", "collective_timeout_s"):
+            _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Durable checkpoints (see elastic_dp.checkpoint for the format)."""
+
+    dir: str | None = None
+    """Directory that holds the checkpoints (``--checkpoint-dir``). None: no checkpoints."""
+    every: int = 0
+    """Save after every ``every`` committed steps and after the last one
+    (``--checkpoint-every``); 0: only after the last step."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``dir`` (``--resume``)."""
+    keep: int = 3
+    """How many of the newest checkpoints to keep (``--checkpoint-keep``)."""
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, f"checkpoint every must be >= 0, got {self.every} (--checkpoint-every)")
+        _require(self.keep >= 1, f"checkpoint keep must be >= 1, got {self.keep} (--checkpoint-keep)")
+        _require(not self.resume or self.dir is not None,
+                 "resume needs a checkpoint directory: pass --checkpoint-dir DIR with --resume")

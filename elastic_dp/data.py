@@ -1,0 +1,75 @@
+"""The elastic sampler: step -> global batch -> per-worker slices.
+
+The sample indices of a step depend only on the dataset length, the global batch ``B``
+and the seed, never on the number of workers (DESIGN invariant 2). A plain
+single-process loop replays a run exactly with::
+
+    sampler = ElasticSampler(len(dataset), global_batch=B, seed=seed)
+    for step in range(steps):
+        indices = sampler.batch(step)          # the B indices of this step
+
+The rule: ``steps_per_epoch = len(dataset) // B`` (the tail of each epoch is dropped);
+step ``s`` belongs to epoch ``e = s // steps_per_epoch``; the epoch's order is
+``numpy.random.default_rng([seed, e]).permutation(len(dataset))``, so every epoch is
+reshuffled from the seed; the step takes positions ``(s % steps_per_epoch) * B`` up to
+``+ B`` of that order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .errors import ConfigError
+
+
+class ElasticSampler:
+    """Deterministic global batches for any step, split over any number of workers."""
+
+    def __init__(self, dataset_len: int, *, global_batch: int, seed: int) -> None:
+        if global_batch <= 0:
+            raise ConfigError(f"global_batch must be positive, got {global_batch} (--global-batch)")
+        if dataset_len < global_batch:
+            raise ConfigError(
+                f"the dataset has {dataset_len} samples, fewer than one global batch of "
+                f"{global_batch}: lower --global-batch or use a larger dataset")
+        self.dataset_len = dataset_len
+        self.global_batch = global_batch
+        self.seed = seed
+        self.steps_per_epoch = dataset_len // global_batch
+
+    @functools.lru_cache(maxsize=2)
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.dataset_len)
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def batch(self, step: int) -> np.ndarray:
+        """The ``global_batch`` sample indices that step ``step`` trains on."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        start = (step % self.steps_per_epoch) * self.global_batch
+        return self._epoch_order(self.epoch_of(step))[start:start + self.global_batch]
+
+
+def split(indices: np.ndarray, world_size: int) -> list[np.ndarray]:
+    """Contiguous slices of ``indices`` for ranks ``0..world_size-1``.
+
+    Sizes differ by at most one; the first ``len % world_size`` ranks get the larger ones.
+    """
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    if len(indices) < world_size:
+        raise ConfigError(
+            f"a global batch of {len(indices)} cannot be split over {world_size} workers: "
+            "raise --global-batch to at least the worker count or lower --workers")
+    return list(np.array_split(np.asarray(indices), world_size))
+
+
+def micro_batches(indices: np.ndarray, micro_batch: int | None) -> list[np.ndarray]:
+    """Consecutive chunks of at most ``micro_batch`` indices (one chunk when None)."""
+    if micro_batch is None or len(indices) <= micro_batch:
+        return [indices]
+    return [indices[i:i + micro_batch] for i in range(0, len(indices), micro_batch)]

@@ -1,0 +1,44 @@
+"""One exception hierarchy for elastic_dp.
+
+Every message says what went wrong and which setting or input to change. The classes
+carry only a message, so they pickle cleanly when they cross from a worker actor to the
+coordinator.
+"""
+
+from __future__ import annotations
+
+
+class ElasticDPError(Exception):
+    """Base class of every error elastic_dp raises on purpose."""
+
+
+class ConfigError(ElasticDPError, ValueError):
+    """A setting is invalid; the message names the setting (or CLI flag) to change."""
+
+
+class TaskError(ElasticDPError):
+    """The task (job module, model, dataset, loss or optimizer factory) is unusable."""
+
+
+class PlacementError(ElasticDPError):
+    """The cluster cannot place the requested workers within the placement timeout."""
+
+
+class CheckpointError(ElasticDPError):
+    """A checkpoint cannot be written, found, or trusted (missing file, bad checksum)."""
+
+
+class WorkerError(ElasticDPError):
+    """A worker failed a step; carries the worker's rank, the step and its error text."""
+
+    def __init__(self, message: str, *, rank: int = -1, step: int = -1) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+
+    def __reduce__(self):  # keep keyword fields across pickling (Ray actor boundary)
+        return (_rebuild_worker_error, (str(self), self.rank, self.step))
+
+
+def _rebuild_worker_error(message: str, rank: int, step: int) -> "WorkerError":
+    return WorkerError(message, rank=rank, step=step)
