@@ -1,0 +1,18 @@
+"""elastic_dp: elastic data-parallel training for PyTorch on Ray.
+
+Public names: ``Trainer``, ``Task``, the config dataclasses, ``ElasticSampler`` and the
+exception classes. Everything else is internal.
+"""
+
+from .api import Trainer
+from .config import CheckpointConfig, ClusterConfig, TrainConfig
+from .data import ElasticSampler, split
+from .errors import CheckpointError, ConfigError, ElasticDPError, PlacementError, TaskError, WorkerError
+from .metrics import RunSummary
+from .task import Task, load_task
+
+__all__ = [
+    "Trainer", "Task", "load_task", "TrainConfig", "ClusterConfig", "CheckpointConfig",
+    "ElasticSampler", "split", "RunSummary",
+    "ElasticDPError", "ConfigError", "TaskError", "PlacementError", "CheckpointError", "WorkerError",
+]

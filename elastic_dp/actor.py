@@ -1,0 +1,87 @@
+"""``WorkerActor``: the Ray actor around a ``Replica``.
+
+It is a threaded actor (``max_concurrency=2``): one thread runs the step, the other
+stays free for control calls (liveness, and the elastic layer's abort) while the step
+is blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import ray
+import torch
+
+from .checkpoint import TrainingState, load_optimizer_state, optimizer_state
+from .collective import CollectiveGroup
+from .config import TrainConfig
+from .messages import StepResult, WorkerInfo
+from .task import Task
+from .worker import Replica
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerActor:
+    """One model replica on one GPU (NCCL) or one CPU slot (gloo)."""
+
+    def __init__(self, *, device: str, num_threads: int, collective_timeout_s: float) -> None:
+        torch.set_num_threads(num_threads)
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        if device == "cuda":
+            torch.cuda.set_device(self.device)
+        self.group = CollectiveGroup(backend="nccl" if device == "cuda" else "gloo",
+                                     timeout_s=collective_timeout_s)
+        self.replica: Replica | None = None
+
+    def setup(self, task: Task, config: TrainConfig, rank_hint: int) -> WorkerInfo:
+        """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
+        self.replica = Replica(task, config, self.device, self.group)
+        self._names = {id(p): n for n, p in self.replica.model.named_parameters()}
+        return self.replica.info(rank_hint, ray.util.get_node_ip_address())
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int) -> None:
+        self.group.configure(host, port, generation=generation, rank=rank, world_size=world_size)
+
+    def broadcast_state(self, src: int) -> None:
+        self.replica.broadcast_state(src)
+
+    def step(self, step: int, indices: np.ndarray) -> StepResult:
+        return self.replica.step(step, indices)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.replica.model.state_dict().items()}
+
+    def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
+        tensors, meta = optimizer_state(self.replica.optimizer, self._names)
+        return TrainingState(step=step, model=self.model_state(),
+                             optimizer_tensors={k: v.detach().cpu().clone() for k, v in tensors.items()},
+                             optimizer_meta=meta, sampler=sampler, world_size=self.group.world_size,
+                             rng=torch.get_rng_state())
+
+    def load_state(self, state: TrainingState) -> None:
+        model = self.replica.model
+        model.load_state_dict({k: v.to(self.device) for k, v in state.model.items()})
+        tensors = {k: v.to(self.device) if v.dim() > 0 else v for k, v in state.optimizer_tensors.items()}
+        load_optimizer_state(self.replica.optimizer, self._names, tensors, state.optimizer_meta)
+        torch.set_rng_state(state.rng)
+
+    def sample(self) -> str | None:
+        """The task's sample of what the model does now (None when the task has none)."""
+        task = self.replica.task
+        return task.sample(self.replica.model) if task.sample is not None else None
+
+    def close(self) -> None:
+        self.group.destroy()
+        if self.replica is not None:
+            self.replica.strategy.close()
+
+
+def remote_worker_class():
+    """The Ray actor class (created lazily so importing elastic_dp does not need Ray up)."""
+    return ray.remote(max_concurrency=2)(WorkerActor)

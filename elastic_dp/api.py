@@ -1,0 +1,64 @@
+"""The public entry point: ``Trainer``.
+
+Example (a complete one is in the README)::
+
+    from elastic_dp import Trainer, TrainConfig, ClusterConfig
+    from jobs.gpt import TASK
+
+    summary = Trainer(TASK, train=TrainConfig(steps=50, global_batch=32),
+                      cluster=ClusterConfig(workers=2), out_dir="runs/gpt").fit()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from .config import CheckpointConfig, ClusterConfig, TrainConfig
+from .coordinator import Coordinator
+from .metrics import RunRecorder, RunSummary
+from .task import Task
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Synchronous data-parallel training of a ``Task`` on Ray worker actors."""
+
+    def __init__(self, task: Task, *, train: TrainConfig | None = None,
+                 cluster: ClusterConfig | None = None, checkpoint: CheckpointConfig | None = None,
+                 out_dir: str | None = None, progress: bool | None = None) -> None:
+        self.task = task
+        self.train = train or task.defaults
+        self.cluster = cluster or ClusterConfig()
+        self.checkpoint = checkpoint or CheckpointConfig()
+        self.out_dir = out_dir
+        self.progress = progress
+
+    def fit(self) -> RunSummary:
+        """Train to ``train.steps``; attaches to Ray, or starts an embedded local Ray."""
+        started = _ensure_ray(self.cluster)
+        try:
+            recorder = RunRecorder(self.out_dir, total_steps=self.train.steps, progress=self.progress)
+            return Coordinator(self.task, self.train, self.cluster, self.checkpoint, recorder).run()
+        finally:
+            if started:
+                ray.shutdown()
+
+
+def _ensure_ray(cluster: ClusterConfig) -> bool:
+    """Connect to Ray unless already connected; return True when this call started it."""
+    if ray.is_initialized():
+        return False
+    address = cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    # Embedded local Ray, sized so the requested workers fit even on a small laptop.
+    num_cpus = max(os.cpu_count() or 1, cluster.workers)
+    logger.info("starting an embedded local Ray with %d CPU slots", num_cpus)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             configure_logging=False, log_to_driver=True)
+    return True

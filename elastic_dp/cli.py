@@ -1,0 +1,86 @@
+"""The ``elastic-dp`` command.
+
+    elastic-dp train JOB --workers N --steps S [--global-batch B] [--micro-batch M]
+        [--seed X] [--device auto|cpu|cuda] [--checkpoint-dir DIR --checkpoint-every K]
+        [--resume] [--out DIR]
+
+JOB is an importable module that defines ``TASK`` (e.g. ``jobs.gpt``); its defaults
+apply to every flag not given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from .api import Trainer
+from .config import CheckpointConfig, ClusterConfig
+from .errors import ElasticDPError
+from .task import load_task
+
+logger = logging.getLogger("elastic_dp.cli")
+
+# flag -> TrainConfig field; absent flags keep the job's defaults
+_TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": int,
+                "warmup_steps": int, "lr_reference_batch": int, "clip_grad_norm": float,
+                "precision": str, "bucket_mb": float}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastic-dp", description="Elastic data-parallel training on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a job's task on Ray worker actors")
+    train.add_argument("job", help="job module that defines TASK, e.g. jobs.gpt")
+    train.add_argument("--workers", type=int, default=2, help="worker actors (default 2)")
+    for name, kind in _TRAIN_FLAGS.items():
+        extra = {"choices": ["fp32", "bf16"]} if name == "precision" else {}
+        train.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                           help=f"override the job's {name}", **extra)
+    train.add_argument("--no-reduce-fp32", dest="reduce_fp32", action="store_false", default=None,
+                       help="reduce bf16 gradients in bf16 instead of fp32")
+    train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    train.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or embedded local Ray)")
+    train.add_argument("--placement-timeout", type=float, default=60.0, help="seconds to wait for worker slots")
+    train.add_argument("--step-timeout", type=float, default=600.0, help="deadline of one step, seconds")
+    train.add_argument("--collective-timeout", type=float, default=300.0, help="timeout of one collective, seconds")
+    train.add_argument("--checkpoint-dir", default=None)
+    train.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
+    train.add_argument("--checkpoint-keep", type=int, default=3)
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument("--out", default=None, help="write initial/final weights, metrics.jsonl, events.jsonl here")
+    train.add_argument("--progress", dest="progress", action="store_true", default=None,
+                       help="force the progress bar (default: when stderr is a terminal)")
+    train.add_argument("--no-progress", dest="progress", action="store_false")
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    task = load_task(args.job)
+    overrides = {name: getattr(args, name) for name in [*_TRAIN_FLAGS, "reduce_fp32"]
+                 if getattr(args, name) is not None}
+    train = dataclasses.replace(task.defaults, **overrides)
+    cluster = ClusterConfig(workers=args.workers, device=args.device, address=args.address,
+                            placement_timeout_s=args.placement_timeout, step_timeout_s=args.step_timeout,
+                            collective_timeout_s=args.collective_timeout)
+    checkpoint = CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
+                                  resume=args.resume, keep=args.checkpoint_keep)
+    summary = Trainer(task, train=train, cluster=cluster, checkpoint=checkpoint,
+                      out_dir=args.out, progress=args.progress).fit()
+    print(summary.render())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _train(args)
+    except ElasticDPError as exc:
+        print(f"elastic-dp: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Plain records that cross between the coordinator and the workers (no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One worker's report of one step."""
+
+    step: int
+    rank: int
+    generation: int
+    committed: bool
+    """True when the update was applied: every rank's collectives completed and no rank
+    recorded an error (the commit vote)."""
+    loss_sum: float = 0.0
+    """Sum over this worker's samples of the per-sample mean loss."""
+    samples: int = 0
+    grad_norm: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """What a worker reports after building its task."""
+
+    rank_hint: int
+    node_ip: str
+    device: str
+    dataset_len: int
+    num_params: int
+    param_bytes: int

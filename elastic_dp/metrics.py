@@ -1,0 +1,126 @@
+"""Run output: metrics.jsonl, events.jsonl, initial/final weights, progress and summary.
+
+With an output directory ``DIR`` a run writes::
+
+    DIR/initial.safetensors   model state before the first step of this run
+    DIR/final.safetensors     model state after the last step
+    DIR/metrics.jsonl         one line per committed step: step, loss, samples,
+                              step_s, world_size, generation (and worker timings)
+    DIR/events.jsonl          membership and checkpoint events, timestamped
+
+Progress is a tqdm bar when stderr is a terminal, otherwise a log line every few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import save_tensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """What a finished run reports."""
+
+    steps: int = 0
+    samples: int = 0
+    seconds: float = 0.0
+    final_loss: float | None = None
+    first_loss: float | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    out_dir: str | None = None
+    sample: str | None = None
+    """The task's sample (e.g. generated text) after the last step, if it has one."""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    def render(self) -> str:
+        lines = ["elastic_dp run summary",
+                 f"  steps        {self.steps}",
+                 f"  samples      {self.samples}  ({self.samples_per_s:.1f} samples/s over {self.seconds:.1f} s)"]
+        if self.final_loss is not None:
+            lines.append(f"  loss         {self.first_loss:.4f} (first step) -> {self.final_loss:.4f} (last step)")
+        lines.append(f"  events       {len(self.events)}")
+        for e in self.events:
+            detail = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "kind"))
+            lines.append(f"    - {e['kind']}: {detail}")
+        if self.out_dir:
+            lines.append(f"  output       {self.out_dir}")
+        if self.sample:
+            lines.append("  sample       " + self.sample.replace("\n", "\n               "))
+        return "\n".join(lines)
+
+
+class RunRecorder:
+    """Writes a run's metrics and events and shows its progress."""
+
+    def __init__(self, out_dir: str | None, *, total_steps: int, progress: bool | None = None) -> None:
+        self.out = Path(out_dir) if out_dir else None
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "metrics.jsonl").write_text("")
+            (self.out / "events.jsonl").write_text("")
+        self.summary = RunSummary(out_dir=str(self.out) if self.out else None)
+        self.total_steps = total_steps
+        self._t0 = time.perf_counter()
+        show_bar = sys.stderr.isatty() if progress is None else progress
+        self._bar = None
+        if show_bar:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+        self._log_every = max(1, total_steps // 20)
+
+    def _append(self, name: str, record: dict[str, Any]) -> None:
+        if self.out is not None:
+            with open(self.out / name, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def start(self, first_step: int) -> None:
+        self._t0 = time.perf_counter()
+        if self._bar is not None:
+            self._bar.n = first_step
+            self._bar.refresh()
+
+    def event(self, kind: str, **fields: Any) -> None:
+        record = {"time": time.time(), "kind": kind, **fields}
+        self.summary.events.append(record)
+        self._append("events.jsonl", record)
+        logger.info("event %s: %s", kind, {k: v for k, v in fields.items()})
+
+    def step(self, *, step: int, loss: float, samples: int, step_s: float, world_size: int,
+             generation: int, timings: dict[str, float] | None = None) -> None:
+        record = {"step": step, "loss": loss, "samples": samples, "step_s": step_s,
+                  "world_size": world_size, "generation": generation, **(timings or {})}
+        self._append("metrics.jsonl", record)
+        s = self.summary
+        s.steps += 1
+        s.samples += samples
+        s.first_loss = loss if s.first_loss is None else s.first_loss
+        s.final_loss = loss
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4f}", workers=world_size, gen=generation)
+        elif (step + 1) % self._log_every == 0 or step + 1 == self.total_steps:
+            logger.info("gen %d step %d/%d: loss %.4f, %.3f s/step, %d workers",
+                        generation, step + 1, self.total_steps, loss, step_s, world_size)
+
+    def weights(self, name: str, state: dict) -> None:
+        """Write ``state`` (a model state dict) as ``<out>/<name>.safetensors``."""
+        if self.out is not None:
+            save_tensors(self.out / f"{name}.safetensors", state)
+
+    def finish(self) -> RunSummary:
+        if self._bar is not None:
+            self._bar.close()
+        self.summary.seconds = time.perf_counter() - self._t0
+        return self.summary

@@ -1,0 +1,149 @@
+"""Bucketed gradient all-reduce, launched from backward hooks.
+
+Parameters are packed, in reverse registration order (roughly the order backward
+produces their gradients), into buckets of about ``bucket_bytes``. During the last
+micro-batch's backward, each parameter's post-accumulate-grad hook marks it ready; when a
+bucket is complete its gradients are copied into the bucket's flat buffer and an
+asynchronous SUM all-reduce starts, while backward carries on with earlier layers.
+
+Buckets are launched strictly in index order, on every rank: collectives are matched by
+their order, so a bucket that is ready early waits for its predecessors. ``finish()``
+launches whatever backward did not (unused parameters count as zero gradients), waits,
+and writes the reduced gradients back into ``param.grad``.
+
+The caller scales each micro-batch's loss so that local gradients are the sum of the
+per-sample gradients divided by the global batch; the SUM over ranks then gives the
+global-batch gradient exactly (DESIGN invariant 2), with no division by the world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .collective import CollectiveGroup
+
+
+@dataclass(slots=True)
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor
+    pending: int = 0
+    ready: bool = False
+    work: object | None = None
+    seen: set[int] = field(default_factory=set)
+
+
+class GradientReducer:
+    """All-reduces gradients in buckets overlapped with backward."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group: CollectiveGroup, *,
+                 bucket_bytes: int, reduce_fp32: bool) -> None:
+        self.group = group
+        self.buckets = _make_buckets([p for p in params if p.requires_grad], bucket_bytes, reduce_fp32)
+        self._bucket_of: dict[int, int] = {}
+        for b, bucket in enumerate(self.buckets):
+            for p in bucket.params:
+                self._bucket_of[id(p)] = b
+        self._armed = False
+        self._next = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for bucket in self.buckets for p in bucket.params]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    def arm(self) -> None:
+        """Reduce during the next backward (the last micro-batch of a step)."""
+        self._armed = True
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.pending, bucket.ready, bucket.work = len(bucket.params), False, None
+            bucket.seen.clear()
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return
+        bucket = self.buckets[self._bucket_of[id(param)]]
+        if id(param) in bucket.seen:  # a parameter used twice fires once per use
+            return
+        bucket.seen.add(id(param))
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            bucket.ready = True
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].ready:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        for p, off in zip(bucket.params, bucket.offsets):
+            view = bucket.buffer[off:off + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+        bucket.work = self.group.all_reduce_async(bucket.buffer)
+
+    def finish(self) -> None:
+        """Launch the buckets backward did not, wait for all, write gradients back."""
+        for bucket in self.buckets[self._next:]:
+            bucket.ready = True
+        self._launch_ready()
+        self._armed = False
+        for bucket in self.buckets:
+            bucket.work.wait()
+            for p, off in zip(bucket.params, bucket.offsets):
+                reduced = bucket.buffer[off:off + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = reduced.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(reduced)
+
+    def disarm(self) -> None:
+        """Forget a step that failed part-way; the next ``arm()`` starts clean."""
+        self._armed = False
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp32: bool) -> list[_Bucket]:
+    def buffer_dtype(p: torch.nn.Parameter) -> torch.dtype:
+        if reduce_fp32 and p.dtype in (torch.bfloat16, torch.float16):
+            return torch.float32
+        return p.dtype
+
+    buckets: list[_Bucket] = []
+    current: list[torch.nn.Parameter] = []
+    size = 0
+
+    def close() -> None:
+        nonlocal current, size
+        if not current:
+            return
+        dtype = buffer_dtype(current[0])
+        offsets, total = [], 0
+        for p in current:
+            offsets.append(total)
+            total += p.numel()
+        buffer = torch.zeros(total, dtype=dtype, device=current[0].device)
+        buckets.append(_Bucket(params=current, offsets=offsets, buffer=buffer))
+        current, size = [], 0
+
+    for p in reversed(params):
+        if current and (buffer_dtype(p) != buffer_dtype(current[0]) or p.device != current[0].device):
+            close()
+        current.append(p)
+        size += p.numel() * torch.empty((), dtype=buffer_dtype(p)).element_size()
+        if size >= bucket_bytes:
+            close()
+    close()
+    return buckets

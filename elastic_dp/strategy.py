@@ -1,0 +1,71 @@
+"""Data-parallel strategies: how gradients are reduced and the optimizer updates.
+
+A strategy is an object with one interface; the worker's step does not branch on which
+one it has. ``Replicated`` is ZeRO stage 0: every worker holds full parameters,
+gradients and optimizer state, and gradients are all-reduced in buckets overlapped with
+backward. Sharded stages implement the same interface.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .collective import CollectiveGroup
+from .config import TrainConfig
+from .reducer import GradientReducer
+
+
+class Strategy(Protocol):
+    """What the worker's step needs from a data-parallel strategy."""
+
+    def before_last_backward(self) -> None:
+        """Called before the backward of a step's last micro-batch."""
+
+    def reduce_gradients(self) -> None:
+        """Complete the step's gradient reduction; gradients are then global."""
+
+    def abandon(self) -> None:
+        """Forget a step that failed part-way."""
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the global gradient norm to ``max_norm``; return the norm before clipping."""
+
+    def optimizer_step(self) -> None:
+        """Apply the update (only after the step's commit vote passed)."""
+
+    def close(self) -> None:
+        """Remove hooks and buffers."""
+
+
+class Replicated:
+    """ZeRO stage 0: full replicas, bucketed all-reduce overlapped with backward."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 group: CollectiveGroup, config: TrainConfig) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer
+        self.reducer = GradientReducer(self.params, group,
+                                       bucket_bytes=int(config.bucket_mb * 2**20),
+                                       reduce_fp32=config.reduce_fp32)
+
+    def before_last_backward(self) -> None:
+        self.reducer.arm()
+
+    def reduce_gradients(self) -> None:
+        self.reducer.finish()
+
+    def abandon(self) -> None:
+        self.reducer.disarm()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        # Gradients are identical on every rank after the all-reduce, so the local norm
+        # is the global norm and no further communication is needed.
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def close(self) -> None:
+        self.reducer.remove()

@@ -1,0 +1,62 @@
+"""The task: plain PyTorch pieces that say what to train. No base class to inherit.
+
+A job module exposes one ``Task`` as ``TASK`` so that the CLI, a Ray job entrypoint,
+the tests and a reference loop all build the same model, dataset and optimizer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from .config import TrainConfig
+from .errors import TaskError
+
+
+@dataclass(kw_only=True)
+class Task:
+    """Factories and the loss of a training job, plus its default hyper-parameters.
+
+    The factories run inside every worker (and in reference loops); they must be
+    importable functions or picklable callables.
+    """
+
+    model: Callable[[], torch.nn.Module]
+    """Builds the model. Called after ``torch.manual_seed(seed)`` on every worker."""
+    dataset: Callable[[], Dataset]
+    """Builds a map-style dataset (``__len__`` and ``__getitem__``)."""
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    """``loss(model, batch)`` returns the *mean* loss over the samples of ``batch`` as a
+    scalar tensor. elastic_dp multiplies it by the batch's sample count and divides by
+    the global batch, so gradients are per-sample sums over the global batch divided by
+    ``B`` whatever the worker count."""
+    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]
+    """Builds the optimizer over the model's parameters (param groups allowed). The
+    learning rates it sets are the base rates that warmup and linear scaling multiply."""
+    collate: Callable[[list], Any] = default_collate
+    """Turns a list of samples into a batch (default: torch's ``default_collate``)."""
+    defaults: TrainConfig = field(default_factory=TrainConfig)
+    """Default hyper-parameters of the job; the CLI and the API override them."""
+    sample: Callable[[torch.nn.Module], str] | None = None
+    """Optional: a short text showing what the trained model does (the GPT job generates
+    text). Run on rank 0 after the last step; shown in the run summary."""
+
+
+def load_task(job: str) -> Task:
+    """Import job module ``job`` and return its ``TASK``."""
+    try:
+        module = importlib.import_module(job)
+    except ModuleNotFoundError as exc:
+        if exc.name and job.startswith(exc.name):
+            raise TaskError(f"no job module named {job!r}: pass an importable module that "
+                            "defines TASK, such as jobs.gpt") from None
+        raise
+    task = getattr(module, "TASK", None)
+    if not isinstance(task, Task):
+        raise TaskError(f"job module {job!r} has no TASK of type elastic_dp.Task: define "
+                        "TASK = Task(model=..., dataset=..., loss=..., optimizer=...) in it")
+    return task

@@ -1,0 +1,138 @@
+"""The worker: one model replica, its data, its optimizer, and the step.
+
+``Replica`` holds the data-plane logic and knows nothing of Ray; ``WorkerActor`` wraps
+it as a threaded Ray actor (``max_concurrency=2``) so that a control call can reach the
+worker while its training thread is blocked in a collective.
+
+A step records errors instead of raising them: a worker whose forward failed still takes
+part in the step's collectives (with zero gradients), then every rank votes; the update
+is applied only when every vote is clean (record, gate, commit). No rank is left waiting
+in a collective because a peer raised, and no worker exposes a half-applied step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+
+from .collective import CollectiveGroup
+from .config import TrainConfig
+from .data import micro_batches
+from .errors import ElasticDPError, TaskError, WorkerError
+from .messages import StepResult, WorkerInfo
+from .strategy import Replicated, Strategy
+from .task import Task
+
+logger = logging.getLogger(__name__)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _portable(exc: BaseException, rank: int, step: int) -> BaseException:
+    """An exception that pickles across the actor boundary and keeps the cause's text."""
+    if isinstance(exc, ElasticDPError):
+        return exc
+    text = "".join(traceback.format_exception(exc)).rstrip()
+    return WorkerError(f"worker rank {rank} failed at step {step}: {type(exc).__name__}: {exc}\n{text}",
+                       rank=rank, step=step)
+
+
+class Replica:
+    """A model replica and its synchronous data-parallel step."""
+
+    def __init__(self, task: Task, config: TrainConfig, device: torch.device,
+                 group: CollectiveGroup) -> None:
+        self.task, self.config, self.device, self.group = task, config, device, group
+        torch.manual_seed(config.seed)
+        self.model = task.model().to(device)
+        self.dataset = task.dataset()
+        self.optimizer = task.optimizer(self.model)
+        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.strategy: Strategy = Replicated(self.model, self.optimizer, group, config)
+
+    def info(self, rank_hint: int, node_ip: str) -> WorkerInfo:
+        params = list(self.model.parameters())
+        return WorkerInfo(rank_hint=rank_hint, node_ip=node_ip, device=str(self.device),
+                          dataset_len=len(self.dataset), num_params=sum(p.numel() for p in params),
+                          param_bytes=sum(p.numel() * p.element_size() for p in params))
+
+    # -- state ---------------------------------------------------------------------------
+    def broadcast_state(self, src: int) -> None:
+        """Make this replica's parameters, buffers and optimizer state equal rank ``src``'s."""
+        for t in self.model.state_dict().values():
+            self.group.broadcast(t, src)
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    self.group.broadcast(v, src)
+
+    # -- the step ------------------------------------------------------------------------
+    def _forward_backward(self, indices: np.ndarray, result: StepResult) -> None:
+        chunks = micro_batches(indices, self.config.micro_batch)
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                  enabled=self.config.precision == "bf16")
+        for i, chunk in enumerate(chunks):
+            batch = _to_device(self.task.collate([self.dataset[int(j)] for j in chunk]), self.device)
+            with autocast:
+                loss = self.task.loss(self.model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise TaskError(f"the task's loss returned {shape}, expected a scalar floating-point "
+                                "tensor: return the mean loss over the batch (e.g. .mean())")
+            if i == len(chunks) - 1:
+                self.strategy.before_last_backward()
+            (loss.reshape(()) * (len(chunk) / self.config.global_batch)).backward()
+            result.loss_sum += float(loss.detach()) * len(chunk)
+            result.samples += len(chunk)
+
+    def step(self, step: int, indices: np.ndarray) -> StepResult:
+        """Train one step on this worker's slice ``indices`` of the global batch."""
+        result = StepResult(step=step, rank=self.group.rank, generation=self.group.generation,
+                            committed=False)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        local_error: BaseException | None = None
+        try:
+            self._forward_backward(indices, result)
+        except Exception as exc:  # recorded; the vote below tells every rank
+            local_error = exc
+        t1 = time.perf_counter()
+        try:
+            if local_error is not None:
+                self.strategy.before_last_backward()  # keep collectives in lockstep
+            self.strategy.reduce_gradients()
+            vote = torch.tensor([0.0 if local_error is None else 1.0], device=self.device)
+            self.group.all_reduce(vote)
+        except Exception as exc:  # the group itself failed: no vote is possible
+            self.strategy.abandon()
+            result.error = _portable(local_error or exc, result.rank, step)
+            return result
+        t2 = time.perf_counter()
+        if local_error is not None or vote.item() > 0:
+            result.error = _portable(local_error, result.rank, step) if local_error else None
+            self.optimizer.zero_grad(set_to_none=True)
+            return result
+        if self.config.clip_grad_norm is not None:
+            result.grad_norm = self.strategy.clip_grad_norm(self.config.clip_grad_norm)
+        factor = self.config.lr_factor(step)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+        self.strategy.optimizer_step()
+        t3 = time.perf_counter()
+        result.committed = True
+        result.timings = {"compute_s": t1 - t0, "reduce_wait_s": t2 - t1, "optimizer_s": t3 - t2}
+        return result
