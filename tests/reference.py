@@ -1,0 +1,42 @@
+"""Trusted references: plain single-process PyTorch replaying the sampler's batches.
+
+Written independently of elastic_dp's worker: one full-batch forward per step, no
+micro-batches, no collectives. Only the sampler (whose rule is documented in
+elastic_dp.data) and the learning-rate rule of TrainConfig are shared.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from elastic_dp import ElasticSampler, Task, TrainConfig
+
+
+def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None = None) -> dict[str, torch.Tensor]:
+    """Train from the weights in ``initial`` and return the final state dict."""
+    torch.manual_seed(config.seed)
+    model = task.model()
+    model.load_state_dict(load_file(initial))
+    dataset = task.dataset()
+    optimizer = task.optimizer(model)
+    base = [g["lr"] for g in optimizer.param_groups]
+    sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.precision == "bf16")
+    for step in range(config.steps if steps is None else steps):
+        batch = task.collate([dataset[int(i)] for i in sampler.batch(step)])
+        optimizer.zero_grad()
+        with autocast:
+            loss = task.loss(model, batch)
+        loss.backward()
+        if config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
+        for group, lr in zip(optimizer.param_groups, base):
+            group["lr"] = lr * config.lr_factor(step)
+        optimizer.step()
+    return model.state_dict()
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)

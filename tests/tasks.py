@@ -1,0 +1,73 @@
+"""Small tasks for the tests: fast on one CPU thread, deterministic, importable by workers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from elastic_dp import Task, TrainConfig
+from jobs import gpt
+
+
+class Regression(Dataset):
+    """``n`` samples of a fixed random non-linear regression problem."""
+
+    def __init__(self, n: int = 96, dim: int = 8) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.sin(self.x @ torch.randn(dim, 1, generator=g)) + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def mse(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def sgd_two_groups(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum; the first layer gets its own learning rate and weight decay."""
+    first = list(model[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    return torch.optim.SGD([{"params": first, "lr": 0.05, "weight_decay": 1e-3},
+                            {"params": rest}], lr=0.1, momentum=0.9)
+
+
+MLP_TASK = Task(model=mlp, dataset=Regression, loss=mse, optimizer=sgd_two_groups,
+                defaults=TrainConfig(steps=8, global_batch=10, micro_batch=2, seed=3))
+
+
+def tiny_gpt() -> nn.Module:
+    return gpt.GPT(context=16, dim=32, layers=2, heads=2)
+
+
+def tiny_corpus() -> Dataset:
+    return gpt.ByteWindows(gpt.corpus(40_000), context=16)
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+TINY_GPT_TASK = Task(model=tiny_gpt, dataset=tiny_corpus, loss=gpt.loss, optimizer=adamw,
+                     defaults=TrainConfig(steps=6, global_batch=12, micro_batch=4, seed=5,
+                                          warmup_steps=2, clip_grad_norm=1.0))
+
+
+def vector_loss(model: nn.Module, batch) -> torch.Tensor:
+    """A broken loss: per-sample values instead of a scalar."""
+    x, y = batch
+    return ((model(x) - y) ** 2).squeeze(-1)
+
+
+BAD_LOSS_TASK = Task(model=mlp, dataset=Regression, loss=vector_loss, optimizer=sgd_two_groups,
+                     defaults=TrainConfig(steps=2, global_batch=8))
