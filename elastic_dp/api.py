@@ -16,7 +16,7 @@ import os
 
 import ray
 
-from .config import CheckpointConfig, ClusterConfig, TrainConfig
+from .config import CheckpointConfig, ClusterConfig, TrainConfig, check_batch_fits
 from .coordinator import Coordinator
 from .metrics import RunRecorder, RunSummary
 from .task import Task
@@ -35,6 +35,7 @@ class Trainer:
         self.cluster = cluster or ClusterConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
         self.out_dir = out_dir
+        check_batch_fits(self.train, self.cluster)
         self.progress = progress
 
     def fit(self) -> RunSummary:

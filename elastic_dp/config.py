@@ -117,3 +117,10 @@ class CheckpointConfig:
         _require(self.keep >= 1, f"checkpoint keep must be >= 1, got {self.keep} (--checkpoint-keep)")
         _require(not self.resume or self.dir is not None,
                  "resume needs a checkpoint directory: pass --checkpoint-dir DIR with --resume")
+
+
+def check_batch_fits(train: TrainConfig, cluster: ClusterConfig) -> None:
+    """Every worker needs at least one sample of each global batch."""
+    _require(train.global_batch >= cluster.workers,
+             f"global batch {train.global_batch} is smaller than the {cluster.workers} workers: "
+             "raise --global-batch or lower --workers")

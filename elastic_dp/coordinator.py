@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from .actor import remote_worker_class
 from .checkpoint import CheckpointStore, TrainingState
-from .config import CheckpointConfig, ClusterConfig, TrainConfig
+from .config import CheckpointConfig, ClusterConfig, TrainConfig, check_batch_fits
 from .data import ElasticSampler, split
-from .errors import CheckpointError, ConfigError, TaskError, WorkerError
+from .errors import CheckpointError, TaskError, WorkerError
 from .messages import StepResult
 from .metrics import RunRecorder, RunSummary
 from .placement import Placement, place, resolve_device
@@ -64,9 +64,7 @@ class Coordinator:
 
     def __init__(self, task: Task, train: TrainConfig, cluster: ClusterConfig,
                  checkpoint: CheckpointConfig, recorder: RunRecorder) -> None:
-        if train.global_batch < cluster.workers:
-            raise ConfigError(f"global batch {train.global_batch} is smaller than the {cluster.workers} "
-                              "workers: raise --global-batch or lower --workers")
+        check_batch_fits(train, cluster)
         self.task, self.train, self.cluster, self.ckpt_cfg = task, train, cluster, checkpoint
         self.recorder = recorder
         self.state = RunState.INITIALIZING
@@ -95,14 +93,29 @@ class Coordinator:
             self._teardown()
 
     def _prepare(self) -> None:
+        resume: TrainingState | None = None
         if self.ckpt is not None:
             self.ckpt.check_writable()
-            resume_from = self.ckpt.latest() if self.ckpt_cfg.resume else None
-            if self.ckpt_cfg.resume and resume_from is None:
-                self.ckpt.load()  # raises the clear "no checkpoint to resume from" error
+            if self.ckpt_cfg.resume:  # verified before anything starts or is written
+                resume = self.ckpt.load()
+                self._check_sampler(resume.sampler, dataset_len=False)
         self._to(RunState.PLACING)
         device = resolve_device(self.cluster.device)
         self.placement = place(self.cluster.workers, device, timeout_s=self.cluster.placement_timeout_s)
+        workers = self._spawn(device)
+        if resume is not None:
+            self._check_sampler(resume.sampler)
+        self._to(RunState.FORMING)
+        self._form(workers)
+        self._to(RunState.RESTORING)
+        if resume is not None:
+            self._restore(resume)
+        else:
+            ray.get([w.broadcast_state.remote(0) for w in self.members.workers])
+        self.recorder.weights("initial", ray.get(self.members.workers[0].model_state.remote()))
+
+    def _spawn(self, device: str) -> list:
+        """Start one worker actor per placement bundle and build the task on each."""
         actor_cls = remote_worker_class()
         gpu = 1 if device == "cuda" else 0
         workers = [actor_cls.options(num_cpus=1, num_gpus=gpu, scheduling_strategy=self.placement.strategy(i))
@@ -118,14 +131,7 @@ class Coordinator:
         logger.info("%d workers on %s; model has %d parameters; dataset has %d samples, %d steps per epoch",
                     len(workers), device, infos[0].num_params, self.sampler.dataset_len,
                     self.sampler.steps_per_epoch)
-        self._to(RunState.FORMING)
-        self._form(workers)
-        self._to(RunState.RESTORING)
-        if self.ckpt_cfg.resume:
-            self._restore()
-        else:
-            ray.get([w.broadcast_state.remote(0) for w in self.members.workers])
-        self.recorder.weights("initial", ray.get(self.members.workers[0].model_state.remote()))
+        return workers
 
     def _form(self, workers: list) -> None:
         """Form the next generation's collective group over ``workers`` (ranks in list order)."""
@@ -145,15 +151,20 @@ class Coordinator:
         return {"seed": self.sampler.seed, "global_batch": self.sampler.global_batch,
                 "dataset_len": self.sampler.dataset_len}
 
-    def _restore(self) -> None:
-        start = time.perf_counter()
-        state: TrainingState = self.ckpt.load()
-        saved, ours = state.sampler, self._sampler_state()
-        for key, flag in (("global_batch", "--global-batch"), ("seed", "--seed"), ("dataset_len", None)):
-            if saved[key] != ours[key]:
-                fix = f"resume with {flag} {saved[key]}" if flag else "resume with the dataset it was saved with"
+    def _check_sampler(self, saved: dict[str, int], *, dataset_len: bool = True) -> None:
+        ours = {"global_batch": self.train.global_batch, "seed": self.train.seed}
+        if dataset_len:
+            ours["dataset_len"] = self.sampler.dataset_len
+        flags = {"global_batch": "--global-batch", "seed": "--seed"}
+        for key, value in ours.items():
+            if saved[key] != value:
+                fix = (f"resume with {flags[key]} {saved[key]}" if key in flags
+                       else "resume with the dataset it was saved with")
                 raise CheckpointError(f"the checkpoint was saved with {key}={saved[key]}, this run has "
-                                      f"{ours[key]}: {fix} (a run's sample order depends on it)")
+                                      f"{value}: {fix} (a run's sample order depends on it)")
+
+    def _restore(self, state: TrainingState) -> None:
+        start = time.perf_counter()
         ref = ray.put(state)
         ray.get([w.load_state.remote(ref) for w in self.members.workers])
         self.step = state.step

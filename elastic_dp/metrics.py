@@ -66,10 +66,7 @@ class RunRecorder:
 
     def __init__(self, out_dir: str | None, *, total_steps: int, progress: bool | None = None) -> None:
         self.out = Path(out_dir) if out_dir else None
-        if self.out is not None:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "metrics.jsonl").write_text("")
-            (self.out / "events.jsonl").write_text("")
+        self._opened = False  # the output directory is touched only once there is output
         self.summary = RunSummary(out_dir=str(self.out) if self.out else None)
         self.total_steps = total_steps
         self._t0 = time.perf_counter()
@@ -80,8 +77,16 @@ class RunRecorder:
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
         self._log_every = max(1, total_steps // 20)
 
+    def _open(self) -> bool:
+        if self.out is not None and not self._opened:
+            self.out.mkdir(parents=True, exist_ok=True)
+            for name in ("metrics.jsonl", "events.jsonl"):
+                (self.out / name).write_text("")
+            self._opened = True
+        return self.out is not None
+
     def _append(self, name: str, record: dict[str, Any]) -> None:
-        if self.out is not None:
+        if self._open():
             with open(self.out / name, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
@@ -116,7 +121,7 @@ class RunRecorder:
 
     def weights(self, name: str, state: dict) -> None:
         """Write ``state`` (a model state dict) as ``<out>/<name>.safetensors``."""
-        if self.out is not None:
+        if self._open():
             save_tensors(self.out / f"{name}.safetensors", state)
 
     def finish(self) -> RunSummary:

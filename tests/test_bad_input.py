@@ -1,0 +1,97 @@
+"""Bad input fails with a clear error naming what to change, and leaves nothing half-written."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from elastic_dp import (CheckpointConfig, CheckpointError, ClusterConfig, ConfigError, PlacementError,
+                        TaskError, Trainer, TrainConfig, load_task)
+from tests.tasks import BAD_LOSS_TASK, MLP_TASK
+
+
+def _trainer(task=MLP_TASK, *, workers=2, out=None, **kw):
+    train = dataclasses.replace(task.defaults, **kw.pop("train", {}))
+    return Trainer(task, train=train, cluster=ClusterConfig(workers=workers, **kw.pop("cluster", {})),
+                   checkpoint=CheckpointConfig(**kw.pop("checkpoint", {})),
+                   out_dir=str(out) if out else None, progress=False)
+
+
+def test_unknown_job_module_is_named():
+    with pytest.raises(TaskError, match=r"no job module named 'jobs\.nope'.*jobs\.gpt"):
+        load_task("jobs.nope")
+    with pytest.raises(TaskError, match="has no TASK"):
+        load_task("json")
+
+
+def test_cli_reports_unknown_job_and_exits_2():
+    proc = subprocess.run([sys.executable, "-m", "elastic_dp.cli", "train", "jobs.nope"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "no job module named 'jobs.nope'" in proc.stderr
+
+
+@pytest.mark.parametrize("batch", [0, -4])
+def test_non_positive_global_batch(batch):
+    with pytest.raises(ConfigError, match="--global-batch"):
+        TrainConfig(global_batch=batch)
+
+
+def test_global_batch_smaller_than_worker_count(tmp_path):
+    with pytest.raises(ConfigError, match="smaller than the 3 workers.*--global-batch"):
+        _trainer(workers=3, train={"global_batch": 2}, out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_dataset_shorter_than_one_global_batch(ray_cluster, tmp_path):
+    with pytest.raises(ConfigError, match="96 samples, fewer than one global batch of 200"):
+        _trainer(train={"global_batch": 200}, out=tmp_path / "out").fit()
+    assert not (tmp_path / "out").exists()
+
+
+def test_more_workers_than_the_cluster_can_place(ray_cluster):
+    with pytest.raises(PlacementError, match=r"could not place 9 workers .* 4 in all.*--workers"):
+        _trainer(workers=9, train={"global_batch": 9}, cluster={"placement_timeout_s": 2}).fit()
+
+
+def test_unwritable_checkpoint_dir(ray_cluster, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CheckpointError, match="not writable.*--checkpoint-dir"):
+        _trainer(checkpoint={"dir": str(blocker / "ckpt")}).fit()
+
+
+def test_resume_without_checkpoint(ray_cluster, tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint to resume from.*--resume"):
+        _trainer(checkpoint={"dir": str(tmp_path / "empty"), "resume": True}).fit()
+    with pytest.raises(ConfigError, match="--checkpoint-dir"):
+        CheckpointConfig(resume=True)
+
+
+def test_resume_from_corrupted_checkpoint(ray_cluster, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _trainer(workers=1, train={"steps": 2}, checkpoint={"dir": str(ckpt)}).fit()
+    model_file = ckpt / "step-00000002" / "model.safetensors"
+    data = bytearray(model_file.read_bytes())
+    data[-3] ^= 0xFF
+    model_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*does not match its sha256"):
+        _trainer(train={"steps": 4}, checkpoint={"dir": str(ckpt), "resume": True}, out=tmp_path / "out").fit()
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_with_another_global_batch(ray_cluster, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _trainer(workers=1, train={"steps": 1}, checkpoint={"dir": str(ckpt)}).fit()
+    with pytest.raises(CheckpointError, match="global_batch=10.*--global-batch 10"):
+        _trainer(train={"steps": 2, "global_batch": 12}, checkpoint={"dir": str(ckpt), "resume": True}).fit()
+
+
+def test_loss_that_is_not_a_scalar(ray_cluster, tmp_path):
+    with pytest.raises(TaskError, match=r"loss returned \(4,\), expected a scalar"):
+        _trainer(BAD_LOSS_TASK, checkpoint={"dir": str(tmp_path / "ckpt")}, out=tmp_path / "out").fit()
+    assert list((tmp_path / "ckpt").iterdir()) == []
+    assert not (tmp_path / "out" / "final.safetensors").exists()

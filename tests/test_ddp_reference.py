@@ -1,0 +1,62 @@
+"""elastic_dp at N=2 reaches the parameters that torch DDP reaches on the same batches.
+
+DDP runs in two plain processes (torch.multiprocessing, gloo, a FileStore), each on the
+same contiguous half of every global batch that elastic_dp gives its rank. DDP averages
+gradients over ranks; with equal halves that equals elastic_dp's sum over the global
+batch divided by B, so the two agree up to float32 reduction order (tolerance as in
+test_sync_equivalence).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from elastic_dp import ClusterConfig, ElasticSampler, Trainer
+from tests.reference import max_abs_diff
+from tests.tasks import TINY_GPT_TASK
+
+TOL = 2e-5
+WORLD = 2
+
+
+def _ddp_rank(rank: int, store_path: str, initial: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    task, config = TINY_GPT_TASK, TINY_GPT_TASK.defaults
+    model = task.model()
+    model.load_state_dict(load_file(initial))
+    ddp = DDP(model)
+    dataset = task.dataset()
+    optimizer = task.optimizer(model)
+    base = [g["lr"] for g in optimizer.param_groups]
+    sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
+    for step in range(config.steps):
+        mine = np.array_split(sampler.batch(step), WORLD)[rank]
+        optimizer.zero_grad()
+        task.loss(ddp, task.collate([dataset[int(i)] for i in mine])).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
+        for group, lr in zip(optimizer.param_groups, base):
+            group["lr"] = lr * config.lr_factor(step)
+        optimizer.step()
+    if rank == 0:
+        save_file({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+    dist.destroy_process_group()
+
+
+def test_two_workers_match_torch_ddp(ray_cluster, tmp_path):
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, micro_batch=None)
+    Trainer(TINY_GPT_TASK, train=config, cluster=ClusterConfig(workers=WORLD), out_dir=str(tmp_path),
+            progress=False).fit()
+    ddp_out = str(tmp_path / "ddp.safetensors")
+    mp.start_processes(_ddp_rank, args=(str(tmp_path / "store"), str(tmp_path / "initial.safetensors"), ddp_out),
+                       nprocs=WORLD, start_method="spawn")
+    ours, theirs = load_file(tmp_path / "final.safetensors"), load_file(ddp_out)
+    assert max_abs_diff(ours, load_file(tmp_path / "initial.safetensors")) > 1e-3
+    assert max_abs_diff(ours, theirs) < TOL
