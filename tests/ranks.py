@@ -1,0 +1,30 @@
+"""Run a function on several gloo ranks as threads of this process (no Ray)."""
+
+from __future__ import annotations
+
+import datetime
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+import torch.distributed as dist
+
+from elastic_dp.collective import CollectiveGroup
+
+T = TypeVar("T")
+
+
+def run_ranks(world: int, fn: Callable[[CollectiveGroup], T], *, generation: int = 0) -> list[T]:
+    """Call ``fn(group)`` on ``world`` ranks at once; return the results in rank order."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+
+    def rank_main(rank: int) -> T:
+        group = CollectiveGroup(backend="gloo", timeout_s=30)
+        group.configure("127.0.0.1", store.port, generation=generation, rank=rank, world_size=world)
+        try:
+            return fn(group)
+        finally:
+            group.destroy()
+
+    with ThreadPoolExecutor(world) as pool:
+        return list(pool.map(rank_main, range(world)))

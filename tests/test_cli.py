@@ -1,0 +1,40 @@
+"""The main job end to end, in the form a Ray job entrypoint uses (``python -m jobs.gpt``),
+on an embedded local Ray that the command starts and stops itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from jobs.gpt import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpt_job_writes_weights_metrics_events_and_summary(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.gpt", "--workers", "2", "--steps", "6", "--global-batch", "8",
+         "--micro-batch", "2", "--out", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3",
+         "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "elastic_dp run summary" in proc.stdout and "sample" in proc.stdout
+
+    keys = set(build_model().state_dict())
+    for name in ("initial", "final"):
+        assert set(load_file(out / f"{name}.safetensors")) == keys
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(6))
+    assert all(m["world_size"] == 2 and m["generation"] == 0 and m["samples"] == 8 for m in metrics)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in events] == ["group_formed", "checkpoint_saved", "checkpoint_saved"]
+    assert all(isinstance(e["time"], float) for e in events)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000003", "step-00000006"]

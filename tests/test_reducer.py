@@ -1,0 +1,79 @@
+"""The bucketed all-reduce and the commit vote, on gloo ranks run as threads (no Ray)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from elastic_dp import TaskError, TrainConfig
+from elastic_dp.reducer import GradientReducer
+from elastic_dp.task import Task
+from elastic_dp.worker import Replica
+from tests.ranks import run_ranks
+from tests.tasks import Regression, mlp, mse, sgd_two_groups
+
+
+class PartlyUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.unused, self.b = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 100, 10**6])
+def test_bucketed_gradients_equal_the_sum_over_ranks(bucket_bytes):
+    torch.manual_seed(0)
+    initial = PartlyUsed().state_dict()  # built once: the ranks are threads sharing one RNG
+
+    def rank_fn(group):
+        model = PartlyUsed()
+        model.load_state_dict(initial)
+        reducer = GradientReducer(list(model.parameters()), group, bucket_bytes=bucket_bytes, reduce_fp32=True)
+        x = torch.full((3, 6), float(group.rank + 1))
+        reducer.arm()
+        model(x).sum().backward()
+        reducer.finish()
+        return len(reducer.buckets), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    results = run_ranks(3, rank_fn)
+    model = PartlyUsed()
+    model.load_state_dict(initial)
+    for rank in range(3):
+        model(torch.full((3, 6), float(rank + 1))).sum().backward()
+    for n, p in model.named_parameters():
+        expected = p.grad if p.grad is not None else torch.zeros_like(p)
+        for _, grads in results:
+            torch.testing.assert_close(grads[n], expected, rtol=1e-5, atol=1e-5)
+    assert results[0][0] == {1: 6, 100: 2, 10**6: 1}[bucket_bytes]
+
+
+def test_a_rank_whose_loss_fails_makes_every_rank_skip_the_update():
+    local = threading.local()  # the ranks are threads; each knows its own rank
+
+    def bad_on_rank_1(model, batch):
+        x, y = batch
+        if local.rank == 1:
+            return ((model(x) - y) ** 2).squeeze(-1)  # not a scalar, on rank 1 only
+        return mse(model, batch)
+
+    task = Task(model=mlp, dataset=Regression, loss=bad_on_rank_1, optimizer=sgd_two_groups)
+    config = TrainConfig(global_batch=8, micro_batch=2)
+
+    def rank_fn(group):
+        replica = Replica(task, config, torch.device("cpu"), group)
+        before = [p.detach().clone() for p in replica.model.parameters()]
+        local.rank = group.rank
+        result = replica.step(0, np.array_split(np.arange(8), 2)[group.rank])
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, replica.model.parameters()))
+        return result, unchanged
+
+    (r0, unchanged0), (r1, unchanged1) = run_ranks(2, rank_fn)
+    assert not r0.committed and not r1.committed
+    assert unchanged0 and unchanged1
+    assert r0.error is None and isinstance(r1.error, TaskError)
