@@ -81,16 +81,28 @@ class Coordinator:
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> RunSummary:
+        """Place, form, restore, train every remaining step, and tear down."""
         try:
-            self._prepare()
-            self._train()
+            self.start()
+            self.run_steps(self.train.steps - self.step)
+            self._finish()
             self._to(RunState.FINISHED)
             return self.recorder.finish()
         except BaseException:
             self._to(RunState.FAILED)
             raise
         finally:
-            self._teardown()
+            self.close()
+
+    def start(self) -> None:
+        """Place the workers, form generation 0 and restore state (checkpoint or rank 0)."""
+        self._prepare()
+        self._to(RunState.RUNNING)
+        self.recorder.start(self.step)
+
+    def close(self) -> None:
+        """Stop the workers and release the placement group."""
+        self._teardown()
 
     def _prepare(self) -> None:
         resume: TrainingState | None = None
@@ -172,14 +184,15 @@ class Coordinator:
                             world_size=self.members.world_size, load_s=round(time.perf_counter() - start, 4))
 
     # -- the step loop ---------------------------------------------------------------------
-    def _train(self) -> None:
-        self._to(RunState.RUNNING)
-        self.recorder.start(self.step)
-        while self.step < self.train.steps:
+    def run_steps(self, count: int) -> None:
+        """Run and commit the next ``count`` steps, saving checkpoints when due."""
+        for _ in range(count):
             self._run_step(self.step)
             self.step += 1
             if self.ckpt is not None and self.ckpt_cfg.every and self.step % self.ckpt_cfg.every == 0:
                 self._save_checkpoint()
+
+    def _finish(self) -> None:
         if self.ckpt is not None and (not self.ckpt_cfg.every or self.step % self.ckpt_cfg.every):
             self._save_checkpoint()
         rank0 = self.members.workers[0]

@@ -9,7 +9,13 @@ asynchronous SUM all-reduce starts, while backward carries on with earlier layer
 Buckets are launched strictly in index order, on every rank: collectives are matched by
 their order, so a bucket that is ready early waits for its predecessors. ``finish()``
 launches whatever backward did not (unused parameters count as zero gradients), waits,
-and writes the reduced gradients back into ``param.grad``.
+and leaves the reduced gradients in ``param.grad``.
+
+Where the bucket has the parameters' dtype, each ``param.grad`` *is* a view into the
+bucket's buffer (as DDP's ``gradient_as_bucket_view``): autograd accumulates into it in
+place, the all-reduce runs on it in place, and no gradient is copied. That is why
+gradients are zeroed by ``zero_grad()`` here and never set to None. Buckets reduced in
+fp32 for bf16 parameters copy in and out instead.
 
 The caller scales each micro-batch's loss so that local gradients are the sum of the
 per-sample gradients divided by the global batch; the SUM over ranks then gives the
@@ -28,8 +34,11 @@ from .collective import CollectiveGroup
 @dataclass(slots=True)
 class _Bucket:
     params: list[torch.nn.Parameter]
-    offsets: list[int]
+    views: list[torch.Tensor]
+    """Per parameter, its slice of ``buffer`` shaped like the parameter."""
     buffer: torch.Tensor
+    as_view: bool
+    """The buffer has the parameters' dtype, so the views serve as their ``.grad``."""
     pending: int = 0
     ready: bool = False
     work: object | None = None
@@ -55,6 +64,13 @@ class GradientReducer:
     @property
     def total_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    def zero_grad(self) -> None:
+        """Zero every gradient (the views stay attached as ``param.grad``)."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view if bucket.as_view else None
 
     def arm(self) -> None:
         """Reduce during the next backward (the last micro-batch of a step)."""
@@ -82,28 +98,30 @@ class GradientReducer:
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        for p, off in zip(bucket.params, bucket.offsets):
-            view = bucket.buffer[off:off + p.numel()]
+        for p, view in zip(bucket.params, bucket.views):
             if p.grad is None:
                 view.zero_()
-            else:
-                view.copy_(p.grad.reshape(-1))
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
         bucket.work = self.group.all_reduce_async(bucket.buffer)
 
     def finish(self) -> None:
-        """Launch the buckets backward did not, wait for all, write gradients back."""
+        """Launch the buckets backward did not, wait for all; gradients are then global."""
         for bucket in self.buckets[self._next:]:
             bucket.ready = True
         self._launch_ready()
         self._armed = False
         for bucket in self.buckets:
             bucket.work.wait()
-            for p, off in zip(bucket.params, bucket.offsets):
-                reduced = bucket.buffer[off:off + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = reduced.to(p.dtype).clone()
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                    continue
+                if bucket.as_view:
+                    p.grad = view
+                elif p.grad is None:
+                    p.grad = view.to(p.dtype)
                 else:
-                    p.grad.copy_(reduced)
+                    p.grad.copy_(view)
 
     def disarm(self) -> None:
         """Forget a step that failed part-way; the next ``arm()`` starts clean."""
@@ -130,12 +148,13 @@ def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp
         if not current:
             return
         dtype = buffer_dtype(current[0])
-        offsets, total = [], 0
+        buffer = torch.zeros(sum(p.numel() for p in current), dtype=dtype, device=current[0].device)
+        views, offset = [], 0
         for p in current:
-            offsets.append(total)
-            total += p.numel()
-        buffer = torch.zeros(total, dtype=dtype, device=current[0].device)
-        buckets.append(_Bucket(params=current, offsets=offsets, buffer=buffer))
+            views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        buckets.append(_Bucket(params=current, views=views, buffer=buffer, 
+                               as_view=all(p.dtype == dtype for p in current)))
         current, size = [], 0
 
     for p in reversed(params):

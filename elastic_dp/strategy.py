@@ -20,6 +20,9 @@ from .reducer import GradientReducer
 class Strategy(Protocol):
     """What the worker's step needs from a data-parallel strategy."""
 
+    def zero_grad(self) -> None:
+        """Zero the gradients before a step (or after one that did not commit)."""
+
     def before_last_backward(self) -> None:
         """Called before the backward of a step's last micro-batch."""
 
@@ -49,6 +52,9 @@ class Replicated:
         self.reducer = GradientReducer(self.params, group,
                                        bucket_bytes=int(config.bucket_mb * 2**20),
                                        reduce_fp32=config.reduce_fp32)
+
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
 
     def before_last_backward(self) -> None:
         self.reducer.arm()

@@ -103,7 +103,7 @@ class Replica:
         result = StepResult(step=step, rank=self.group.rank, generation=self.group.generation,
                             committed=False)
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.zero_grad()
         t0 = time.perf_counter()
         local_error: BaseException | None = None
         try:
@@ -124,7 +124,7 @@ class Replica:
         t2 = time.perf_counter()
         if local_error is not None or vote.item() > 0:
             result.error = _portable(local_error, result.rank, step) if local_error else None
-            self.optimizer.zero_grad(set_to_none=True)
+            self.strategy.zero_grad()
             return result
         if self.config.clip_grad_norm is not None:
             result.grad_norm = self.strategy.clip_grad_norm(self.config.clip_grad_norm)

@@ -26,8 +26,9 @@ class PartlyUsed(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+@pytest.mark.parametrize("grads_as_views", [True, False])
 @pytest.mark.parametrize("bucket_bytes", [1, 100, 10**6])
-def test_bucketed_gradients_equal_the_sum_over_ranks(bucket_bytes):
+def test_bucketed_gradients_equal_the_sum_over_ranks(bucket_bytes, grads_as_views):
     torch.manual_seed(0)
     initial = PartlyUsed().state_dict()  # built once: the ranks are threads sharing one RNG
 
@@ -35,10 +36,17 @@ def test_bucketed_gradients_equal_the_sum_over_ranks(bucket_bytes):
         model = PartlyUsed()
         model.load_state_dict(initial)
         reducer = GradientReducer(list(model.parameters()), group, bucket_bytes=bucket_bytes, reduce_fp32=True)
+        if grads_as_views:
+            reducer.zero_grad()  # else grads start as None and are copied into the buckets
         x = torch.full((3, 6), float(group.rank + 1))
-        reducer.arm()
-        model(x).sum().backward()
+        for i, micro_batch in enumerate((x[:1], x[1:])):  # accumulation over two micro-batches
+            if i == 1:
+                reducer.arm()
+            model(micro_batch).sum().backward()
         reducer.finish()
+        in_place = all(p.grad.data_ptr() == v.data_ptr() for b in reducer.buckets
+                       for p, v in zip(b.params, b.views))
+        assert in_place, "after finish every gradient is the bucket view"
         return len(reducer.buckets), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     results = run_ranks(3, rank_fn)

@@ -1,0 +1,120 @@
+"""Synchronous DP against its peers, side by side in one run on one local Ray cluster.
+
+1. Step time: elastic_dp against torch DistributedDataParallel on the same model (the
+   GPT of jobs.gpt), the same worker count, the same global batch and micro-batch, both
+   in Ray actors holding one CPU slot each, stepped from the driver. The two alternate in
+   rounds of ``--steps-per-round`` steps so that machine noise hits both alike; the
+   first round of each is warm-up and not counted. Reported: median step time of each
+   and their ratio (elastic_dp / DDP).
+2. All-reduce bandwidth: elastic_dp's bucketed gradient reduction (copy into buckets,
+   all-reduce, copy back) against one raw torch.distributed all_reduce of a flat buffer
+   of the same size, on the same gloo group. Reported as bus bandwidth
+   ``2 (N-1)/N * bytes / seconds`` and the ratio.
+
+    .venv/bin/python -m benchmarks.bench_sync --workers 2 --rounds 6 --steps-per-round 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import tempfile
+import time
+
+import ray
+import torch
+import torch.distributed as dist
+
+from elastic_dp import ClusterConfig, split
+from benchmarks.peers import DDPWorker, ReduceWorker, remote
+from elastic_dp.coordinator import Coordinator
+from elastic_dp.metrics import RunRecorder
+from jobs.gpt import TASK
+
+
+def bench_step_time(args: argparse.Namespace) -> dict:
+    config = TASK.defaults
+    coordinator = Coordinator(TASK, config, ClusterConfig(workers=args.workers), _no_checkpoint(),
+                              RunRecorder(None, total_steps=10**9, progress=False))
+    coordinator.start()
+    store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False)
+    ddp = [remote(DDPWorker).remote(ray.util.get_node_ip_address(), store.port, r, args.workers)
+           for r in range(args.workers)]
+    sampler = coordinator.sampler
+    ours, theirs, ddp_step = [], [], 0
+    try:
+        for round_ in range(args.rounds):
+            start = time.perf_counter()
+            coordinator.run_steps(args.steps_per_round)
+            t_ours = (time.perf_counter() - start) / args.steps_per_round
+            start = time.perf_counter()
+            for _ in range(args.steps_per_round):
+                slices = split(sampler.batch(ddp_step), args.workers)
+                ray.get([w.step.remote(s, config.global_batch) for w, s in zip(ddp, slices)])
+                ddp_step += 1
+            t_ddp = (time.perf_counter() - start) / args.steps_per_round
+            print(f"round {round_}: elastic_dp {t_ours * 1e3:.1f} ms/step, DDP {t_ddp * 1e3:.1f} ms/step"
+                  + ("  (warm-up, not counted)" if round_ == 0 else ""), flush=True)
+            if round_ > 0:
+                ours.append(t_ours)
+                theirs.append(t_ddp)
+    finally:
+        coordinator.close()
+        for w in ddp:
+            ray.kill(w)
+    return {"elastic_dp_ms": 1e3 * statistics.median(ours), "ddp_ms": 1e3 * statistics.median(theirs),
+            "ratio": statistics.median(ours) / statistics.median(theirs),
+            "per_round_ratios": [round(a / b, 3) for a, b in zip(ours, theirs)]}
+
+
+def bench_allreduce(args: argparse.Namespace) -> dict:
+    numel = int(args.allreduce_mb * 2**20 / 4)
+    store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False)
+    workers = [remote(ReduceWorker).remote(ray.util.get_node_ip_address(), store.port, r, args.workers, numel,
+                                   args.bucket_mb) for r in range(args.workers)]
+    try:
+        bucketed, raw = [], []
+        for _ in range(args.rounds):  # interleaved; max over ranks = the collective's time
+            bucketed.append(max(ray.get([w.time_bucketed.remote(args.allreduce_iters) for w in workers])))
+            raw.append(max(ray.get([w.time_raw.remote(args.allreduce_iters) for w in workers])))
+    finally:
+        for w in workers:
+            ray.kill(w)
+    factor = 2 * (args.workers - 1) / args.workers * numel * 4 / 1e9
+    t_b, t_r = statistics.median(bucketed[1:]), statistics.median(raw[1:])
+    return {"megabytes": args.allreduce_mb, "bucket_mb": args.bucket_mb,
+            "bucketed_ms": t_b * 1e3, "raw_ms": t_r * 1e3,
+            "bucketed_GBps": factor / t_b, "raw_GBps": factor / t_r, "ratio": t_r / t_b}
+
+
+def _no_checkpoint():
+    from elastic_dp import CheckpointConfig
+
+    return CheckpointConfig()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps-per-round", type=int, default=10)
+    parser.add_argument("--allreduce-mb", type=float, default=100.0)
+    parser.add_argument("--allreduce-iters", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    args = parser.parse_args()
+    temp_dir = tempfile.mkdtemp(prefix="edp-bench-", dir="/tmp")
+    ray.init(address="local", num_cpus=2 * args.workers, include_dashboard=False, _temp_dir=temp_dir,
+             log_to_driver=False)
+    try:
+        result = {"date": datetime.date.today().isoformat(), "workers": args.workers,
+                  "torch": torch.__version__, "ray": ray.__version__,
+                  "step_time": bench_step_time(args), "allreduce": bench_allreduce(args)}
+    finally:
+        ray.shutdown()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

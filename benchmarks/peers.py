@@ -1,0 +1,87 @@
+"""Peer implementations the benchmarks compare against, as Ray actors.
+
+Plain classes in an importable module, made actors with ``remote(cls)``: Ray then
+pickles them by reference (a class defined in ``__main__``, or decorated in place, is
+pickled by value, which fails for these).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from elastic_dp.collective import CollectiveGroup
+from elastic_dp.data import micro_batches
+from elastic_dp.reducer import GradientReducer
+from jobs.gpt import TASK
+
+
+class DDPWorker:
+    """torch DDP on one CPU slot: the peer a user would otherwise pick."""
+
+    def __init__(self, host: str, port: int, rank: int, world: int) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.set_num_threads(1)
+        store = dist.PrefixStore("ddp/", dist.TCPStore(host, port, is_master=False))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        torch.manual_seed(TASK.defaults.seed)
+        self.model = TASK.model()
+        self.ddp = DDP(self.model, bucket_cap_mb=TASK.defaults.bucket_mb)
+        self.dataset = TASK.dataset()
+        self.optimizer = TASK.optimizer(self.model)
+        self.config = TASK.defaults
+
+    def step(self, indices: np.ndarray, global_batch: int) -> float:
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        chunks = micro_batches(indices, self.config.micro_batch)
+        for i, chunk in enumerate(chunks):
+            batch = TASK.collate([self.dataset[int(j)] for j in chunk])
+            scale = len(chunk) * dist.get_world_size() / global_batch  # DDP averages over ranks
+            if i < len(chunks) - 1:
+                with self.ddp.no_sync():
+                    (TASK.loss(self.ddp, batch) * scale).backward()
+            else:
+                (TASK.loss(self.ddp, batch) * scale).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+
+class ReduceWorker:
+    """Times elastic_dp's bucketed reduction against a raw all_reduce on one gloo group."""
+
+    def __init__(self, host: str, port: int, rank: int, world: int, numel: int, bucket_mb: float) -> None:
+        torch.set_num_threads(1)
+        self.group = CollectiveGroup(backend="gloo", timeout_s=120)
+        self.group.configure(host, port, generation=0, rank=rank, world_size=world)
+        self.params = [torch.nn.Parameter(torch.randn(numel // 4)) for _ in range(4)]
+        self.reducer = GradientReducer(self.params, self.group, bucket_bytes=int(bucket_mb * 2**20),
+                                       reduce_fp32=True)
+        self.reducer.zero_grad()  # gradients become views into the buckets, as in training
+        for p in self.params:
+            p.grad.normal_()
+        self.flat = torch.randn(sum(p.numel() for p in self.params))
+
+    def time_bucketed(self, iters: int) -> float:
+        start = time.perf_counter()
+        for _ in range(iters):
+            self.reducer.arm()
+            self.reducer.finish()
+        return (time.perf_counter() - start) / iters
+
+    def time_raw(self, iters: int) -> float:
+        start = time.perf_counter()
+        for _ in range(iters):
+            self.group.all_reduce(self.flat)
+        return (time.perf_counter() - start) / iters
+
+
+def remote(cls):
+    """``cls`` as a Ray actor class holding one CPU slot."""
+    return ray.remote(num_cpus=1)(cls)
