@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[0] == "demo":
         cmd = [py, "-m", "elastic_dp.cli", "train", "jobs.gpt", "--workers", "2",
-               "--steps", "150", "--out", "runs/demo", *argv[1:]]
+               "--steps", "300", "--out", "runs/demo", *argv[1:]]
     else:
         cmd = [py, "-m", "pytest", *argv[1:]]
     print("+", " ".join(cmd), flush=True)

@@ -5,7 +5,7 @@
    in Ray actors holding one CPU slot each, stepped from the driver. The two alternate in
    rounds of ``--steps-per-round`` steps so that machine noise hits both alike; the
    first round of each is warm-up and not counted. Reported: median step time of each
-   and their ratio (elastic_dp / DDP).
+   and their ratio (elastic_dp / DDP), and the median of the per-round ratios.
 2. All-reduce bandwidth: elastic_dp's bucketed gradient reduction (copy into buckets,
    all-reduce, copy back) against one raw torch.distributed all_reduce of a flat buffer
    of the same size, on the same gloo group. Reported as bus bandwidth
@@ -66,6 +66,7 @@ def bench_step_time(args: argparse.Namespace) -> dict:
             ray.kill(w)
     return {"elastic_dp_ms": 1e3 * statistics.median(ours), "ddp_ms": 1e3 * statistics.median(theirs),
             "ratio": statistics.median(ours) / statistics.median(theirs),
+            "median_round_ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
             "per_round_ratios": [round(a / b, 3) for a, b in zip(ours, theirs)]}
 
 

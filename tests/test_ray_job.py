@@ -1,0 +1,85 @@
+"""The main job submitted with the real ``ray job submit`` CLI to a Ray cluster that this
+test starts (``ray start --head --block``, its own temp dir and ports, token auth on) and
+stops itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_leftovers(marker: str) -> None:
+    """SIGKILL any process whose command line names this test's own temp dir."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_gpt_job_under_ray_job_submit_with_token_auth(tmp_path):
+    temp_dir = tempfile.mkdtemp(prefix="edp-job-", dir="/tmp")
+    dashboard = _free_port()
+    address = f"http://127.0.0.1:{dashboard}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PATH=f"{BIN}{os.pathsep}{env['PATH']}", RAY_AUTH_MODE="token",
+               RAY_AUTH_TOKEN=secrets.token_hex(16))
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", f"--port={_free_port()}",
+         f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
+         "--num-cpus=3", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env,
+                             capture_output=True).returncode != 0:
+            assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not come up"
+            time.sleep(1)
+        wrong = dict(env, RAY_AUTH_TOKEN=secrets.token_hex(16))
+        refused = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=wrong,
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0, "token auth must refuse a wrong token"
+
+        out = tmp_path / "out"
+        job = subprocess.run(
+            [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
+             "python", "-m", "jobs.gpt", "--workers", "2", "--steps", "4", "--global-batch", "8",
+             "--no-progress", "--out", str(out)],
+            env=env, capture_output=True, text=True, timeout=240)
+        assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
+        assert "elastic_dp run summary" in job.stdout
+        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+        assert (out / "final.safetensors").is_file()
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops its cluster on SIGTERM
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        time.sleep(1)
+        _kill_leftovers(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
