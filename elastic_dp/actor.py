@@ -76,11 +76,6 @@ class WorkerActor:
         task = self.replica.task
         return task.sample(self.replica.model) if task.sample is not None else None
 
-    def close(self) -> None:
-        self.group.destroy()
-        if self.replica is not None:
-            self.replica.strategy.close()
-
 
 def remote_worker_class():
     """The Ray actor class (created lazily so importing elastic_dp does not need Ray up)."""

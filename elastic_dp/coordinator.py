@@ -230,11 +230,9 @@ class Coordinator:
                             save_s=round(time.perf_counter() - start, 4))
 
     def _teardown(self) -> None:
+        # Killing the actors releases their process groups with them; a graceful destroy
+        # could block behind a collective that a failed step left running.
         for w in self.members.workers:
-            try:
-                ray.get(w.close.remote(), timeout=10)
-            except Exception as exc:  # a dead worker has nothing to close
-                logger.debug("closing a worker: %s", exc)
             ray.kill(w)
         self.members = Membership(generation=self.members.generation)
         if self.placement is not None:

@@ -38,9 +38,6 @@ class Strategy(Protocol):
     def optimizer_step(self) -> None:
         """Apply the update (only after the step's commit vote passed)."""
 
-    def close(self) -> None:
-        """Remove hooks and buffers."""
-
 
 class Replicated:
     """ZeRO stage 0: full replicas, bucketed all-reduce overlapped with backward."""
@@ -72,6 +69,3 @@ class Replicated:
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
-
-    def close(self) -> None:
-        self.reducer.remove()

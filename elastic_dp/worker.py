@@ -72,12 +72,14 @@ class Replica:
     # -- state ---------------------------------------------------------------------------
     def broadcast_state(self, src: int) -> None:
         """Make this replica's parameters, buffers and optimizer state equal rank ``src``'s."""
-        for t in self.model.state_dict().values():
-            self.group.broadcast(t, src)
+        tensors = list(self.model.state_dict().values())
         for state in self.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    self.group.broadcast(v, src)
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        for t in tensors:
+            if t.device == self.device:
+                self.group.broadcast(t, src)
+            else:  # e.g. Adam's CPU "step" counter when the group is NCCL
+                t.copy_(self.group.broadcast(t.to(self.device), src))
 
     # -- the step ------------------------------------------------------------------------
     def _forward_backward(self, indices: np.ndarray, result: StepResult) -> None:
