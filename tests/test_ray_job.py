@@ -49,6 +49,10 @@ def test_gpt_job_under_ray_job_submit_with_token_auth(tmp_path):
                RAY_AUTH_TOKEN=secrets.token_hex(16))
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={_free_port()}",
+         # every port of its own: the suite's other cluster holds Ray's default agent ports
+         *(f"--{name}-port={_free_port()}" for name in (
+             "dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent", "metrics-export",
+             "ray-client-server", "node-manager", "object-manager")),
          f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
          "--num-cpus=3", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -64,11 +68,14 @@ def test_gpt_job_under_ray_job_submit_with_token_auth(tmp_path):
         assert refused.returncode != 0, "token auth must refuse a wrong token"
 
         out = tmp_path / "out"
-        job = subprocess.run(
-            [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
-             "python", "-m", "jobs.gpt", "--workers", "2", "--steps", "4", "--global-batch", "8",
-             "--no-progress", "--out", str(out)],
-            env=env, capture_output=True, text=True, timeout=240)
+        submit = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
+                  "python", "-m", "jobs.gpt", "--workers", "2", "--steps", "4", "--global-batch", "8",
+                  "--no-progress", "--out", str(out)]
+        while True:  # the job server answers before its agent is up; Ray says to retry
+            job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=240)
+            if "No available agent to submit job" not in job.stderr + job.stdout or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
         assert "elastic_dp run summary" in job.stdout
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
