@@ -85,3 +85,33 @@ def test_a_rank_whose_loss_fails_makes_every_rank_skip_the_update():
     assert not r0.committed and not r1.committed
     assert unchanged0 and unchanged1
     assert r0.error is None and isinstance(r1.error, TaskError)
+
+
+@pytest.mark.parametrize("reduce_fp32", [True, False])
+def test_bf16_gradients_are_reduced_in_fp32_when_asked(reduce_fp32):
+    torch.manual_seed(0)
+    initial = nn.Linear(64, 64).to(torch.bfloat16).state_dict()
+
+    def rank_fn(group):
+        model = nn.Linear(64, 64).to(torch.bfloat16)
+        model.load_state_dict(initial)
+        reducer = GradientReducer(list(model.parameters()), group, bucket_bytes=10**6, reduce_fp32=reduce_fp32)
+        reducer.zero_grad()
+        reducer.arm()
+        model(torch.full((2, 64), 0.1 * (group.rank + 1), dtype=torch.bfloat16)).sum().backward()
+        reducer.finish()
+        reduced = next(v for b in reducer.buckets for p, v in zip(b.params, b.views) if p is model.weight)
+        return [b.buffer.dtype for b in reducer.buckets], model.weight.grad.dtype, reduced.clone()
+
+    results = run_ranks(3, rank_fn)
+    expected = torch.zeros(64, 64)  # the ranks' bf16 gradients summed exactly, in fp32
+    for rank in range(3):
+        model = nn.Linear(64, 64).to(torch.bfloat16)
+        model.load_state_dict(initial)
+        model(torch.full((2, 64), 0.1 * (rank + 1), dtype=torch.bfloat16)).sum().backward()
+        expected += model.weight.grad.float()
+    for buffer_dtypes, grad_dtype, reduced in results:
+        assert buffer_dtypes == [torch.float32 if reduce_fp32 else torch.bfloat16]
+        assert grad_dtype == torch.bfloat16
+        tol = 1e-6 if reduce_fp32 else 1e-2
+        torch.testing.assert_close(reduced.float(), expected, rtol=0, atol=tol)
