@@ -70,11 +70,8 @@ class RunRecorder:
         self.summary = RunSummary(out_dir=str(self.out) if self.out else None)
         self.total_steps = total_steps
         self._t0 = time.perf_counter()
-        show_bar = sys.stderr.isatty() if progress is None else progress
+        self._show_bar = sys.stderr.isatty() if progress is None else progress
         self._bar = None
-        if show_bar:
-            from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
         self._log_every = max(1, total_steps // 20)
 
     def _open(self) -> bool:
@@ -91,10 +88,11 @@ class RunRecorder:
                 f.write(json.dumps(record) + "\n")
 
     def start(self, first_step: int) -> None:
+        """Training starts (at ``first_step`` when resuming): show the bar from here."""
         self._t0 = time.perf_counter()
-        if self._bar is not None:
-            self._bar.n = first_step
-            self._bar.refresh()
+        if self._show_bar:
+            from tqdm import tqdm
+            self._bar = tqdm(total=self.total_steps, initial=first_step, unit="step", dynamic_ncols=True)
 
     def event(self, kind: str, **fields: Any) -> None:
         record = {"time": time.time(), "kind": kind, **fields}
