@@ -73,7 +73,13 @@ class GradientReducer:
                 p.grad = view if bucket.as_view else None
 
     def arm(self) -> None:
-        """Reduce during the next backward (the last micro-batch of a step)."""
+        """Reduce during the next backward (the last micro-batch of a step).
+
+        A no-op when already armed, so a step that failed part-way through its last
+        backward can call it again and still launch every bucket exactly once.
+        """
+        if self._armed:
+            return
         self._armed = True
         self._next = 0
         for bucket in self.buckets:

@@ -115,3 +115,37 @@ def test_bf16_gradients_are_reduced_in_fp32_when_asked(reduce_fp32):
         assert grad_dtype == torch.bfloat16
         tol = 1e-6 if reduce_fp32 else 1e-2
         torch.testing.assert_close(reduced.float(), expected, rtol=0, atol=tol)
+
+
+def test_a_failure_inside_the_last_backward_still_launches_each_bucket_once():
+    class FailsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("boom in backward")
+
+    torch.manual_seed(0)
+    initial = PartlyUsed().state_dict()
+
+    def rank_fn(group):
+        model = PartlyUsed()
+        model.load_state_dict(initial)
+        reducer = GradientReducer(list(model.parameters()), group, bucket_bytes=1, reduce_fp32=True)
+        reducer.zero_grad()
+        reducer.arm()
+        hidden = torch.relu(model.a(torch.ones(2, 6)))
+        if group.rank == 1:  # b's gradients arrive (their buckets launch), then backward fails
+            hidden = FailsInBackward.apply(hidden)
+        try:
+            model.b(hidden).sum().backward()
+        except RuntimeError:
+            reducer.arm()  # what the worker's error path does
+        reducer.finish()  # must neither hang nor mismatch the peer's collectives
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    r0, r1 = run_ranks(2, rank_fn)
+    torch.testing.assert_close(r0["b.weight"], r1["b.weight"])
+    assert torch.equal(r0["a.weight"], r1["a.weight"])  # rank 1 sent zeros for a
