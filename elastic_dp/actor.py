@@ -17,6 +17,7 @@ import torch
 from .checkpoint import TrainingState, load_optimizer_state, optimizer_state
 from .collective import CollectiveGroup
 from .config import TrainConfig
+from .faults import Fault, trigger
 from .messages import StepResult, WorkerInfo
 from .task import Task
 from .worker import Replica
@@ -51,13 +52,21 @@ class WorkerActor:
     def broadcast_state(self, src: int) -> None:
         self.replica.broadcast_state(src)
 
-    def step(self, step: int, indices: np.ndarray) -> StepResult:
-        return self.replica.step(step, indices)
+    def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
+        return self.replica.step(step, indices, fault)
+
+    def abort_group(self) -> None:
+        """Control thread: release a step blocked in a collective of this generation."""
+        self.group.abort()
+
+    def ping(self) -> int:
+        return self.group.generation
 
     def model_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.replica.model.state_dict().items()}
 
-    def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
+    def training_state(self, step: int, sampler: dict[str, int], fault: Fault | None = None) -> TrainingState:
+        trigger(fault, "checkpoint")
         tensors, meta = optimizer_state(self.replica.optimizer, self._names)
         return TrainingState(step=step, model=self.model_state(),
                              optimizer_tensors={k: v.detach().cpu().clone() for k, v in tensors.items()},

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -50,6 +52,7 @@ class CollectiveGroup:
         self.world_size = 0
         self._store: dist.Store | None = None
         self._pg: dist.ProcessGroup | None = None
+        self._sockets: list[int] = []  # the gloo group's own TCP sockets, for abort()
 
     @property
     def configured(self) -> bool:
@@ -68,7 +71,10 @@ class CollectiveGroup:
         store = dist.TCPStore(store_host, store_port, is_master=False, timeout=self.timeout)
         self._store = dist.PrefixStore(f"gen{generation}/", store)
         if self.backend == "gloo":
+            before = _socket_fds()
             self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, self.timeout)
+            after = _socket_fds()
+            self._sockets = [fd for fd, inode in after.items() if before.get(fd) != inode]
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
@@ -101,25 +107,55 @@ class CollectiveGroup:
         return tensor
 
     def abort(self) -> None:
-        """Abort the group so that no rank stays blocked in it, then forget it.
+        """Make every collective blocked on this group raise, on this rank, now.
 
-        NCCL has a real abort. gloo has none that releases a blocked rank (DESIGN,
-        pitfalls); releasing a blocked gloo rank is the elastic layer's job.
+        Safe to call from another thread while the training thread is blocked in a
+        collective; the group is unusable afterwards (``destroy()`` it once the blocked
+        collective has returned). NCCL has a real abort. gloo has none that releases a
+        blocked rank (DESIGN, pitfalls), so the group's connected TCP sockets are shut
+        down, which makes the blocked call raise in a few ms. Its listening socket is left
+        alone: shutting that one down aborts the process.
         """
-        if self._pg is not None and self.backend == "nccl":
+        if self._pg is None:
+            return
+        if self.backend == "nccl":
             self._pg.abort()
-        self._forget()
+            return
+        for fd in self._sockets:
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue  # already closed
+            try:
+                if (sock.family in (socket.AF_INET, socket.AF_INET6)
+                        and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
+            finally:
+                sock.close()  # closes the duplicate only
 
     def destroy(self) -> None:
-        """Release the group after its last collective completed."""
-        if self._pg is not None:
-            try:
-                self._pg.shutdown()
-            except (AttributeError, RuntimeError) as exc:  # not every backend implements it
-                logger.debug("process group shutdown: %s", exc)
-        self._forget()
+        """Release the group once no collective on it is running (after an abort, too)."""
+        if self._pg is not None and self.backend == "nccl":
+            self._pg.shutdown()
+        self._forget()  # for gloo, dropping the last reference closes its sockets and threads
 
     def _forget(self) -> None:
         self._pg = None
         self._store = None
+        self._sockets = []
         self.world_size = 0
+
+
+def _socket_fds() -> dict[int, str]:
+    """This process's socket file descriptors and their inodes."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            found[int(name)] = link
+    return found

@@ -23,7 +23,8 @@ import torch
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .data import micro_batches
-from .errors import ElasticDPError, TaskError, WorkerError
+from .errors import CollectiveError, ElasticDPError, TaskError, WorkerError
+from .faults import Fault, trigger
 from .messages import StepResult, WorkerInfo
 from .strategy import Replicated, Strategy
 from .task import Task
@@ -82,11 +83,12 @@ class Replica:
                 t.copy_(self.group.broadcast(t.to(self.device), src))
 
     # -- the step ------------------------------------------------------------------------
-    def _forward_backward(self, indices: np.ndarray, result: StepResult) -> None:
+    def _forward_backward(self, indices: np.ndarray, result: StepResult, fault: Fault | None) -> None:
         chunks = micro_batches(indices, self.config.micro_batch)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=self.config.precision == "bf16")
         for i, chunk in enumerate(chunks):
+            trigger(fault, "forward")
             batch = _to_device(self.task.collate([self.dataset[int(j)] for j in chunk]), self.device)
             with autocast:
                 loss = self.task.loss(self.model, batch)
@@ -100,8 +102,11 @@ class Replica:
             result.loss_sum += float(loss.detach()) * len(chunk)
             result.samples += len(chunk)
 
-    def step(self, step: int, indices: np.ndarray) -> StepResult:
-        """Train one step on this worker's slice ``indices`` of the global batch."""
+    def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
+        """Train one step on this worker's slice ``indices`` of the global batch.
+
+        ``fault`` (fault injection) is carried out in its phase of this step.
+        """
         result = StepResult(step=step, rank=self.group.rank, generation=self.group.generation,
                             committed=False)
         self.model.train()
@@ -109,19 +114,23 @@ class Replica:
         t0 = time.perf_counter()
         local_error: BaseException | None = None
         try:
-            self._forward_backward(indices, result)
+            self._forward_backward(indices, result, fault)
         except Exception as exc:  # recorded; the vote below tells every rank
             local_error = exc
         t1 = time.perf_counter()
         try:
             if local_error is not None:
                 self.strategy.before_last_backward()  # keep collectives in lockstep
+            trigger(fault, "allreduce")
             self.strategy.reduce_gradients()
             vote = torch.tensor([0.0 if local_error is None else 1.0], device=self.device)
             self.group.all_reduce(vote)
         except Exception as exc:  # the group itself failed: no vote is possible
             self.strategy.abandon()
-            result.error = _portable(local_error or exc, result.rank, step)
+            result.error = local_error and _portable(local_error, result.rank, step)
+            result.error = result.error or CollectiveError(
+                f"gen {result.generation} rank {result.rank} step {step}: collective failed: {exc}",
+                rank=result.rank, step=step)
             return result
         t2 = time.perf_counter()
         if local_error is not None or vote.item() > 0:
@@ -130,6 +139,7 @@ class Replica:
             return result
         if self.config.clip_grad_norm is not None:
             result.grad_norm = self.strategy.clip_grad_norm(self.config.clip_grad_norm)
+        trigger(fault, "optimizer")
         factor = self.config.lr_factor(step)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * factor

@@ -1,0 +1,90 @@
+"""The membership policy, driven one decision at a time with plain ids (no Ray, no torch)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from elastic_dp import ConfigError
+from elastic_dp.policy import Action, ElasticPolicy
+
+
+def test_failure_reforms_over_survivors_then_joiners_in_rank_order():
+    policy = ElasticPolicy(min_workers=2, max_workers=4)
+    d = policy.after_failure(["a", "c"], ["x", "y", "z"], waited_s=0, has_checkpoint=False)
+    assert d.action is Action.REFORM and d.members == ("a", "c", "x", "y")
+
+
+def test_below_min_waits_then_fails_naming_the_setting():
+    policy = ElasticPolicy(min_workers=3, max_workers=4, wait_timeout_s=10)
+    assert policy.after_failure(["a", "b"], [], waited_s=3, has_checkpoint=True).action is Action.WAIT
+    d = policy.after_failure(["a", "b"], [], waited_s=10, has_checkpoint=True)
+    assert d.action is Action.FAIL and "--workers MIN:MAX" in d.reason and "--min-wait-timeout" in d.reason
+
+
+def test_no_survivor_restores_from_checkpoint_or_fails_without_one():
+    policy = ElasticPolicy(min_workers=1, max_workers=2)
+    d = policy.after_failure([], ["n1", "n2", "n3"], waited_s=0, has_checkpoint=True)
+    assert d.action is Action.RESTORE and d.members == ("n1", "n2")
+    d = policy.after_failure([], ["n1"], waited_s=0, has_checkpoint=False)
+    assert d.action is Action.FAIL and "--checkpoint-dir" in d.reason
+
+
+def test_joiners_admitted_at_step_boundary_up_to_max():
+    policy = ElasticPolicy(min_workers=1, max_workers=3)
+    assert policy.at_step_boundary(["a", "b"], []).action is Action.CONTINUE
+    d = policy.at_step_boundary(["a", "b"], ["x", "y"])
+    assert d.action is Action.REFORM and d.members == ("a", "b", "x")
+    assert policy.at_step_boundary(["a", "b", "c"], ["x"]).action is Action.CONTINUE
+    assert policy.wanted(current=2, pending=0) == 1 and policy.wanted(current=3, pending=1) == 0
+
+
+@pytest.mark.parametrize("bad", [(0, 2), (3, 2)])
+def test_bad_range_is_refused(bad):
+    with pytest.raises(ConfigError, match="MIN:MAX"):
+        ElasticPolicy(min_workers=bad[0], max_workers=bad[1])
+
+
+def test_simulation_of_ten_thousand_members_with_random_failures_and_joins():
+    rng = random.Random(0)
+    policy = ElasticPolicy(min_workers=5_000, max_workers=10_000, wait_timeout_s=5)
+    members = list(range(10_000))
+    next_id, joiners, waited, slowest = 10_000, [], 0.0, 0.0
+    for _ in range(300):
+        if rng.random() < 0.5:  # a burst of failures during a step
+            dead = set(rng.sample(members, rng.randint(1, 2_000)))
+            survivors = [m for m in members if m not in dead]
+            start = time.perf_counter()
+            d = policy.after_failure(survivors, joiners, waited_s=waited, has_checkpoint=True)
+            slowest = max(slowest, time.perf_counter() - start)
+            if d.action is Action.WAIT:
+                waited += 1
+                members = survivors
+                continue
+            if d.action is Action.FAIL:
+                assert len(survivors) + len(joiners) < 5_000 and waited >= 5
+                members, waited = survivors + joiners, 0.0  # capacity came back
+                joiners = [next_id + i for i in range(5_000)]
+                next_id += 5_000
+                continue
+            waited = 0.0
+            assert d.action is Action.REFORM
+            assert not dead & set(d.members)
+            alive = set(survivors)
+            kept = [m for m in d.members if m in alive]
+            assert kept == survivors[:len(kept)]
+        else:  # capacity arrives
+            arriving = rng.randint(1, 3_000)
+            joiners = joiners + [next_id + i for i in range(arriving)]
+            next_id += arriving
+            start = time.perf_counter()
+            d = policy.at_step_boundary(members, joiners)
+            slowest = max(slowest, time.perf_counter() - start)
+        if d.action is Action.REFORM:
+            assert 5_000 <= len(d.members) <= 10_000 and len(set(d.members)) == len(d.members)
+            admitted = set(d.members) - set(members)
+            joiners = [j for j in joiners if j not in admitted]
+            members = list(d.members)
+    assert slowest < 0.05, f"a decision took {slowest * 1e3:.1f} ms"
