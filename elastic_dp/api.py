@@ -18,6 +18,7 @@ import ray
 
 from .config import CheckpointConfig, ClusterConfig, TrainConfig, check_batch_fits
 from .coordinator import Coordinator
+from .faults import Fault
 from .metrics import RunRecorder, RunSummary
 from .task import Task
 
@@ -25,11 +26,16 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Synchronous data-parallel training of a ``Task`` on Ray worker actors."""
+    """Synchronous data-parallel training of a ``Task`` on Ray worker actors.
+
+    ``cluster.min_workers``..``cluster.workers`` is the elastic range; ``inject`` takes
+    fault specs (``"kill:step=5:rank=1"``, see elastic_dp.faults) for validating a setup.
+    """
 
     def __init__(self, task: Task, *, train: TrainConfig | None = None,
                  cluster: ClusterConfig | None = None, checkpoint: CheckpointConfig | None = None,
-                 out_dir: str | None = None, progress: bool | None = None) -> None:
+                 out_dir: str | None = None, progress: bool | None = None,
+                 inject: list[str | Fault] = ()) -> None:
         self.task = task
         self.train = train or task.defaults
         self.cluster = cluster or ClusterConfig()
@@ -37,13 +43,15 @@ class Trainer:
         self.out_dir = out_dir
         check_batch_fits(self.train, self.cluster)
         self.progress = progress
+        self.faults = [f if isinstance(f, Fault) else Fault.parse(f) for f in inject]
 
     def fit(self) -> RunSummary:
         """Train to ``train.steps``; attaches to Ray, or starts an embedded local Ray."""
         started = _ensure_ray(self.cluster)
         try:
             recorder = RunRecorder(self.out_dir, total_steps=self.train.steps, progress=self.progress)
-            return Coordinator(self.task, self.train, self.cluster, self.checkpoint, recorder).run()
+            return Coordinator(self.task, self.train, self.cluster, self.checkpoint, recorder,
+                               self.faults).run()
         finally:
             if started:
                 ray.shutdown()

@@ -28,12 +28,22 @@ _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": i
                 "precision": str, "bucket_mb": float}
 
 
+def _worker_range(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX``."""
+    low, sep, high = text.partition(":")
+    try:
+        return (int(low), int(high)) if sep else (int(low), int(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-dp", description="Elastic data-parallel training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a job's task on Ray worker actors")
     train.add_argument("job", help="job module that defines TASK, e.g. jobs.gpt")
-    train.add_argument("--workers", type=int, default=2, help="worker actors (default 2)")
+    train.add_argument("--workers", type=_worker_range, default=(2, 2), metavar="N|MIN:MAX",
+                       help="worker actors: N, or an elastic range MIN:MAX (default 2)")
     for name, kind in _TRAIN_FLAGS.items():
         extra = {"choices": ["fp32", "bf16"]} if name == "precision" else {}
         train.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
@@ -45,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--placement-timeout", type=float, default=60.0, help="seconds to wait for worker slots")
     train.add_argument("--step-timeout", type=float, default=600.0, help="deadline of one step, seconds")
     train.add_argument("--collective-timeout", type=float, default=300.0, help="timeout of one collective, seconds")
+    train.add_argument("--min-wait-timeout", type=float, default=300.0,
+                       help="below MIN workers, seconds to wait for capacity before failing")
+    train.add_argument("--abort-grace", type=float, default=10.0,
+                       help="seconds a worker may take to leave an aborted step before it counts as hung")
+    train.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                       help="fault injection, repeatable: kill:step=S:rank=R[:phase=forward|allreduce|"
+                            "optimizer|checkpoint], hang:step=S:rank=R, join:step=S")
     train.add_argument("--checkpoint-dir", default=None)
     train.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
     train.add_argument("--checkpoint-keep", type=int, default=3)
@@ -61,13 +78,15 @@ def _train(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in [*_TRAIN_FLAGS, "reduce_fp32"]
                  if getattr(args, name) is not None}
     train = dataclasses.replace(task.defaults, **overrides)
-    cluster = ClusterConfig(workers=args.workers, device=args.device, address=args.address,
+    low, high = args.workers
+    cluster = ClusterConfig(workers=high, min_workers=low, device=args.device, address=args.address,
                             placement_timeout_s=args.placement_timeout, step_timeout_s=args.step_timeout,
-                            collective_timeout_s=args.collective_timeout)
+                            collective_timeout_s=args.collective_timeout, min_wait_timeout_s=args.min_wait_timeout,
+                            abort_grace_s=args.abort_grace)
     checkpoint = CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
                                   resume=args.resume, keep=args.checkpoint_keep)
     summary = Trainer(task, train=train, cluster=cluster, checkpoint=checkpoint,
-                      out_dir=args.out, progress=args.progress).fit()
+                      out_dir=args.out, progress=args.progress, inject=args.inject).fit()
     print(summary.render())
     return 0
 

@@ -76,7 +76,14 @@ class ClusterConfig:
     """Where and how the workers run."""
 
     workers: int = 2
-    """Worker actors, one model replica each (``--workers``)."""
+    """Worker actors, one model replica each; the most the run uses (``--workers N`` or the
+    MAX of ``--workers MIN:MAX``)."""
+    min_workers: int | None = None
+    """Fewest workers the run trains with (MIN of ``--workers MIN:MAX``); None: ``workers``.
+    Training starts once this many are placed and continues while this many are alive."""
+    min_wait_timeout_s: float = 300.0
+    """Below ``min_workers``, how long to wait for capacity to return before failing
+    (``--min-wait-timeout``)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``cuda``: one GPU per worker with NCCL; ``cpu``: one CPU slot per worker with gloo;
     ``auto``: cuda when the cluster has GPUs (``--device``)."""
@@ -89,12 +96,21 @@ class ClusterConfig:
     """Deadline for one step on every worker (``--step-timeout``)."""
     collective_timeout_s: float = 300.0
     """Timeout of each collective in the process group (``--collective-timeout``)."""
+    abort_grace_s: float = 10.0
+    """After a failure signal, how long a worker still in the step may take to return
+    once its group is aborted; one that does not is hung and is replaced (``--abort-grace``)."""
 
     def __post_init__(self) -> None:
         _require(self.workers > 0, f"workers must be positive, got {self.workers} (--workers)")
+        _require(self.min_workers is None or 1 <= self.min_workers <= self.workers,
+                 f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {self.min_workers}:{self.workers}")
+        _require(self.min_wait_timeout_s >= 0,
+                 f"min_wait_timeout_s must be >= 0, got {self.min_wait_timeout_s} (--min-wait-timeout)")
         _require(self.device in ("auto", "cpu", "cuda"),
                  f"device must be auto, cpu or cuda, got {self.device!r} (--device)")
-        for name in ("placement_timeout_s", "step_timeout_s", "collective_timeout_s"):
+        if self.min_workers is None:
+            self.min_workers = self.workers
+        for name in ("placement_timeout_s", "step_timeout_s", "collective_timeout_s", "abort_grace_s"):
             _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 
 
@@ -123,4 +139,4 @@ def check_batch_fits(train: TrainConfig, cluster: ClusterConfig) -> None:
     """Every worker needs at least one sample of each global batch."""
     _require(train.global_batch >= cluster.workers,
              f"global batch {train.global_batch} is smaller than the {cluster.workers} workers: "
-             "raise --global-batch or lower --workers")
+             "raise --global-batch or lower --workers (MAX of --workers MIN:MAX)")

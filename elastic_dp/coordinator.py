@@ -1,17 +1,20 @@
-"""The coordinator: the control plane of a synchronous run.
+"""The coordinator: the control plane of a run.
 
 An explicit state machine::
 
     INITIALIZING -> PLACING -> FORMING -> RESTORING -> RUNNING -> FINISHED
-                                                         (any) -> FAILED
+                                          RUNNING <-> RECOVERING   (a member failed)
+                                          RUNNING <-> RESIZING     (workers join)
+                                                (any) -> FAILED
 
-It places the workers, hosts the rendezvous store, forms each generation's collective
-group under its own prefix (DESIGN invariant 1), restores state (broadcast from rank 0,
-or a checkpoint), and drives the steps: for step ``s`` it takes the sampler's global
-batch, splits it into contiguous slices over the current ranks, and commits the step
-when every worker reports it committed (DESIGN invariants 2 and 5). It never touches a
-tensor: state moves between workers, checkpoints and the output directory as opaque
-objects.
+It starts the workers, hosts the rendezvous store, forms each generation's collective
+group under its own prefix (DESIGN invariant 1), and drives the steps: for step ``s`` it
+takes the sampler's global batch, splits it into contiguous slices over the current
+ranks, and commits the step when every member reports it committed (invariants 2, 5).
+When members fail it asks the ``ElasticPolicy`` what to do, re-forms the next
+generation in place from the survivors (and ready joiners), makes their state equal,
+and re-runs the interrupted step on the same samples (invariant 4). It never touches a
+tensor: state moves between workers, checkpoints and the output as opaque objects.
 """
 
 from __future__ import annotations
@@ -19,22 +22,28 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from dataclasses import dataclass, field
 
 import ray
 import torch.distributed as dist
 
-from .actor import remote_worker_class
 from .checkpoint import CheckpointStore, TrainingState
 from .config import CheckpointConfig, ClusterConfig, TrainConfig, check_batch_fits
 from .data import ElasticSampler, split
-from .errors import CheckpointError, TaskError, WorkerError
+from .dispatch import StepOutcome, gather
+from .errors import CheckpointError, ConfigError, ElasticDPError, TaskError
+from .faults import Fault, FaultPlan
 from .messages import StepResult
 from .metrics import RunRecorder, RunSummary
-from .placement import Placement, place, resolve_device
+from .placement import resolve_device
+from .policy import Action, ElasticPolicy
+from .pool import Member, WorkerPool, placement_error
 from .task import Task
 
 logger = logging.getLogger(__name__)
+
+
+class MembershipError(ElasticDPError):
+    """The run cannot keep enough workers alive; the message says what to change."""
 
 
 class RunState(enum.Enum):
@@ -43,37 +52,40 @@ class RunState(enum.Enum):
     FORMING = "forming"
     RESTORING = "restoring"
     RUNNING = "running"
+    RECOVERING = "recovering"
+    RESIZING = "resizing"
     FINISHED = "finished"
     FAILED = "failed"
 
 
-@dataclass(slots=True)
-class Membership:
-    """The workers of the current generation, in rank order."""
-
-    generation: int = -1
-    workers: list = field(default_factory=list)
-
-    @property
-    def world_size(self) -> int:
-        return len(self.workers)
-
-
 class Coordinator:
-    """Drives one run from placement to the last committed step."""
+    """Drives one run from placement to the last committed step, through failures and joins."""
 
     def __init__(self, task: Task, train: TrainConfig, cluster: ClusterConfig,
-                 checkpoint: CheckpointConfig, recorder: RunRecorder) -> None:
+                 checkpoint: CheckpointConfig, recorder: RunRecorder, faults: list[Fault] = ()) -> None:
         check_batch_fits(train, cluster)
+        joins = sum(1 for f in faults if f.kind == "join")
+        if any(f.phase == "checkpoint" and f.rank != 0 for f in faults):
+            raise ConfigError("--inject ...:phase=checkpoint applies to rank 0, the rank whose state is saved")
         self.task, self.train, self.cluster, self.ckpt_cfg = task, train, cluster, checkpoint
         self.recorder = recorder
+        self.faults = FaultPlan(list(faults))
+        # join:step=S faults hold a worker back at the start and add it at step S
+        self.target = max(cluster.min_workers, cluster.workers - joins)
         self.state = RunState.INITIALIZING
-        self.members = Membership()
+        self.generation = -1
+        self.members: list[Member] = []
+        self.joiners: list[Member] = []
         self.ckpt = CheckpointStore(checkpoint.dir, keep=checkpoint.keep) if checkpoint.dir else None
         self.sampler: ElasticSampler | None = None
-        self.placement: Placement | None = None
+        self.pool: WorkerPool | None = None
         self.store: dist.TCPStore | None = None
         self.step = 0
+
+    @property
+    def policy(self) -> ElasticPolicy:
+        return ElasticPolicy(min_workers=self.cluster.min_workers, max_workers=self.target,
+                             wait_timeout_s=self.cluster.min_wait_timeout_s)
 
     def _to(self, state: RunState) -> None:
         logger.debug("coordinator: %s -> %s", self.state.value, state.value)
@@ -95,14 +107,18 @@ class Coordinator:
             self.close()
 
     def start(self) -> None:
-        """Place the workers, form generation 0 and restore state (checkpoint or rank 0)."""
+        """Start the workers, form generation 0 and restore state (checkpoint or rank 0)."""
         self._prepare()
         self._to(RunState.RUNNING)
         self.recorder.start(self.step)
 
     def close(self) -> None:
-        """Stop the workers and release the placement group."""
-        self._teardown()
+        """Stop every worker and release its placement group."""
+        # Killing the actors releases their process groups with them; a graceful destroy
+        # could block behind a collective that a failed step left running.
+        if self.pool is not None:
+            self.pool.stop_all()
+        self.members, self.joiners, self.store = [], [], None
 
     def _prepare(self) -> None:
         resume: TrainingState | None = None
@@ -113,51 +129,51 @@ class Coordinator:
                 self._check_sampler(resume.sampler, dataset_len=False)
         self._to(RunState.PLACING)
         device = resolve_device(self.cluster.device)
-        self.placement = place(self.cluster.workers, device, timeout_s=self.cluster.placement_timeout_s)
-        workers = self._spawn(device)
+        self.pool = WorkerPool(self.task, self.train, self.cluster, device)
+        self.pool.start(self.target)
+        ready = self.pool.wait_ready(self.cluster.min_workers, self.cluster.placement_timeout_s)
+        if len(ready) < self.cluster.min_workers:
+            raise placement_error(self.cluster.min_workers, len(ready) + self.pool.placed_but_starting(),
+                                  device, self.cluster.placement_timeout_s)
+        while self.pool.placed_but_starting() and len(ready) < self.target:  # placed: nearly ready
+            ready += self.pool.wait_ready(1, self.cluster.placement_timeout_s)
+        self._make_sampler(ready)
         if resume is not None:
             self._check_sampler(resume.sampler)
+        logger.info("%d workers on %s; model has %d parameters; dataset has %d samples, %d steps per epoch",
+                    len(ready), device, ready[0].info.num_params, self.sampler.dataset_len,
+                    self.sampler.steps_per_epoch)
         self._to(RunState.FORMING)
-        self._form(workers)
+        start = time.perf_counter()
+        self._form(ready)
+        self.recorder.event("group_formed", generation=self.generation, world_size=len(ready),
+                            form_s=round(time.perf_counter() - start, 4))
         self._to(RunState.RESTORING)
         if resume is not None:
-            self._restore(resume)
+            self._load(resume, self.members)
+            self.recorder.event("resumed", step=resume.step, saved_world_size=resume.world_size,
+                                world_size=len(self.members))
         else:
-            ray.get([w.broadcast_state.remote(0) for w in self.members.workers])
-        self.recorder.weights("initial", ray.get(self.members.workers[0].model_state.remote()))
+            ray.get([m.actor.broadcast_state.remote(0) for m in self.members])
+        self.recorder.weights("initial", ray.get(self.members[0].actor.model_state.remote()))
 
-    def _spawn(self, device: str) -> list:
-        """Start one worker actor per placement bundle and build the task on each."""
-        actor_cls = remote_worker_class()
-        gpu = 1 if device == "cuda" else 0
-        workers = [actor_cls.options(num_cpus=1, num_gpus=gpu, scheduling_strategy=self.placement.strategy(i))
-                   .remote(device=device, num_threads=1, collective_timeout_s=self.cluster.collective_timeout_s)
-                   for i in range(self.cluster.workers)]
-        self.members = Membership(generation=-1, workers=workers)  # so teardown reaches them
-        infos = ray.get([w.setup.remote(self.task, self.train, i) for i, w in enumerate(workers)])
-        lengths = {info.dataset_len for info in infos}
+    def _make_sampler(self, ready: list[Member]) -> None:
+        lengths = {m.info.dataset_len for m in ready}
         if len(lengths) != 1:
             raise TaskError(f"workers built datasets of different lengths {sorted(lengths)}: the dataset "
                             "factory must build the same dataset on every worker")
         self.sampler = ElasticSampler(lengths.pop(), global_batch=self.train.global_batch, seed=self.train.seed)
-        logger.info("%d workers on %s; model has %d parameters; dataset has %d samples, %d steps per epoch",
-                    len(workers), device, infos[0].num_params, self.sampler.dataset_len,
-                    self.sampler.steps_per_epoch)
-        return workers
 
-    def _form(self, workers: list) -> None:
-        """Form the next generation's collective group over ``workers`` (ranks in list order)."""
-        start = time.perf_counter()
+    def _form(self, members: list[Member]) -> None:
+        """Form the next generation's collective group over ``members`` (ranks in list order)."""
         if self.store is None:
             self.store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True,
                                        wait_for_workers=False, use_libuv=True)
-        generation = self.members.generation + 1
+        self.generation += 1
         host = ray.util.get_node_ip_address()
-        ray.get([w.configure_group.remote(host, self.store.port, generation, rank, len(workers))
-                 for rank, w in enumerate(workers)])
-        self.members = Membership(generation=generation, workers=workers)
-        self.recorder.event("group_formed", generation=generation, world_size=len(workers),
-                            form_s=round(time.perf_counter() - start, 4))
+        ray.get([m.actor.configure_group.remote(host, self.store.port, self.generation, rank, len(members))
+                 for rank, m in enumerate(members)])
+        self.members = list(members)
 
     def _sampler_state(self) -> dict[str, int]:
         return {"seed": self.sampler.seed, "global_batch": self.sampler.global_batch,
@@ -175,67 +191,162 @@ class Coordinator:
                 raise CheckpointError(f"the checkpoint was saved with {key}={saved[key]}, this run has "
                                       f"{value}: {fix} (a run's sample order depends on it)")
 
-    def _restore(self, state: TrainingState) -> None:
-        start = time.perf_counter()
+    def _load(self, state: TrainingState, members: list[Member]) -> None:
         ref = ray.put(state)
-        ray.get([w.load_state.remote(ref) for w in self.members.workers])
+        ray.get([m.actor.load_state.remote(ref) for m in members])
         self.step = state.step
-        self.recorder.event("resumed", step=state.step, saved_world_size=state.world_size,
-                            world_size=self.members.world_size, load_s=round(time.perf_counter() - start, 4))
 
     # -- the step loop ---------------------------------------------------------------------
     def run_steps(self, count: int) -> None:
-        """Run and commit the next ``count`` steps, saving checkpoints when due."""
-        for _ in range(count):
-            self._run_step(self.step)
-            self.step += 1
-            if self.ckpt is not None and self.ckpt_cfg.every and self.step % self.ckpt_cfg.every == 0:
-                self._save_checkpoint()
+        """Run and commit steps until ``count`` more have committed, saving checkpoints when due."""
+        target = self.step + count
+        while self.step < target:
+            self._step_boundary()
+            if self._run_step(self.step):
+                self.step += 1
+                if self.ckpt is not None and self.ckpt_cfg.every and self.step % self.ckpt_cfg.every == 0:
+                    self._save_checkpoint()
 
-    def _finish(self) -> None:
-        if self.ckpt is not None and (not self.ckpt_cfg.every or self.step % self.ckpt_cfg.every):
-            self._save_checkpoint()
-        rank0 = self.members.workers[0]
-        self.recorder.weights("final", ray.get(rank0.model_state.remote()))
-        self.recorder.summary.sample = ray.get(rank0.sample.remote())
+    def _step_boundary(self) -> None:
+        """Between steps: start workers for due join faults, admit the ready ones."""
+        joins = self.faults.joins_due(self.step)
+        if joins:
+            self.target = min(self.cluster.workers, self.target + joins)
+            self.pool.start(joins)
+        self.joiners += self.pool.poll()
+        decision = self.policy.at_step_boundary(self.members, self.joiners)
+        if decision.action is Action.REFORM:
+            self._to(RunState.RESIZING)
+            start = time.monotonic()
+            joined = [m for m in decision.members if m not in self.members]
+            self._change_membership(list(decision.members), source=self.members[0], needs_state=joined)
+            self.recorder.event("membership_changed", cause=decision.reason, generation=self.generation,
+                                world_size=len(self.members), joined=len(joined), lost=0,
+                                reform_s=round(time.monotonic() - start, 4), steps_rerun=0)
+            self._to(RunState.RUNNING)
 
-    def _run_step(self, step: int) -> None:
+    def _dispatch_step(self, step: int) -> StepOutcome:
+        slices = split(self.sampler.batch(step), len(self.members))
+        calls = {}
+        for rank, (member, indices) in enumerate(zip(self.members, slices)):
+            fault = self.faults.take(step, rank, ("forward", "allreduce", "optimizer"))
+            calls[member.actor.step.remote(step, indices, fault)] = member
+        return gather(calls, deadline_s=self.cluster.step_timeout_s, grace_s=self.cluster.abort_grace_s,
+                      abort=self._abort)
+
+    def _abort(self, members: list[Member]) -> None:
+        for m in members:
+            m.actor.abort_group.remote()  # control thread; a hung worker never runs it
+
+    def _run_step(self, step: int) -> bool:
+        """Run ``step`` until it commits; False when the run went back to a checkpoint."""
         start = time.perf_counter()
-        slices = split(self.sampler.batch(step), self.members.world_size)
-        refs = [w.step.remote(step, s) for w, s in zip(self.members.workers, slices)]
-        try:
-            results: list[StepResult] = ray.get(refs, timeout=self.cluster.step_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerError(f"step {step} did not finish within {self.cluster.step_timeout_s:.0f} s: "
-                              "raise --step-timeout if steps are this slow", step=step) from None
-        except ray.exceptions.RayActorError as exc:
-            raise WorkerError(f"a worker died during step {step}: {exc}", step=step) from None
-        if not all(r.committed for r in results):
-            errors = [r.error for r in results if r.error is not None]
-            if errors:
-                raise errors[0]
-            raise WorkerError(f"step {step} did not commit on every worker", step=step)
+        while True:
+            outcome = self._dispatch_step(step)
+            if outcome.committed_everywhere:
+                self._record(step, list(outcome.results.values()), time.perf_counter() - start)
+                return True
+            if outcome.task_errors and not outcome.lost:
+                raise outcome.task_errors[0]
+            committed = self._recover(step, outcome)
+            if committed is None:
+                return False
+            if committed:
+                results = [r for r in outcome.results.values() if r.committed]
+                self._record(step, results, time.perf_counter() - start)
+                return True
+
+    def _record(self, step: int, results: list[StepResult], seconds: float) -> None:
         samples = sum(r.samples for r in results)
         loss = sum(r.loss_sum for r in results) / samples
-        timings = {k: round(max(r.timings[k] for r in results), 6) for k in results[0].timings}
-        self.recorder.step(step=step, loss=loss, samples=samples, step_s=time.perf_counter() - start,
-                           world_size=self.members.world_size, generation=self.members.generation,
-                           timings=timings)
+        timings = {k: round(max(r.timings.get(k, 0.0) for r in results), 6) for k in results[0].timings}
+        # every sample of the step was trained (the gradients of a rank lost after the vote
+        # were in the all-reduce), even when fewer results came back
+        self.recorder.step(step=step, loss=loss, samples=self.train.global_batch, step_s=seconds,
+                           world_size=len(self.members), generation=self.generation, timings=timings)
 
+    # -- failures --------------------------------------------------------------------------
+    def _recover(self, step: int, outcome: StepOutcome) -> bool | None:
+        """Re-form after a failed step. True: the step had committed on a survivor (its state
+        is spread); False: re-run the step; None: restarted from a checkpoint."""
+        self._to(RunState.RECOVERING)
+        start = time.monotonic()
+        lost_ranks = [self.members.index(m) for m in outcome.lost]
+        for member in outcome.lost:
+            self.pool.stop(member)
+        survivors = [m for m in self.members if m not in outcome.lost]
+        committed = [m for m in survivors if outcome.results[m].committed]
+        self.pool.start(self.policy.wanted(len(survivors), len(self.pool.pending) + len(self.joiners)))
+        logger.warning("gen %d step %d: %s; lost ranks %s", self.generation, step, outcome.cause, lost_ranks)
+        waited_since, warned = time.monotonic(), False
+        while True:
+            self.joiners += self.pool.poll()
+            has_ckpt = self.ckpt is not None and self.ckpt.latest() is not None
+            decision = self.policy.after_failure(survivors, self.joiners, waited_s=time.monotonic() - waited_since,
+                                                 has_checkpoint=has_ckpt)
+            if decision.action is Action.WAIT:
+                if not warned:
+                    logger.warning("gen %d step %d: %s", self.generation, step, decision.reason)
+                    warned = True
+                time.sleep(0.2)
+                continue
+            if decision.action is Action.FAIL:
+                raise MembershipError(decision.reason)
+            break
+        if decision.action is Action.RESTORE:
+            state = self.ckpt.load()
+            self._form(list(decision.members))
+            self._load(state, self.members)
+            self._event_changed(outcome, decision.reason, lost_ranks, start, steps_rerun=step - state.step + 1)
+            self._to(RunState.RUNNING)
+            return None
+        members = list(decision.members)
+        source = committed[0] if committed else survivors[0]
+        needs = [m for m in members if m not in survivors or (committed and m not in committed)]
+        self._change_membership(members, source=source, needs_state=needs)
+        self._event_changed(outcome, decision.reason, lost_ranks, start, steps_rerun=0 if committed else 1)
+        self._to(RunState.RUNNING)
+        return bool(committed)
+
+    def _change_membership(self, members: list[Member], *, source: Member, needs_state: list[Member]) -> None:
+        """Form the next generation over ``members`` and copy ``source``'s state to ``needs_state``."""
+        if needs_state:  # through Ray's object store: joiners have no optimizer state to broadcast into
+            ref = source.actor.training_state.remote(self.step, self._sampler_state())
+            ray.get([m.actor.load_state.remote(ref) for m in needs_state])
+        self.joiners = [j for j in self.joiners if j not in members]
+        self._form(members)
+
+    def _event_changed(self, outcome: StepOutcome, reason: str, lost_ranks: list[int], start: float,
+                       steps_rerun: int) -> None:
+        self.recorder.event("membership_changed", cause=outcome.cause, decision=reason,
+                            generation=self.generation, world_size=len(self.members), lost=len(outcome.lost),
+                            lost_ranks=lost_ranks, detect_s=round(outcome.detect_s or 0.0, 4),
+                            reform_s=round(time.monotonic() - start, 4), steps_rerun=steps_rerun)
+
+    # -- checkpoints and the end -----------------------------------------------------------
     def _save_checkpoint(self) -> None:
-        start = time.perf_counter()
-        state = ray.get(self.members.workers[0].training_state.remote(self.step, self._sampler_state()))
+        while True:
+            start = time.perf_counter()
+            fault = self.faults.take(self.step - 1, 0, ("checkpoint",))
+            ref = self.members[0].actor.training_state.remote(self.step, self._sampler_state(), fault)
+            try:
+                state = ray.get(ref)
+                break
+            except ray.exceptions.RayActorError:
+                lost = self.members[0]
+                outcome = StepOutcome(results={m: StepResult(step=self.step - 1, rank=i, generation=self.generation,
+                                                             committed=True)
+                                               for i, m in enumerate(self.members) if m is not lost},
+                                      lost=[lost], cause=f"{lost!r} died while saving a checkpoint", detect_s=0.0)
+                if self._recover(self.step - 1, outcome) is None:
+                    return  # back at a checkpoint: nothing new to save
         path = self.ckpt.save(state)
         self.recorder.event("checkpoint_saved", step=self.step, path=str(path),
                             save_s=round(time.perf_counter() - start, 4))
 
-    def _teardown(self) -> None:
-        # Killing the actors releases their process groups with them; a graceful destroy
-        # could block behind a collective that a failed step left running.
-        for w in self.members.workers:
-            ray.kill(w)
-        self.members = Membership(generation=self.members.generation)
-        if self.placement is not None:
-            self.placement.remove()
-            self.placement = None
-        self.store = None
+    def _finish(self) -> None:
+        if self.ckpt is not None and (not self.ckpt_cfg.every or self.step % self.ckpt_cfg.every):
+            self._save_checkpoint()
+        rank0 = self.members[0].actor
+        self.recorder.weights("final", ray.get(rank0.model_state.remote()))
+        self.recorder.summary.sample = ray.get(rank0.sample.remote())

@@ -1,0 +1,128 @@
+"""The worker pool: starting, tracking and stopping worker actors on the Ray cluster.
+
+Each worker gets a placement group of its own (one bundle), so the pool can grow and
+shrink one worker at a time: a failed worker's bundle is released, a new request waits in
+Ray until the cluster has room. ``poll()`` reports which started workers are built and
+ready to join.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .actor import remote_worker_class
+from .config import ClusterConfig, TrainConfig
+from .errors import PlacementError
+from .messages import WorkerInfo
+from .placement import worker_bundle
+from .task import Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Member:
+    """One worker actor and its placement group."""
+
+    id: int
+    group: PlacementGroup
+    actor: object | None = None
+    setup_ref: object | None = None
+    placed_ref: object | None = None
+    info: WorkerInfo | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    def __repr__(self) -> str:
+        return f"worker-{self.id}"
+
+
+class WorkerPool:
+    """Starts workers in the background and hands out the ones that are ready."""
+
+    def __init__(self, task: Task, train: TrainConfig, cluster: ClusterConfig, device: str) -> None:
+        self.task, self.train, self.cluster, self.device = task, train, cluster, device
+        self._ids = itertools.count()
+        self._cls = remote_worker_class()
+        self.pending: list[Member] = []   # placement or setup not finished
+        self.ready: list[Member] = []     # built, not yet a member of a generation
+        self.all: list[Member] = []
+
+    def start(self, count: int) -> None:
+        """Request ``count`` more workers; they become ready when placed and built."""
+        for _ in range(count):
+            member = Member(id=next(self._ids), group=placement_group([worker_bundle(self.device)]))
+            member.placed_ref = member.group.ready()
+            self.pending.append(member)
+            self.all.append(member)
+
+    def poll(self) -> list[Member]:
+        """Advance pending workers; return the ones ready to join (and forget them here)."""
+        for member in list(self.pending):
+            if member.actor is None:
+                if not ray.wait([member.placed_ref], timeout=0)[0]:
+                    continue
+                gpu = 1 if self.device == "cuda" else 0
+                member.actor = self._cls.options(
+                    num_cpus=1, num_gpus=gpu, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=member.group,
+                                                                         placement_group_bundle_index=0),
+                ).remote(device=self.device, num_threads=1, collective_timeout_s=self.cluster.collective_timeout_s)
+                member.setup_ref = member.actor.setup.remote(self.task, self.train, member.id)
+            done, _ = ray.wait([member.setup_ref], timeout=0)
+            if done:
+                self.pending.remove(member)
+                try:
+                    member.info = ray.get(member.setup_ref)
+                except ray.exceptions.RayActorError as exc:
+                    logger.warning("%r died while starting: %s", member, exc)
+                    self.stop(member)
+                    continue  # task errors (TaskError) propagate
+                self.ready.append(member)
+        ready, self.ready = self.ready, []
+        return ready
+
+    def wait_ready(self, count: int, timeout_s: float) -> list[Member]:
+        """Block until ``count`` workers are ready or ``timeout_s`` passes; return the ready ones."""
+        deadline = time.monotonic() + timeout_s
+        ready: list[Member] = []
+        while True:
+            ready += self.poll()
+            if len(ready) >= count or time.monotonic() >= deadline:
+                return ready
+            time.sleep(0.05)
+
+    def placed_but_starting(self) -> int:
+        return sum(1 for m in self.pending if m.actor is not None)
+
+    def stop(self, member: Member) -> None:
+        """Kill the worker and release its bundle."""
+        if member.actor is not None:
+            ray.kill(member.actor, no_restart=True)
+        remove_placement_group(member.group)
+        for lst in (self.pending, self.ready):
+            if member in lst:
+                lst.remove(member)
+
+    def stop_all(self) -> None:
+        for member in self.all:
+            try:
+                self.stop(member)
+            except Exception as exc:  # already gone
+                logger.debug("stopping %r: %s", member, exc)
+        self.all.clear()
+
+
+def placement_error(wanted: int, placed: int, device: str, timeout_s: float) -> PlacementError:
+    bundle = worker_bundle(device)
+    total = int(min(ray.cluster_resources().get(k, 0) // v for k, v in bundle.items()))
+    return PlacementError(
+        f"could not place {wanted} workers ({bundle} each) within {timeout_s:.0f} s: {placed} were "
+        f"placed and the cluster has room for {total} in all. Lower --workers (or MIN in "
+        "--workers MIN:MAX), free or add capacity, or raise --placement-timeout")
