@@ -68,7 +68,7 @@ def gather(calls: dict[object, Member], *, deadline_s: float, grace_s: float,
         if not aborted and pending:
             abort(list(pending.values()))
             aborted = True
-            deadline = min(deadline, time.monotonic() + grace_s)
+            deadline = time.monotonic() + grace_s
 
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,63 @@
+"""Elastic membership: kills, hangs and joins end where the uninterrupted run ends.
+
+Every run here is compared with an uninterrupted run of the same task from the same
+initial weights, replayed in plain PyTorch (tests.reference.replay). The tolerance is
+the one of test_sync_equivalence (float32 reduction order); a skipped, repeated or
+half-applied step moves parameters by far more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
+from tests.reference import max_abs_diff, replay
+from tests.tasks import TINY_GPT_TASK
+
+TOL = 2e-5
+
+
+def _run(tmp_path, workers, inject, *, steps=6, min_workers=None, checkpoint=None, **cluster):
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=steps)
+    summary = Trainer(TINY_GPT_TASK, train=config,
+                      cluster=ClusterConfig(workers=workers, min_workers=min_workers, **cluster),
+                      checkpoint=checkpoint, out_dir=str(tmp_path), progress=False, inject=inject).fit()
+    expected = replay(TINY_GPT_TASK, config, str(tmp_path / "initial.safetensors"))
+    diff = max_abs_diff(load_file(tmp_path / "final.safetensors"), expected)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return summary, diff, events, metrics
+
+
+@pytest.mark.parametrize("phase", ["forward", "allreduce", "optimizer"])
+def test_kill_in_a_phase_reforms_in_place_and_ends_where_the_uninterrupted_run_ends(ray_cluster, tmp_path, phase):
+    summary, diff, events, metrics = _run(tmp_path, 3, [f"kill:step=2:rank=1:phase={phase}"], min_workers=2)
+    assert diff < TOL
+    changes = [e for e in events if e["kind"] == "membership_changed"]
+    assert changes and changes[0]["lost_ranks"] == [1] and changes[0]["generation"] == 1
+    assert changes[0]["steps_rerun"] == (0 if phase == "optimizer" else 1)
+    assert [m["step"] for m in metrics] == list(range(6))
+    assert summary.samples == 6 * TINY_GPT_TASK.defaults.global_batch
+    assert metrics[1]["generation"] == 0 and metrics[-1]["generation"] >= 1
+
+
+def test_kill_while_saving_a_checkpoint(ray_cluster, tmp_path):
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2)
+    _, diff, events, _ = _run(tmp_path / "out", 2, ["kill:step=3:rank=0:phase=checkpoint"], min_workers=1,
+                              checkpoint=ckpt)
+    assert diff < TOL
+    saved = [e["step"] for e in events if e["kind"] == "checkpoint_saved"]
+    assert saved == [2, 4, 6]
+    assert any(e["kind"] == "membership_changed" for e in events)
+
+
+def test_hang_is_found_by_the_deadline_and_the_worker_replaced(ray_cluster, tmp_path):
+    summary, diff, events, _ = _run(tmp_path, 2, ["hang:step=1:rank=1"], step_timeout_s=4.0, abort_grace_s=2.0)
+    assert diff < TOL
+    change = next(e for e in events if e["kind"] == "membership_changed")
+    assert "deadline" in change["cause"] and change["lost_ranks"] == [1]
+    assert 3.9 <= change["detect_s"] < 5.0  # found by the 4 s deadline, not later
