@@ -210,9 +210,10 @@ class Coordinator:
     def _step_boundary(self) -> None:
         """Between steps: start workers for due join faults, admit the ready ones."""
         joins = self.faults.joins_due(self.step)
-        if joins:
+        if joins:  # an injected join happens at its step: wait for the worker to be ready
             self.target = min(self.cluster.workers, self.target + joins)
             self.pool.start(joins)
+            self.joiners += self.pool.wait_ready(joins, self.cluster.placement_timeout_s)
         self.joiners += self.pool.poll()
         decision = self.policy.at_step_boundary(self.members, self.joiners)
         if decision.action is Action.REFORM:

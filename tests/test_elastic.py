@@ -61,3 +61,24 @@ def test_hang_is_found_by_the_deadline_and_the_worker_replaced(ray_cluster, tmp_
     change = next(e for e in events if e["kind"] == "membership_changed")
     assert "deadline" in change["cause"] and change["lost_ranks"] == [1]
     assert 3.9 <= change["detect_s"] < 5.0  # found by the 4 s deadline, not later
+
+
+def test_join_takes_state_from_a_survivor_and_ends_at_the_same_parameters(ray_cluster, tmp_path):
+    summary, diff, events, metrics = _run(tmp_path, 3, ["join:step=2"], min_workers=2, steps=8)
+    assert diff < TOL
+    join = next(e for e in events if e["kind"] == "membership_changed")
+    assert join["joined"] == 1 and join["world_size"] == 3 and join["lost"] == 0
+    assert metrics[0]["world_size"] == 2 and metrics[-1]["world_size"] == 3
+    assert summary.samples == 8 * TINY_GPT_TASK.defaults.global_batch
+
+
+def test_five_kills_and_joins_in_one_run(ray_cluster, tmp_path):
+    inject = ["kill:step=1:rank=0", "join:step=2", "kill:step=3:rank=1:phase=allreduce",
+              "kill:step=5:rank=0:phase=optimizer", "join:step=6", "kill:step=7:rank=1"]
+    summary, diff, events, metrics = _run(tmp_path, 4, inject, min_workers=1, steps=10)  # starts with 2
+    assert diff < TOL
+    changes = [e for e in events if e["kind"] == "membership_changed"]
+    assert sum(e["lost"] for e in changes) == 4 and len(changes) >= 5
+    assert [m["step"] for m in metrics] == list(range(10))
+    assert summary.samples == 10 * TINY_GPT_TASK.defaults.global_batch
+    assert sum(m["samples"] for m in metrics) == summary.samples
