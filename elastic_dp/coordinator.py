@@ -296,9 +296,11 @@ class Coordinator:
             break
         if decision.action is Action.RESTORE:
             state = self.ckpt.load()
+            self.joiners = [j for j in self.joiners if j not in decision.members]
             self._form(list(decision.members))
             self._load(state, self.members)
-            self._event_changed(outcome, decision.reason, lost_ranks, start, steps_rerun=step - state.step + 1)
+            self._event_changed(outcome, decision.reason, lost_ranks, start, steps_rerun=step - state.step + 1,
+                                kind="restored_from_checkpoint", step=state.step)
             self._to(RunState.RUNNING)
             return None
         members = list(decision.members)
@@ -318,8 +320,8 @@ class Coordinator:
         self._form(members)
 
     def _event_changed(self, outcome: StepOutcome, reason: str, lost_ranks: list[int], start: float,
-                       steps_rerun: int) -> None:
-        self.recorder.event("membership_changed", cause=outcome.cause, decision=reason,
+                       steps_rerun: int, kind: str = "membership_changed", **extra) -> None:
+        self.recorder.event(kind, **extra, cause=outcome.cause, decision=reason,
                             generation=self.generation, world_size=len(self.members), lost=len(outcome.lost),
                             lost_ranks=lost_ranks, detect_s=round(outcome.detect_s or 0.0, 4),
                             reform_s=round(time.monotonic() - start, 4), steps_rerun=steps_rerun)

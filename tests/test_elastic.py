@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import threading
+import time
 
 import pytest
 from safetensors.torch import load_file
@@ -73,12 +76,76 @@ def test_join_takes_state_from_a_survivor_and_ends_at_the_same_parameters(ray_cl
 
 
 def test_five_kills_and_joins_in_one_run(ray_cluster, tmp_path):
-    inject = ["kill:step=1:rank=0", "join:step=2", "kill:step=3:rank=1:phase=allreduce",
-              "kill:step=5:rank=0:phase=optimizer", "join:step=6", "kill:step=7:rank=1"]
-    summary, diff, events, metrics = _run(tmp_path, 4, inject, min_workers=1, steps=10)  # starts with 2
+    # Starts with 2 workers (4 minus the 2 held back for the joins). Every kill leaves a
+    # survivor even if no replacement is ready in time; replacements join when ready.
+    inject = ["kill:step=1:rank=0", "join:step=2", "kill:step=3:rank=1:phase=allreduce", "join:step=4",
+              "kill:step=5:rank=0:phase=optimizer"]
+    summary, diff, events, metrics = _run(tmp_path, 4, inject, min_workers=1, steps=8)
     assert diff < TOL
     changes = [e for e in events if e["kind"] == "membership_changed"]
-    assert sum(e["lost"] for e in changes) == 4 and len(changes) >= 5
-    assert [m["step"] for m in metrics] == list(range(10))
-    assert summary.samples == 10 * TINY_GPT_TASK.defaults.global_batch
+    assert sum(e["lost"] for e in changes) == 3 and sum(e.get("joined", 0) for e in changes) >= 2
+    assert len(changes) >= 5
+    assert [m["step"] for m in metrics] == list(range(8))
+    assert summary.samples == 8 * TINY_GPT_TASK.defaults.global_batch
     assert sum(m["samples"] for m in metrics) == summary.samples
+    assert _worker_processes_gone(), "worker actor processes outlived the run"
+
+
+def _worker_processes_gone(timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if b"WorkerActor" in open(f"/proc/{pid}/cmdline", "rb").read():
+                    alive.append(pid)
+            except OSError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_below_min_waits_for_capacity_then_fails_clearly(ray_cluster, tmp_path):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from elastic_dp.coordinator import MembershipError
+
+    free = int(ray_cluster.available_resources().get("CPU", 0))
+    # Leave room for exactly the 2 workers; once they are placed, queue a request for the
+    # next free CPU, so the CPU a dead worker frees goes to it (Ray places pending groups
+    # in order) and no replacement can be placed.
+    held = placement_group([{"CPU": 1}] * (free - 2))
+    ray_cluster.get(held.ready(), timeout=30)
+    queued = []
+
+    def queue_when_full():
+        deadline = time.monotonic() + 60
+        while ray_cluster.available_resources().get("CPU", 0) > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        queued.append(placement_group([{"CPU": 1}]))
+
+    thread = threading.Thread(target=queue_when_full)
+    thread.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(MembershipError, match=r"only 1 workers available after waiting 3 s.*MIN in --workers MIN:MAX"):
+            _run(tmp_path, 2, ["kill:step=2:rank=1"], min_wait_timeout_s=3.0)
+        assert time.monotonic() - start >= 3.0
+        events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+        assert not any(e["kind"] == "membership_changed" for e in events)
+    finally:
+        thread.join()
+        for group in [*queued, held]:
+            remove_placement_group(group)
+
+
+def test_all_workers_lost_restarts_from_the_latest_checkpoint(ray_cluster, tmp_path):
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2)
+    summary, diff, events, metrics = _run(tmp_path / "out", 2, ["kill:step=3:rank=0", "kill:step=3:rank=1"],
+                                          checkpoint=ckpt)
+    assert diff < TOL
+    restored = [e for e in events if e["kind"] == "restored_from_checkpoint"]
+    assert len(restored) == 1 and restored[0]["step"] == 2 and restored[0]["steps_rerun"] == 2
+    assert [m["step"] for m in metrics] == [0, 1, 2, 2, 3, 4, 5]  # steps 2 and 3 re-run after the restore
