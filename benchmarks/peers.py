@@ -85,3 +85,55 @@ class ReduceWorker:
 def remote(cls):
     """``cls`` as a Ray actor class holding one CPU slot."""
     return ray.remote(num_cpus=1)(cls)
+
+
+def ray_train_loop(config: dict) -> None:
+    """The GPT job as a Ray Train v2 ``TorchTrainer`` loop: DDP, a checkpoint every
+    ``config["every"]`` steps, resume from the latest one after a restart, and one
+    SIGKILL of rank 1 at the start of ``config["crash_step"]`` (marker file: once per run).
+    Rank 0 logs ``step time`` per committed step to ``config["log"]``."""
+    import os
+    import signal
+    import tempfile
+
+    import ray.train
+    import ray.train.torch
+
+    from elastic_dp import ElasticSampler, split
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(TASK.defaults.seed)
+    model, dataset = TASK.model(), TASK.dataset()
+    optimizer = TASK.optimizer(model)
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+    ddp = ray.train.torch.prepare_model(model)
+    sampler = ElasticSampler(len(dataset), global_batch=TASK.defaults.global_batch, seed=TASK.defaults.seed)
+    for step in range(start, config["steps"]):
+        if step == config["crash_step"] and rank == 1 and not os.path.exists(config["marker"]):
+            with open(config["marker"], "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        indices = split(sampler.batch(step), world)[rank]
+        optimizer.zero_grad()
+        TASK.loss(ddp, TASK.collate([dataset[int(i)] for i in indices])).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), TASK.defaults.clip_grad_norm)
+        optimizer.step()
+        if rank == 0:
+            with open(config["log"], "a") as f:
+                f.write(f"{step} {time.time()}\n")
+        if (step + 1) % config["every"] == 0:
+            with tempfile.TemporaryDirectory() as d:
+                if rank == 0:
+                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                "step": step + 1}, os.path.join(d, "state.pt"))
+                ray.train.report({"step": step},
+                                 checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)

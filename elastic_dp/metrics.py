@@ -4,8 +4,8 @@ With an output directory ``DIR`` a run writes::
 
     DIR/initial.safetensors   model state before the first step of this run
     DIR/final.safetensors     model state after the last step
-    DIR/metrics.jsonl         one line per committed step: step, loss, samples,
-                              step_s, world_size, generation (and worker timings)
+    DIR/metrics.jsonl         one line per committed step: step, time (of the commit),
+                              loss, samples, step_s, world_size, generation (and worker timings)
     DIR/events.jsonl          membership and checkpoint events, timestamped
 
 Progress is a tqdm bar when stderr is a terminal, otherwise a log line every few steps.
@@ -102,7 +102,7 @@ class RunRecorder:
 
     def step(self, *, step: int, loss: float, samples: int, step_s: float, world_size: int,
              generation: int, timings: dict[str, float] | None = None) -> None:
-        record = {"step": step, "loss": loss, "samples": samples, "step_s": step_s,
+        record = {"step": step, "time": time.time(), "loss": loss, "samples": samples, "step_s": step_s,
                   "world_size": world_size, "generation": generation, **(timings or {})}
         self._append("metrics.jsonl", record)
         s = self.summary

@@ -1,0 +1,100 @@
+"""Recovery from a worker crash: elastic_dp against Ray Train v2's TorchTrainer, in one run.
+
+Both train the GPT of jobs/gpt.py on 2 CPU workers (global batch 32, no micro-batching)
+for ``--steps`` steps with a durable checkpoint every ``--every`` steps, and rank 1 is
+SIGKILLed at the start of step ``--crash-step``. Measured for each:
+
+- to the next commit: wall time from the commit of the last step before the kill to the
+  next commit of any step (it includes one step's compute; the median step time is given
+  alongside);
+- to the crash step's commit: from the same point to the commit of the step that was
+  interrupted, i.e. until the run makes new progress;
+- steps lost: committed steps that had to be trained again.
+
+elastic_dp re-forms its group in place over the survivor (and a replacement when ready);
+Ray Train restarts every worker from the latest checkpoint.
+
+    .venv/bin/python -m benchmarks.bench_recovery --steps 30 --every 8 --crash-step 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import ray
+
+from benchmarks.peers import ray_train_loop
+from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
+from jobs.gpt import TASK
+
+
+def _recovery(entries: list[tuple[int, float]], crash_step: int) -> dict:
+    """Figures from the commits ``(step, time)`` in the order they happened (a restarted
+    run commits some steps twice)."""
+    last = next(i for i, (step, _) in enumerate(entries) if step == crash_step - 1)  # before the kill
+    before = entries[last][1]
+    next_step, next_time = entries[last + 1]
+    progress = next(t for s, t in entries[last + 1:] if s == crash_step)
+    gaps = [b[1] - a[1] for a, b in zip(entries, entries[1:]) if b[0] == a[0] + 1 and b[0] != crash_step]
+    return {"to_next_commit_s": next_time - before, "to_crash_step_commit_s": progress - before,
+            "steps_lost": crash_step - next_step, "median_step_s": statistics.median(gaps)}
+
+
+def bench_elastic_dp(args: argparse.Namespace, work: Path) -> dict:
+    config = dataclasses.replace(TASK.defaults, steps=args.steps, micro_batch=None, warmup_steps=0)
+    Trainer(TASK, train=config, cluster=ClusterConfig(workers=2, min_workers=1),
+            checkpoint=CheckpointConfig(dir=str(work / "edp-ckpt"), every=args.every),
+            out_dir=str(work / "edp"), progress=False,
+            inject=[f"kill:step={args.crash_step}:rank=1"]).fit()
+    metrics = [json.loads(line) for line in (work / "edp" / "metrics.jsonl").read_text().splitlines()]
+    change = next(json.loads(line) for line in (work / "edp" / "events.jsonl").read_text().splitlines()
+                  if json.loads(line)["kind"] == "membership_changed")
+    return {**_recovery([(m["step"], m["time"]) for m in metrics], args.crash_step),
+            "detect_s": change["detect_s"], "reform_s": change["reform_s"]}
+
+
+def bench_ray_train(args: argparse.Namespace, work: Path) -> dict:
+    from ray.train import CheckpointConfig as RTCheckpointConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    log, marker = work / "rt.log", work / "rt.crashed"  # marker: the crash happens once
+    trainer = TorchTrainer(
+        ray_train_loop,
+        train_loop_config={"steps": args.steps, "every": args.every, "crash_step": args.crash_step,
+                           "log": str(log), "marker": str(marker)},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="bench", storage_path=str(work / "rt-storage"),
+                             failure_config=FailureConfig(max_failures=2),
+                             checkpoint_config=RTCheckpointConfig(num_to_keep=2)))
+    trainer.fit()
+    entries = [(int(s), float(t)) for s, t in (line.split() for line in log.read_text().splitlines())]
+    return _recovery(entries, args.crash_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--every", type=int, default=8)
+    parser.add_argument("--crash-step", type=int, default=20)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="edp-recovery-", dir="/tmp"))
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=str(work / "ray"),
+             log_to_driver=False)
+    try:
+        result = {"steps": args.steps, "checkpoint_every": args.every, "crash_step": args.crash_step,
+                  "elastic_dp": bench_elastic_dp(args, work), "ray_train_v2": bench_ray_train(args, work)}
+    finally:
+        ray.shutdown()
+    for key in ("to_next_commit_s", "to_crash_step_commit_s"):
+        result[f"ratio_{key}"] = result["ray_train_v2"][key] / result["elastic_dp"][key]
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
