@@ -9,7 +9,9 @@ SIGKILLed at the start of step ``--crash-step``. Measured for each:
   alongside);
 - to the crash step's commit: from the same point to the commit of the step that was
   interrupted, i.e. until the run makes new progress;
-- steps lost: committed steps that had to be trained again.
+- steps lost: committed steps that had to be trained again;
+- for elastic_dp, how long its replacement worker took from being built to the commit of
+  its first step (target: within one step).
 
 elastic_dp re-forms its group in place over the survivor (and a replacement when ready);
 Ray Train restarts every worker from the latest checkpoint.
@@ -52,10 +54,16 @@ def bench_elastic_dp(args: argparse.Namespace, work: Path) -> dict:
             out_dir=str(work / "edp"), progress=False,
             inject=[f"kill:step={args.crash_step}:rank=1"]).fit()
     metrics = [json.loads(line) for line in (work / "edp" / "metrics.jsonl").read_text().splitlines()]
-    change = next(json.loads(line) for line in (work / "edp" / "events.jsonl").read_text().splitlines()
-                  if json.loads(line)["kind"] == "membership_changed")
-    return {**_recovery([(m["step"], m["time"]) for m in metrics], args.crash_step),
-            "detect_s": change["detect_s"], "reform_s": change["reform_s"]}
+    events = [json.loads(line) for line in (work / "edp" / "events.jsonl").read_text().splitlines()]
+    change = next(e for e in events if e["kind"] == "membership_changed")
+    figures = {**_recovery([(m["step"], m["time"]) for m in metrics], args.crash_step),
+               "detect_s": change["detect_s"], "reform_s": change["reform_s"]}
+    join = next((e for e in events if e["kind"] == "membership_changed" and e.get("joined")), None)
+    if join is not None:  # the replacement: from built to its first committed step
+        ready = join["time"] - join["ready_to_join_s"]
+        first = min(m["time"] for m in metrics if m["time"] > join["time"])
+        figures["replacement_ready_to_first_commit_s"] = first - ready
+    return figures
 
 
 def bench_ray_train(args: argparse.Namespace, work: Path) -> dict:

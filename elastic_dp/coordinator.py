@@ -223,7 +223,8 @@ class Coordinator:
             self._change_membership(list(decision.members), source=self.members[0], needs_state=joined)
             self.recorder.event("membership_changed", cause=decision.reason, generation=self.generation,
                                 world_size=len(self.members), joined=len(joined), lost=0,
-                                reform_s=round(time.monotonic() - start, 4), steps_rerun=0)
+                                reform_s=round(time.monotonic() - start, 4), steps_rerun=0,
+                                ready_to_join_s=round(time.time() - min(m.info.ready_time for m in joined), 4))
             self._to(RunState.RUNNING)
 
     def _dispatch_step(self, step: int) -> StepOutcome:

@@ -33,3 +33,5 @@ class WorkerInfo:
     dataset_len: int
     num_params: int
     param_bytes: int
+    ready_time: float = 0.0
+    """Wall-clock time at which the worker finished building its task (ready to join)."""

@@ -68,7 +68,8 @@ class Replica:
         params = list(self.model.parameters())
         return WorkerInfo(rank_hint=rank_hint, node_ip=node_ip, device=str(self.device),
                           dataset_len=len(self.dataset), num_params=sum(p.numel() for p in params),
-                          param_bytes=sum(p.numel() * p.element_size() for p in params))
+                          param_bytes=sum(p.numel() * p.element_size() for p in params),
+                          ready_time=time.time())
 
     # -- state ---------------------------------------------------------------------------
     def broadcast_state(self, src: int) -> None:
