@@ -1,13 +1,15 @@
 """elastic_dp: elastic data-parallel training for PyTorch on Ray.
 
-Public names: ``Trainer``, ``Task``, the config dataclasses, ``ElasticSampler`` and the
-exception classes. Everything else is internal.
+Public names: ``Trainer``, ``Task``, the config dataclasses, ``ElasticSampler``, ``Fault``
+(fault injection) and the exception classes. Everything else is internal.
 """
 
 from .api import Trainer
 from .config import CheckpointConfig, ClusterConfig, TrainConfig
 from .data import ElasticSampler, split
-from .errors import CheckpointError, ConfigError, ElasticDPError, PlacementError, TaskError, WorkerError
+from .errors import (CheckpointError, CollectiveError, ConfigError, ElasticDPError, MembershipError,
+                     PlacementError, TaskError, WorkerError)
+from .faults import Fault
 from .metrics import RunSummary
 from .task import Task, load_task
 
@@ -15,4 +17,5 @@ __all__ = [
     "Trainer", "Task", "load_task", "TrainConfig", "ClusterConfig", "CheckpointConfig",
     "ElasticSampler", "split", "RunSummary",
     "ElasticDPError", "ConfigError", "TaskError", "PlacementError", "CheckpointError", "WorkerError",
+    "CollectiveError", "MembershipError", "Fault",
 ]

@@ -37,11 +37,11 @@ class WorkerActor:
                                      timeout_s=collective_timeout_s)
         self.replica: Replica | None = None
 
-    def setup(self, task: Task, config: TrainConfig, rank_hint: int) -> WorkerInfo:
+    def setup(self, task: Task, config: TrainConfig, worker_id: int) -> WorkerInfo:
         """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
         self.replica = Replica(task, config, self.device, self.group)
         self._names = {id(p): n for n, p in self.replica.model.named_parameters()}
-        return self.replica.info(rank_hint, ray.util.get_node_ip_address())
+        return self.replica.info(worker_id, ray.util.get_node_ip_address())
 
     def pid(self) -> int:
         return os.getpid()

@@ -30,7 +30,7 @@ from .checkpoint import CheckpointStore, TrainingState
 from .config import CheckpointConfig, ClusterConfig, TrainConfig, check_batch_fits
 from .data import ElasticSampler, split
 from .dispatch import StepOutcome, gather
-from .errors import CheckpointError, ConfigError, ElasticDPError, TaskError
+from .errors import CheckpointError, ConfigError, MembershipError, TaskError
 from .faults import Fault, FaultPlan
 from .messages import StepResult
 from .metrics import RunRecorder, RunSummary
@@ -40,10 +40,6 @@ from .pool import Member, WorkerPool, placement_error
 from .task import Task
 
 logger = logging.getLogger(__name__)
-
-
-class MembershipError(ElasticDPError):
-    """The run cannot keep enough workers alive; the message says what to change."""
 
 
 class RunState(enum.Enum):

@@ -24,6 +24,10 @@ class PlacementError(ElasticDPError):
     """The cluster cannot place the requested workers within the placement timeout."""
 
 
+class MembershipError(ElasticDPError):
+    """The run cannot keep enough workers alive; the message says what to change."""
+
+
 class CheckpointError(ElasticDPError):
     """A checkpoint cannot be written, found, or trusted (missing file, bad checksum)."""
 

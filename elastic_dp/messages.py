@@ -27,7 +27,7 @@ class StepResult:
 class WorkerInfo:
     """What a worker reports after building its task."""
 
-    rank_hint: int
+    worker_id: int
     node_ip: str
     device: str
     dataset_len: int

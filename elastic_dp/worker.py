@@ -64,9 +64,9 @@ class Replica:
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.strategy: Strategy = Replicated(self.model, self.optimizer, group, config)
 
-    def info(self, rank_hint: int, node_ip: str) -> WorkerInfo:
+    def info(self, worker_id: int, node_ip: str) -> WorkerInfo:
         params = list(self.model.parameters())
-        return WorkerInfo(rank_hint=rank_hint, node_ip=node_ip, device=str(self.device),
+        return WorkerInfo(worker_id=worker_id, node_ip=node_ip, device=str(self.device),
                           dataset_len=len(self.dataset), num_params=sum(p.numel() for p in params),
                           param_bytes=sum(p.numel() * p.element_size() for p in params),
                           ready_time=time.time())

@@ -30,3 +30,23 @@ def test_lr_factor_warmup_and_linear_scaling():
     config = TrainConfig(global_batch=64, warmup_steps=4, lr_reference_batch=32)
     assert [config.lr_factor(s) for s in range(6)] == [0.5, 1.0, 1.5, 2.0, 2.0, 2.0]
     assert TrainConfig().lr_factor(0) == 1.0
+
+
+@pytest.mark.parametrize("spec", ["kill:step=2", "kill:step=x:rank=1", "explode:step=1:rank=0",
+                                  "kill:step=1:rank=0:phase=lunch", "join:step=2:rank=1", "hang:rank=1"])
+def test_bad_fault_specs_name_the_flag(spec):
+    from elastic_dp import Fault
+
+    with pytest.raises(ConfigError, match="--inject"):
+        Fault.parse(spec)
+
+
+def test_fault_specs_and_worker_ranges_parse():
+    from elastic_dp import Fault
+    from elastic_dp.cli import _worker_range
+
+    assert Fault.parse("kill:step=3:rank=1:phase=allreduce") == Fault("kill", 3, 1, "allreduce")
+    assert Fault.parse("join:step=4") == Fault("join", 4)
+    assert _worker_range("2:5") == (2, 5) and _worker_range("3") == (3, 3)
+    with pytest.raises(ConfigError, match="MIN:MAX"):
+        ClusterConfig(workers=2, min_workers=3)

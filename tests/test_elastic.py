@@ -110,7 +110,7 @@ def _worker_processes_gone(timeout_s: float = 15.0) -> bool:
 def test_below_min_waits_for_capacity_then_fails_clearly(ray_cluster, tmp_path):
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from elastic_dp.coordinator import MembershipError
+    from elastic_dp import MembershipError
 
     free = int(ray_cluster.available_resources().get("CPU", 0))
     # Leave room for exactly the 2 workers; once they are placed, queue a request for the
