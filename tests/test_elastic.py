@@ -58,8 +58,10 @@ def test_kill_while_saving_a_checkpoint(ray_cluster, tmp_path):
     assert any(e["kind"] == "membership_changed" for e in events)
 
 
-def test_hang_is_found_by_the_deadline_and_the_worker_replaced(ray_cluster, tmp_path):
-    summary, diff, events, _ = _run(tmp_path, 2, ["hang:step=1:rank=1"], step_timeout_s=4.0, abort_grace_s=2.0)
+@pytest.mark.parametrize("phase", ["forward", "allreduce"])  # outside and inside a collective
+def test_hang_is_found_by_the_deadline_and_the_worker_replaced(ray_cluster, tmp_path, phase):
+    summary, diff, events, _ = _run(tmp_path, 2, [f"hang:step=1:rank=1:phase={phase}"], step_timeout_s=4.0,
+                                    abort_grace_s=2.0)
     assert diff < TOL
     change = next(e for e in events if e["kind"] == "membership_changed")
     assert "deadline" in change["cause"] and change["lost_ranks"] == [1]
