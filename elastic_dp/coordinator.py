@@ -35,7 +35,7 @@ from .faults import Fault, FaultPlan
 from .messages import StepResult
 from .metrics import RunRecorder, RunSummary
 from .placement import resolve_device
-from .policy import Action, ElasticPolicy
+from .policy import Action, ElasticPolicy, MembershipDecision
 from .pool import Member, WorkerPool, placement_error
 from .task import Task
 
@@ -276,21 +276,7 @@ class Coordinator:
         committed = [m for m in survivors if outcome.results[m].committed]
         self.pool.start(self.policy.wanted(len(survivors), len(self.pool.pending) + len(self.joiners)))
         logger.warning("gen %d step %d: %s; lost ranks %s", self.generation, step, outcome.cause, lost_ranks)
-        waited_since, warned = time.monotonic(), False
-        while True:
-            self.joiners += self.pool.poll()
-            has_ckpt = self.ckpt is not None and self.ckpt.latest() is not None
-            decision = self.policy.after_failure(survivors, self.joiners, waited_s=time.monotonic() - waited_since,
-                                                 has_checkpoint=has_ckpt)
-            if decision.action is Action.WAIT:
-                if not warned:
-                    logger.warning("gen %d step %d: %s", self.generation, step, decision.reason)
-                    warned = True
-                time.sleep(0.2)
-                continue
-            if decision.action is Action.FAIL:
-                raise MembershipError(decision.reason)
-            break
+        decision = self._decide_after_failure(step, survivors)
         if decision.action is Action.RESTORE:
             state = self.ckpt.load()
             self.joiners = [j for j in self.joiners if j not in decision.members]
@@ -303,10 +289,34 @@ class Coordinator:
         members = list(decision.members)
         source = committed[0] if committed else survivors[0]
         needs = [m for m in members if m not in survivors or (committed and m not in committed)]
-        self._change_membership(members, source=source, needs_state=needs)
+        try:
+            self._change_membership(members, source=source, needs_state=needs)
+        except ray.exceptions.RayActorError as exc:
+            # Some members may already hold the source's state and others not; rather than
+            # guess, stop here: committed checkpoints are intact.
+            raise MembershipError(f"a worker failed while generation {self.generation + 1} was being formed "
+                                  f"({exc.__class__.__name__}); restart with --resume to continue from the "
+                                  "latest checkpoint") from None
         self._event_changed(outcome, decision.reason, lost_ranks, start, steps_rerun=0 if committed else 1)
         self._to(RunState.RUNNING)
         return bool(committed)
+
+    def _decide_after_failure(self, step: int, survivors: list[Member]) -> MembershipDecision:
+        """Ask the policy until it stops saying WAIT; raise when it says FAIL."""
+        waited_since, warned = time.monotonic(), False
+        while True:
+            self.joiners += self.pool.poll()
+            has_ckpt = self.ckpt is not None and self.ckpt.latest() is not None
+            decision = self.policy.after_failure(survivors, self.joiners, waited_s=time.monotonic() - waited_since,
+                                                 has_checkpoint=has_ckpt)
+            if decision.action is Action.FAIL:
+                raise MembershipError(decision.reason)
+            if decision.action is not Action.WAIT:
+                return decision
+            if not warned:
+                logger.warning("gen %d step %d: %s", self.generation, step, decision.reason)
+                warned = True
+            time.sleep(0.2)
 
     def _change_membership(self, members: list[Member], *, source: Member, needs_state: list[Member]) -> None:
         """Form the next generation over ``members`` and copy ``source``'s state to ``needs_state``."""

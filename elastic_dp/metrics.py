@@ -52,13 +52,19 @@ class RunSummary:
             lines.append(f"  loss         {self.first_loss:.4f} (first step) -> {self.final_loss:.4f} (last step)")
         lines.append(f"  events       {len(self.events)}")
         for e in self.events:
-            detail = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "kind"))
+            detail = ", ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in ("time", "kind"))
             lines.append(f"    - {e['kind']}: {detail}")
         if self.out_dir:
             lines.append(f"  output       {self.out_dir}")
         if self.sample:
             lines.append("  sample       " + self.sample.replace("\n", "\n               "))
         return "\n".join(lines)
+
+
+def _short(value: Any, limit: int = 70) -> str:
+    """One event field for the one-screen summary (events.jsonl keeps the whole text)."""
+    text = str(value).splitlines()[0] if str(value) else ""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 class RunRecorder:
