@@ -8,7 +8,6 @@ is blocked in a collective.
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import ray
@@ -42,9 +41,6 @@ class WorkerActor:
         self.replica = Replica(task, config, self.device, self.group)
         self._names = {id(p): n for n, p in self.replica.model.named_parameters()}
         return self.replica.info(worker_id, ray.util.get_node_ip_address())
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int) -> None:
         self.group.configure(host, port, generation=generation, rank=rank, world_size=world_size)

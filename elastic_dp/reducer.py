@@ -58,8 +58,9 @@ class GradientReducer:
                 self._bucket_of[id(p)] = b
         self._armed = False
         self._next = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                       for bucket in self.buckets for p in bucket.params]
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
 
     @property
     def total_bytes(self) -> int:
@@ -132,11 +133,6 @@ class GradientReducer:
     def disarm(self) -> None:
         """Forget a step that failed part-way; the next ``arm()`` starts clean."""
         self._armed = False
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
 
 
 def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp32: bool) -> list[_Bucket]:
