@@ -304,9 +304,9 @@ class Coordinator:
     def _decide_after_failure(self, step: int, survivors: list[Member]) -> MembershipDecision:
         """Ask the policy until it stops saying WAIT; raise when it says FAIL."""
         waited_since, warned = time.monotonic(), False
+        has_ckpt = self.ckpt is not None and self.ckpt.latest() is not None  # none is written meanwhile
         while True:
             self.joiners += self.pool.poll()
-            has_ckpt = self.ckpt is not None and self.ckpt.latest() is not None
             decision = self.policy.after_failure(survivors, self.joiners, waited_s=time.monotonic() - waited_since,
                                                  has_checkpoint=has_ckpt)
             if decision.action is Action.FAIL:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -37,7 +37,6 @@ class Member:
     setup_ref: object | None = None
     placed_ref: object | None = None
     info: WorkerInfo | None = None
-    started: float = field(default_factory=time.monotonic)
 
     def __repr__(self) -> str:
         return f"worker-{self.id}"
@@ -51,7 +50,6 @@ class WorkerPool:
         self._ids = itertools.count()
         self._cls = remote_worker_class()
         self.pending: list[Member] = []   # placement or setup not finished
-        self.ready: list[Member] = []     # built, not yet a member of a generation
         self.all: list[Member] = []
 
     def start(self, count: int) -> None:
@@ -63,7 +61,8 @@ class WorkerPool:
             self.all.append(member)
 
     def poll(self) -> list[Member]:
-        """Advance pending workers; return the ones ready to join (and forget them here)."""
+        """Advance pending workers; return the ones that became ready to join."""
+        ready: list[Member] = []
         for member in list(self.pending):
             if member.actor is None:
                 if not ray.wait([member.placed_ref], timeout=0)[0]:
@@ -84,8 +83,7 @@ class WorkerPool:
                     logger.warning("%r died while starting: %s", member, exc)
                     self.stop(member)
                     continue  # task errors (TaskError) propagate
-                self.ready.append(member)
-        ready, self.ready = self.ready, []
+                ready.append(member)
         return ready
 
     def wait_ready(self, count: int, timeout_s: float) -> list[Member]:
@@ -106,9 +104,8 @@ class WorkerPool:
         if member.actor is not None:
             ray.kill(member.actor, no_restart=True)
         remove_placement_group(member.group)
-        for lst in (self.pending, self.ready):
-            if member in lst:
-                lst.remove(member)
+        if member in self.pending:
+            self.pending.remove(member)
 
     def stop_all(self) -> None:
         for member in self.all:
