@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -99,6 +100,7 @@ def main() -> None:
                   "elastic_dp": bench_elastic_dp(args, work), "ray_train_v2": bench_ray_train(args, work)}
     finally:
         ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
     for key in ("to_next_commit_s", "to_crash_step_commit_s"):
         result[f"ratio_{key}"] = result["ray_train_v2"][key] / result["elastic_dp"][key]
     print(json.dumps(result, indent=1))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -114,6 +115,7 @@ def main() -> None:
                   "step_time": bench_step_time(args), "allreduce": bench_allreduce(args)}
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
     print(json.dumps(result, indent=1))
 
 
