@@ -36,11 +36,11 @@ class WorkerActor:
                                      timeout_s=collective_timeout_s)
         self.replica: Replica | None = None
 
-    def setup(self, task: Task, config: TrainConfig, worker_id: int) -> WorkerInfo:
+    def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
         """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
         self.replica = Replica(task, config, self.device, self.group)
         self._names = {id(p): n for n, p in self.replica.model.named_parameters()}
-        return self.replica.info(worker_id, ray.util.get_node_ip_address())
+        return self.replica.info()
 
     def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int) -> None:
         self.group.configure(host, port, generation=generation, rank=rank, world_size=world_size)
@@ -54,9 +54,6 @@ class WorkerActor:
     def abort_group(self) -> None:
         """Control thread: release a step blocked in a collective of this generation."""
         self.group.abort()
-
-    def ping(self) -> int:
-        return self.group.generation
 
     def model_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.replica.model.state_dict().items()}

@@ -40,21 +40,14 @@ class WorkerError(ElasticDPError):
         self.rank = rank
         self.step = step
 
-    def __reduce__(self):  # keep keyword fields across pickling (Ray actor boundary)
-        return (_rebuild_worker_error, (str(self), self.rank, self.step))
+    def __reduce__(self):  # keep keyword fields (and the subclass) across the Ray actor boundary
+        return (_rebuild_worker_error, (type(self), str(self), self.rank, self.step))
 
 
-def _rebuild_worker_error(message: str, rank: int, step: int) -> "WorkerError":
-    return WorkerError(message, rank=rank, step=step)
+def _rebuild_worker_error(cls: type, message: str, rank: int, step: int) -> "WorkerError":
+    return cls(message, rank=rank, step=step)
 
 
 class CollectiveError(WorkerError):
     """A step's collective failed on a healthy worker: a peer died or hung, or the group
     was aborted. Recoverable: the survivors re-form the group and re-run the step."""
-
-    def __reduce__(self):
-        return (_rebuild_collective_error, (str(self), self.rank, self.step))
-
-
-def _rebuild_collective_error(message: str, rank: int, step: int) -> "CollectiveError":
-    return CollectiveError(message, rank=rank, step=step)

@@ -27,11 +27,7 @@ class StepResult:
 class WorkerInfo:
     """What a worker reports after building its task."""
 
-    worker_id: int
-    node_ip: str
-    device: str
     dataset_len: int
     num_params: int
-    param_bytes: int
-    ready_time: float = 0.0
+    ready_time: float
     """Wall-clock time at which the worker finished building its task (ready to join)."""

@@ -104,7 +104,7 @@ class RunRecorder:
         record = {"time": time.time(), "kind": kind, **fields}
         self.summary.events.append(record)
         self._append("events.jsonl", record)
-        logger.info("event %s: %s", kind, {k: v for k, v in fields.items()})
+        logger.info("event %s: %s", kind, fields)
 
     def step(self, *, step: int, loss: float, samples: int, step_s: float, world_size: int,
              generation: int, timings: dict[str, float] | None = None) -> None:

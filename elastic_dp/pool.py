@@ -73,7 +73,7 @@ class WorkerPool:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=member.group,
                                                                          placement_group_bundle_index=0),
                 ).remote(device=self.device, num_threads=1, collective_timeout_s=self.cluster.collective_timeout_s)
-                member.setup_ref = member.actor.setup.remote(self.task, self.train, member.id)
+                member.setup_ref = member.actor.setup.remote(self.task, self.train)
             done, _ = ray.wait([member.setup_ref], timeout=0)
             if done:
                 self.pending.remove(member)

@@ -56,15 +56,9 @@ class GradientReducer:
         for b, bucket in enumerate(self.buckets):
             for p in bucket.params:
                 self._bucket_of[id(p)] = b
+                p.register_post_accumulate_grad_hook(self._on_grad)
         self._armed = False
         self._next = 0
-        for bucket in self.buckets:
-            for p in bucket.params:
-                p.register_post_accumulate_grad_hook(self._on_grad)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
     def zero_grad(self) -> None:
         """Zero every gradient (the views stay attached as ``param.grad``)."""

@@ -64,12 +64,9 @@ class Replica:
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.strategy: Strategy = Replicated(self.model, self.optimizer, group, config)
 
-    def info(self, worker_id: int, node_ip: str) -> WorkerInfo:
-        params = list(self.model.parameters())
-        return WorkerInfo(worker_id=worker_id, node_ip=node_ip, device=str(self.device),
-                          dataset_len=len(self.dataset), num_params=sum(p.numel() for p in params),
-                          param_bytes=sum(p.numel() * p.element_size() for p in params),
-                          ready_time=time.time())
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(dataset_len=len(self.dataset),
+                          num_params=sum(p.numel() for p in self.model.parameters()), ready_time=time.time())
 
     # -- state ---------------------------------------------------------------------------
     def broadcast_state(self, src: int) -> None:

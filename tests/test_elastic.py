@@ -114,7 +114,12 @@ def test_below_min_waits_for_capacity_then_fails_clearly(ray_cluster, tmp_path):
 
     from elastic_dp import MembershipError
 
+    total = int(ray_cluster.cluster_resources()["CPU"])
+    deadline = time.monotonic() + 30  # the previous test's workers may still be releasing CPUs
+    while ray_cluster.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.1)
     free = int(ray_cluster.available_resources().get("CPU", 0))
+    assert free >= 3, f"the test needs 3 free CPUs, {free} are free"
     # Leave room for exactly the 2 workers; once they are placed, queue a request for the
     # next free CPU, so the CPU a dead worker frees goes to it (Ray places pending groups
     # in order) and no replacement can be placed.

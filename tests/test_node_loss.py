@@ -21,6 +21,8 @@ def test_losing_a_node_reforms_over_the_survivor(tmp_path):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["diff"] < TOL
     assert report["steps"] == list(range(40))
-    change = next(e for e in report["events"] if e["kind"] == "membership_changed")
+    changes = [e for e in report["events"] if e["kind"] == "membership_changed"]
+    assert changes, f"no membership change; the node was removed after step {report['removed_after_steps']}"
+    change = changes[0]
     assert change["lost"] == 1 and change["world_size"] == 1
     assert report["world_sizes"][0] == 2 and report["world_sizes"][-1] == 1
