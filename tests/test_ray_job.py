@@ -40,6 +40,20 @@ def _kill_leftovers(marker: str) -> None:
                 pass
 
 
+def _wait_for_job(address: str, job_id: str, env: dict, timeout_s: float) -> str:
+    """Poll ``ray job status`` until the job ends; its terminal status in upper case."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, job_id], env=env,
+                                capture_output=True, text=True, timeout=60)
+        text = (status.stdout + status.stderr).upper()
+        for final in ("SUCCEEDED", "FAILED", "STOPPED"):
+            if final in text:
+                return final
+        time.sleep(2)
+    raise AssertionError(f"job {job_id} did not end within {timeout_s} s")
+
+
 def test_gpt_job_under_ray_job_submit_with_token_auth(tmp_path):
     temp_dir = tempfile.mkdtemp(prefix="edp-job-", dir="/tmp")
     dashboard = _free_port()
@@ -68,16 +82,24 @@ def test_gpt_job_under_ray_job_submit_with_token_auth(tmp_path):
         assert refused.returncode != 0, "token auth must refuse a wrong token"
 
         out = tmp_path / "out"
-        submit = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
+        # --no-wait, then poll: tailing the logs over the dashboard's websocket sometimes
+        # drops (close code 1006) while the job runs on, which is not the job's failure.
+        job_id = f"edp-{secrets.token_hex(4)}"
+        submit = [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", job_id,
+                  "--no-wait", "--working-dir", str(ROOT), "--",
                   "python", "-m", "jobs.gpt", "--workers", "2", "--steps", "4", "--global-batch", "8",
                   "--no-progress", "--out", str(out)]
         while True:  # the job server answers before its agent is up; Ray says to retry
-            job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=240)
+            job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=120)
             if "No available agent to submit job" not in job.stderr + job.stdout or time.monotonic() > deadline:
                 break
             time.sleep(2)
         assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
-        assert "elastic_dp run summary" in job.stdout
+        status = _wait_for_job(address, job_id, env, timeout_s=200)
+        logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, job_id], env=env,
+                              capture_output=True, text=True, timeout=60).stdout
+        assert status == "SUCCEEDED", f"job ended {status}:\n{logs[-4000:]}"
+        assert "elastic_dp run summary" in logs
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in metrics] == [0, 1, 2, 3]
         assert (out / "final.safetensors").is_file()
