@@ -13,13 +13,14 @@ import numpy as np
 import ray
 import torch
 
-from .checkpoint import TrainingState, load_optimizer_state, optimizer_state
+from .checkpoint import TrainingState
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .faults import Fault, trigger
 from .messages import StepResult, WorkerInfo
 from .task import Task
 from .worker import Replica
+from .zero import ShardState
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,6 @@ class WorkerActor:
     def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
         """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
         self.replica = Replica(task, config, self.device, self.group)
-        self._names = {id(p): n for n, p in self.replica.model.named_parameters()}
         return self.replica.info()
 
     def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int) -> None:
@@ -56,22 +56,33 @@ class WorkerActor:
         self.group.abort()
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.replica.model.state_dict().items()}
+        return self.replica.model_state()
 
     def training_state(self, step: int, sampler: dict[str, int], fault: Fault | None = None) -> TrainingState:
         trigger(fault, "checkpoint")
-        tensors, meta = optimizer_state(self.replica.optimizer, self._names)
-        return TrainingState(step=step, model=self.model_state(),
-                             optimizer_tensors={k: v.detach().cpu().clone() for k, v in tensors.items()},
-                             optimizer_meta=meta, sampler=sampler, world_size=self.group.world_size,
-                             rng=torch.get_rng_state())
+        return self.replica.training_state(step, sampler)
 
     def load_state(self, state: TrainingState) -> None:
-        model = self.replica.model
-        model.load_state_dict({k: v.to(self.device) for k, v in state.model.items()})
-        tensors = {k: v.to(self.device) if v.dim() > 0 else v for k, v in state.optimizer_tensors.items()}
-        load_optimizer_state(self.replica.optimizer, self._names, tensors, state.optimizer_meta)
-        torch.set_rng_state(state.rng)
+        self.replica.load_state(state)
+
+    # -- ZeRO: peer snapshots and resharding --------------------------------------------------
+    def shard_holdings(self) -> dict:
+        return self.replica.strategy.holdings()
+
+    def export_shard(self, kind: str, step: int) -> ShardState:
+        return self.replica.strategy.export(kind, step)
+
+    def import_shards(self, refs: list, old_world_size: int, step: int) -> None:
+        """Collective over the new generation: take this rank's chunk (and a snapshot of its
+        left neighbour's) out of the old generation's chunks ``refs`` (in old rank order)."""
+        fetched: dict[int, ShardState] = {}
+
+        def fetch(i: int) -> ShardState:
+            if i not in fetched:
+                fetched[i] = ray.get(refs[i])
+            return fetched[i]
+
+        self.replica.sharded().load_shards(fetch, old_world_size, step)
 
     def sample(self) -> str | None:
         """The task's sample of what the model does now (None when the task has none)."""

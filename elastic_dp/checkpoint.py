@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -113,6 +114,39 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]
     for g, group in zip(meta["param_groups"], ours):
         groups.append({**g, "params": [index[n] for n in group]})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def merge_shards(parts: list[TrainingState]) -> TrainingState:
+    """Join the ZeRO ranks' parts of one training state into a whole one.
+
+    Each part holds slices of some parameters' optimizer state, placed by
+    ``optimizer_meta["slices"][key] = [start, shape]``; the model comes from the part that
+    has one (rank 0). The result is the same as a stage-0 worker's state.
+    """
+    first = next((p for p in parts if p.model), parts[0])
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[tuple[int, list[int], torch.Tensor]]] = {}
+    for part in parts:
+        slices = part.optimizer_meta.get("slices", {})
+        for key, value in part.optimizer_tensors.items():
+            if key in slices:
+                start, shape = slices[key]
+                pieces.setdefault(key, []).append((start, shape, value))
+            else:
+                tensors.setdefault(key, value)
+    for key, found in pieces.items():
+        shape = found[0][1]
+        flat = torch.zeros(math.prod(shape), dtype=found[0][2].dtype)
+        covered = 0
+        for start, _, value in found:
+            flat[start:start + value.numel()] = value.reshape(-1)
+            covered += value.numel()
+        if covered != flat.numel():
+            raise CheckpointError(f"the workers' shards cover {covered} of the {flat.numel()} elements of {key}")
+        tensors[key] = flat.reshape(shape)
+    meta = {k: v for k, v in first.optimizer_meta.items() if k != "slices"}
+    return TrainingState(step=first.step, model=first.model, optimizer_tensors=tensors, optimizer_meta=meta,
+                         sampler=first.sampler, world_size=first.world_size, rng=first.rng)
 
 
 # -- checkpoint directories --------------------------------------------------------------

@@ -97,6 +97,41 @@ class CollectiveGroup:
         self.all_reduce_async(tensor).wait()
         return tensor
 
+    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor):
+        """Start a SUM reduce-scatter: ``output`` gets this rank's chunk of the sum of ``input``.
+
+        ``input`` has ``world_size`` times the elements of ``output``; rank r receives
+        elements ``[r * n, (r + 1) * n)``. ``output`` may be that chunk of ``input``.
+        """
+        pg = self._require()
+        if pg is None:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        return pg._reduce_scatter_base(output, input)
+
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor):
+        """Start an all-gather: ``output`` gets every rank's ``input``, in rank order.
+
+        ``input`` may be this rank's own chunk of ``output`` (gathering in place).
+        """
+        pg = self._require()
+        if pg is None:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        return pg._allgather_base(output, input)
+
+    def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+        """Send ``send`` to rank ``dst`` while receiving rank ``src``'s tensor into ``recv``."""
+        pg = self._require()
+        if pg is None:
+            recv.copy_(send)
+            return
+        works = [pg.send([send], dst, 0), pg.recv([recv], src, 0)]
+        for work in works:
+            work.wait()
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
         pg = self._require()

@@ -42,7 +42,14 @@ class TrainConfig:
     """Reduce gradients in fp32 even when parameters are bf16 (``--no-reduce-fp32``)."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB; each full bucket is all-reduced while backward goes
-    on (``--bucket-mb``)."""
+    on (``--bucket-mb``). Buckets are also ZeRO's unit of sharding."""
+    zero: int = 0
+    """ZeRO stage (``--zero``): 0 replicates everything; 1 shards the optimizer state (and
+    the fp32 master weights of bf16/fp16 parameters); 2 also shards the gradients."""
+    snapshot_every: int = 1
+    """With ZeRO, every how many committed steps each worker copies its shard to its
+    neighbour's host memory (``--snapshot-every``). A worker lost k steps after the
+    last snapshot costs a rollback and replay of those k steps."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"steps must be >= 0, got {self.steps} (--steps)")
@@ -60,6 +67,9 @@ class TrainConfig:
         _require(self.precision in ("fp32", "bf16"),
                  f"precision must be 'fp32' or 'bf16', got {self.precision!r} (--precision)")
         _require(self.bucket_mb > 0, f"bucket_mb must be positive, got {self.bucket_mb} (--bucket-mb)")
+        _require(self.zero in (0, 1, 2), f"zero must be stage 0, 1 or 2, got {self.zero!r} (--zero)")
+        _require(self.snapshot_every >= 1,
+                 f"snapshot_every must be >= 1, got {self.snapshot_every} (--snapshot-every)")
 
     def lr_factor(self, step: int) -> float:
         """Multiplier on every param group's base learning rate at ``step`` (0-based)."""

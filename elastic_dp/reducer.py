@@ -17,6 +17,14 @@ place, the all-reduce runs on it in place, and no gradient is copied. That is wh
 gradients are zeroed by ``zero_grad()`` here and never set to None. Buckets reduced in
 fp32 for bf16 parameters copy in and out instead.
 
+For the sharded stages (elastic_dp.zero) the same buckets are the unit of sharding:
+they never mix parameters of different optimizer param groups (``group_of``) and each
+buffer is padded to a multiple of the world size (``pad_to``) so that rank ``r`` owns
+the ``r``-th of ``world_size`` equal chunks. In scatter mode (ZeRO stage 2) a bucket is
+reduce-scattered into the caller's per-bucket ``scatter_into`` chunk instead of
+all-reduced: its full buffer exists only from launch until the reduction completes, and
+the parameters' full gradients are released (set to None) as soon as they are copied in.
+
 The caller scales each micro-batch's loss so that local gradients are the sum of the
 per-sample gradients divided by the global batch; the SUM over ranks then gives the
 global-batch gradient exactly (DESIGN invariant 2), with no division by the world size.
@@ -34,11 +42,17 @@ from .collective import CollectiveGroup
 @dataclass(slots=True)
 class _Bucket:
     params: list[torch.nn.Parameter]
-    views: list[torch.Tensor]
-    """Per parameter, its slice of ``buffer`` shaped like the parameter."""
-    buffer: torch.Tensor
+    offsets: list[int]
+    """Where each parameter starts in the bucket's flat buffer."""
+    numel: int
+    """Elements of the parameters; the buffer has ``padded`` >= ``numel`` (zeros after)."""
+    padded: int
+    dtype: torch.dtype
     as_view: bool
     """The buffer has the parameters' dtype, so the views serve as their ``.grad``."""
+    buffer: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)
+    """Per parameter, its slice of ``buffer`` shaped like the parameter."""
     pending: int = 0
     ready: bool = False
     work: object | None = None
@@ -49,20 +63,42 @@ class GradientReducer:
     """All-reduces gradients in buckets overlapped with backward."""
 
     def __init__(self, params: list[torch.nn.Parameter], group: CollectiveGroup, *,
-                 bucket_bytes: int, reduce_fp32: bool) -> None:
+                 bucket_bytes: int, reduce_fp32: bool, group_of: dict[int, int] | None = None,
+                 pad_to: int = 1, scatter_into: list[torch.Tensor] | None = None) -> None:
         self.group = group
-        self.buckets = _make_buckets([p for p in params if p.requires_grad], bucket_bytes, reduce_fp32)
+        self.buckets = make_buckets([p for p in params if p.requires_grad], bucket_bytes, reduce_fp32,
+                                    group_of=group_of, pad_to=pad_to)
+        self.scatter_into = scatter_into
+        if scatter_into is not None:
+            expected = [b.padded // pad_to for b in self.buckets]
+            if [t.numel() for t in scatter_into] != expected:
+                raise ValueError(f"scatter_into needs chunks of {expected} elements")
+        else:
+            for bucket in self.buckets:
+                _attach(bucket, torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device))
         self._bucket_of: dict[int, int] = {}
+        self._hooks = []
         for b, bucket in enumerate(self.buckets):
             for p in bucket.params:
                 self._bucket_of[id(p)] = b
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._armed = False
         self._next = 0
+
+    def close(self) -> None:
+        """Remove the backward hooks (before another reducer takes over these parameters)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def zero_grad(self) -> None:
         """Zero every gradient (the views stay attached as ``param.grad``)."""
         for bucket in self.buckets:
+            if self.scatter_into is not None:
+                bucket.buffer, bucket.views = None, []
+                for p in bucket.params:
+                    p.grad = None
+                continue
             bucket.buffer.zero_()
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view if bucket.as_view else None
@@ -95,16 +131,24 @@ class GradientReducer:
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].ready:
-            self._launch(self.buckets[self._next])
+            self._launch(self._next)
             self._next += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        if self.scatter_into is not None:
+            _attach(bucket, torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device))
         for p, view in zip(bucket.params, bucket.views):
             if p.grad is None:
                 view.zero_()
             elif p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
-        bucket.work = self.group.all_reduce_async(bucket.buffer)
+        if self.scatter_into is not None:
+            for p in bucket.params:
+                p.grad = None  # the full gradient is in the buffer now; release it
+            bucket.work = self.group.reduce_scatter_async(self.scatter_into[index], bucket.buffer)
+        else:
+            bucket.work = self.group.all_reduce_async(bucket.buffer)
 
     def finish(self) -> None:
         """Launch the buckets backward did not, wait for all; gradients are then global."""
@@ -114,6 +158,9 @@ class GradientReducer:
         self._armed = False
         for bucket in self.buckets:
             bucket.work.wait()
+            if self.scatter_into is not None:  # the reduced chunk is in scatter_into
+                bucket.buffer, bucket.views = None, []
+                continue
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
                     continue
@@ -127,13 +174,32 @@ class GradientReducer:
     def disarm(self) -> None:
         """Forget a step that failed part-way; the next ``arm()`` starts clean."""
         self._armed = False
+        if self.scatter_into is not None:
+            for bucket in self.buckets:
+                bucket.buffer, bucket.views = None, []
 
 
-def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp32: bool) -> list[_Bucket]:
+def _attach(bucket: _Bucket, buffer: torch.Tensor) -> None:
+    bucket.buffer = buffer
+    bucket.views = [buffer[o:o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)]
+
+
+def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp32: bool, *,
+                 group_of: dict[int, int] | None = None, pad_to: int = 1) -> list[_Bucket]:
+    """Pack ``params``, last first, into buckets of about ``bucket_bytes`` (no buffers yet).
+
+    A bucket holds one dtype on one device and, with ``group_of`` (``id(param)`` -> param
+    group), one param group. The partition does not depend on ``pad_to``: only each
+    bucket's padded length does, so buckets keep their identity when the world size
+    changes.
+    """
     def buffer_dtype(p: torch.nn.Parameter) -> torch.dtype:
         if reduce_fp32 and p.dtype in (torch.bfloat16, torch.float16):
             return torch.float32
         return p.dtype
+
+    def kind(p: torch.nn.Parameter) -> tuple:
+        return buffer_dtype(p), p.device, (group_of or {}).get(id(p))
 
     buckets: list[_Bucket] = []
     current: list[torch.nn.Parameter] = []
@@ -144,17 +210,17 @@ def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp
         if not current:
             return
         dtype = buffer_dtype(current[0])
-        buffer = torch.zeros(sum(p.numel() for p in current), dtype=dtype, device=current[0].device)
-        views, offset = [], 0
+        offsets, offset = [], 0
         for p in current:
-            views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offsets.append(offset)
             offset += p.numel()
-        buckets.append(_Bucket(params=current, views=views, buffer=buffer, 
+        padded = -(-offset // pad_to) * pad_to
+        buckets.append(_Bucket(params=current, offsets=offsets, numel=offset, padded=padded, dtype=dtype,
                                as_view=all(p.dtype == dtype for p in current)))
         current, size = [], 0
 
     for p in reversed(params):
-        if current and (buffer_dtype(p) != buffer_dtype(current[0]) or p.device != current[0].device):
+        if current and kind(p) != kind(current[0]):
             close()
         current.append(p)
         size += p.numel() * torch.empty((), dtype=buffer_dtype(p)).element_size()

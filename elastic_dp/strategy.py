@@ -3,7 +3,7 @@
 A strategy is an object with one interface; the worker's step does not branch on which
 one it has. ``Replicated`` is ZeRO stage 0: every worker holds full parameters,
 gradients and optimizer state, and gradients are all-reduced in buckets overlapped with
-backward. Sharded stages implement the same interface.
+backward. ``elastic_dp.zero.Sharded`` (stages 1 and 2) implements the same interface.
 """
 
 from __future__ import annotations
@@ -35,8 +35,15 @@ class Strategy(Protocol):
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the global gradient norm to ``max_norm``; return the norm before clipping."""
 
-    def optimizer_step(self) -> None:
-        """Apply the update (only after the step's commit vote passed)."""
+    @property
+    def param_groups(self) -> list[dict]:
+        """The optimizer param groups that are stepped (the learning rate is set on these)."""
+
+    def optimizer_step(self, step: int) -> None:
+        """Apply the update of committed step ``step`` (only after the commit vote passed)."""
+
+    def after_commit(self, step: int, fault=None) -> None:
+        """After the update, at ``step`` committed steps: peer snapshots when due."""
 
 
 class Replicated:
@@ -67,5 +74,12 @@ class Replicated:
         # is the global norm and no further communication is needed.
         return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
-    def optimizer_step(self) -> None:
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def optimizer_step(self, step: int) -> None:
         self.optimizer.step()
+
+    def after_commit(self, step: int, fault=None) -> None:
+        pass  # every worker holds the whole state: nothing to snapshot

@@ -26,8 +26,10 @@ from .data import micro_batches
 from .errors import CollectiveError, ElasticDPError, TaskError, WorkerError
 from .faults import Fault, trigger
 from .messages import StepResult, WorkerInfo
+from .checkpoint import TrainingState, load_optimizer_state, optimizer_state
 from .strategy import Replicated, Strategy
 from .task import Task
+from .zero import Sharded, check_shardable
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +63,21 @@ class Replica:
         self.model = task.model().to(device)
         self.dataset = task.dataset()
         self.optimizer = task.optimizer(self.model)
+        if config.zero:
+            check_shardable(self.optimizer, config.zero)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self.strategy: Strategy = Replicated(self.model, self.optimizer, group, config)
+        self.names = {id(p): n for n, p in self.model.named_parameters()}
+        # a sharded strategy depends on the world size: it is built for each generation
+        self.strategy: Strategy | None = (Replicated(self.model, self.optimizer, group, config)
+                                          if not config.zero else None)
+
+    def sharded(self) -> Sharded:
+        """The ZeRO strategy for the group's current generation (rebuilt after a re-formation)."""
+        if not isinstance(self.strategy, Sharded) or self.strategy.generation != self.group.generation:
+            if self.strategy is not None:
+                self.strategy.close()
+            self.strategy = Sharded(self.model, self.optimizer, self.group, self.config)
+        return self.strategy
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(dataset_len=len(self.dataset),
@@ -70,7 +85,11 @@ class Replica:
 
     # -- state ---------------------------------------------------------------------------
     def broadcast_state(self, src: int) -> None:
-        """Make this replica's parameters, buffers and optimizer state equal rank ``src``'s."""
+        """Make this replica's parameters, buffers and optimizer state equal rank ``src``'s.
+
+        With ZeRO the optimizer state starts empty; each rank then takes its chunk of the
+        broadcast parameters."""
+        strategy = self.sharded() if self.config.zero else None
         tensors = list(self.model.state_dict().values())
         for state in self.optimizer.state.values():
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
@@ -79,6 +98,38 @@ class Replica:
                 self.group.broadcast(t, src)
             else:  # e.g. Adam's CPU "step" counter when the group is NCCL
                 t.copy_(self.group.broadcast(t.to(self.device), src))
+        if strategy is not None:
+            strategy.reset_from_params(step=0)
+
+    def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
+        """This worker's state for a checkpoint or a joiner. With ZeRO only this rank's part
+        of the optimizer state (``checkpoint.merge_shards`` joins the parts); the model
+        only from rank 0."""
+        if self.config.zero:
+            tensors, meta = self.sharded().named_state()
+        else:
+            tensors, meta = optimizer_state(self.optimizer, self.names)
+        model = {} if self.config.zero and self.group.rank else self.model_state()
+        return TrainingState(step=step, model=model,
+                             optimizer_tensors={k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
+                             optimizer_meta=meta, sampler=sampler, world_size=self.group.world_size,
+                             rng=torch.get_rng_state())
+
+    def load_state(self, state: TrainingState) -> None:
+        """Load a whole (world-size-independent) training state; with ZeRO a collective."""
+        self.model.load_state_dict({k: v.to(self.device) for k, v in state.model.items()})
+        if self.config.zero:
+            self.sharded().load_named(state.optimizer_tensors, state.step)
+        else:
+            # copies: the optimizer steps its state in place (0-dim step counts stay on the CPU)
+            tensors = {k: v.to(self.device, copy=True) if v.dim() > 0 else v.clone()
+                       for k, v in state.optimizer_tensors.items()
+                       if not k.endswith("/master")}  # fp32 masters are ZeRO's; stage 0 has none
+            load_optimizer_state(self.optimizer, self.names, tensors, state.optimizer_meta)
+        torch.set_rng_state(state.rng)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     # -- the step ------------------------------------------------------------------------
     def _forward_backward(self, indices: np.ndarray, result: StepResult, fault: Fault | None) -> None:
@@ -139,10 +190,17 @@ class Replica:
             result.grad_norm = self.strategy.clip_grad_norm(self.config.clip_grad_norm)
         trigger(fault, "optimizer")
         factor = self.config.lr_factor(step)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+        for group, base in zip(self.strategy.param_groups, self.base_lrs):
             group["lr"] = base * factor
-        self.strategy.optimizer_step()
-        t3 = time.perf_counter()
+        try:
+            self.strategy.optimizer_step(step)
+            t3 = time.perf_counter()
+            self.strategy.after_commit(step + 1, fault)
+        except CollectiveError as exc:  # ZeRO's parameter gather or snapshot; the chunk is updated
+            result.error = exc
+            return result
+        t4 = time.perf_counter()
         result.committed = True
-        result.timings = {"compute_s": t1 - t0, "reduce_wait_s": t2 - t1, "optimizer_s": t3 - t2}
+        result.timings = {"compute_s": t1 - t0, "reduce_wait_s": t2 - t1, "optimizer_s": t3 - t2,
+                          "snapshot_s": t4 - t3}
         return result

@@ -1,0 +1,422 @@
+"""ZeRO stages 1 and 2: sharded optimizer state (and gradients), resharded on every resize.
+
+The unit of sharding is the gradient bucket (elastic_dp.reducer): parameters packed, last
+first, into buckets that never mix optimizer param groups. Each bucket's flat buffer is
+padded to a multiple of the world size ``N`` and rank ``r`` owns its ``r``-th chunk. The
+bucket partition does not depend on ``N``, only the padding does, so a bucket's state is
+the same flat vector at every world size and resharding is a re-cut of that vector.
+
+Per rank and bucket the strategy holds:
+
+- the parameters, as views into one flat buffer per bucket (full copy, the model's dtype);
+- the fp32 *master* of its chunk: a view into that buffer for fp32 parameters, a separate
+  fp32 copy for bf16/fp16 parameters;
+- the optimizer state of its chunk: a torch optimizer of the task's class and param
+  groups, over the master chunks (this is why the optimizer must be element-wise);
+- stage 1: the full gradient buffer (all-reduced as in stage 0, the rank reads its chunk);
+  stage 2: only the gradient chunk (the bucket is reduce-scattered as backward produces it
+  and the full gradients are released).
+
+A committed step updates the chunk with the optimizer, then all-gathers each bucket's
+parameters. The chunk (master + optimizer state) is the state; the full parameters are
+derived from it.
+
+Peer redundancy (DESIGN invariant 6): every ``snapshot_every`` committed steps each rank
+copies its chunk into host memory and sends it to rank ``r+1``; each rank keeps the two
+newest snapshots of its own chunk and of rank ``r-1``'s. After a failure the coordinator
+asks the survivors what they hold (``holdings()``) and picks the newest step at which
+every old rank's chunk is held somewhere (``policy.shard_sources``). Survivors then
+export those chunks (``export()``), and the new generation's ranks each cut their new
+chunk, and a copy of their left neighbour's, out of them (``load_shards()``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .collective import CollectiveGroup
+from .config import TrainConfig
+from .errors import CollectiveError, ConfigError
+from .faults import Fault, trigger
+from .reducer import GradientReducer, make_buckets
+
+# Optimizers whose update of an element depends only on that element's parameter, gradient
+# and state (and on scalars such as the step count): sharding them is exact.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta,
+               torch.optim.Rprop)
+
+SNAPSHOTS_KEPT = 2
+
+
+def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    """Raise ConfigError unless ``optimizer`` updates each element independently."""
+    if type(optimizer) not in ELEMENTWISE:
+        names = ", ".join(c.__name__ for c in ELEMENTWISE)
+        raise ConfigError(f"--zero {stage} shards optimizer state element by element, and "
+                          f"{type(optimizer).__module__}.{type(optimizer).__name__} is not an element-wise "
+                          f"optimizer elastic_dp knows ({names}): use one of those or run with --zero 0")
+
+
+@dataclass(slots=True)
+class ShardState:
+    """One rank's chunk of the training state at a step, on the CPU: what resharding moves."""
+
+    step: int
+    world_size: int
+    rank: int
+    master: list[torch.Tensor]
+    """Per bucket, the fp32 master values of the chunk (padding included)."""
+    state: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """Per optimizer-state key, per bucket: the chunk, or a 0-dim tensor (e.g. Adam's step)."""
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    step: int
+    flat: torch.Tensor
+    """Master and state chunks packed into one fp32 vector, in host memory."""
+    keys: tuple[tuple[str, bool], ...]
+    """(state key, is 0-dim) in packing order."""
+
+
+class Sharded:
+    """ZeRO stage 1 or 2 for one generation (``group``'s world size and rank)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
+                 config: TrainConfig) -> None:
+        stage = config.zero
+        check_shardable(optimizer, stage)
+        self.stage, self.group, self.config = stage, group, config
+        self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.base_groups = optimizer.param_groups
+        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.params = [p for p in model.parameters() if p.requires_grad and id(p) in group_of]
+        bucket_bytes = int(config.bucket_mb * 2**20)
+        self.buckets = make_buckets(self.params, bucket_bytes, config.reduce_fp32, group_of=group_of,
+                                    pad_to=self.world_size)
+        self.chunks = [b.padded // self.world_size for b in self.buckets]
+        self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
+
+        # parameters become views into one flat buffer per bucket (gathered in place)
+        self.param_buffers: list[torch.Tensor] = []
+        for bucket in self.buckets:
+            buffer = torch.zeros(bucket.padded, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
+            for p, offset in zip(bucket.params, bucket.offsets):
+                view = buffer[offset:offset + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+            self.param_buffers.append(buffer)
+        self.masters = []
+        for buffer, chunk in zip(self.param_buffers, self.chunks):
+            own = buffer[self.rank * chunk:(self.rank + 1) * chunk]
+            self.masters.append(torch.nn.Parameter(own if own.dtype == torch.float32 else own.float()))
+
+        if stage == 2:
+            self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
+                                for b, c in zip(self.buckets, self.chunks)]
+        self.reducer = GradientReducer(self.params, group, bucket_bytes=bucket_bytes,
+                                       reduce_fp32=config.reduce_fp32, group_of=group_of, pad_to=self.world_size,
+                                       scatter_into=self.grad_chunks if stage == 2 else None)
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [m for m, gi in zip(self.masters, self.bucket_group) if gi == i]}
+                  for i, g in enumerate(optimizer.param_groups)]
+        accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold more (AdamW)
+        self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        self.live_step = 0
+        self.own: list[_Snapshot] = []
+        self.peer: list[_Snapshot] = []
+
+    def close(self) -> None:
+        self.reducer.close()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    # -- the step ----------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
+
+    def before_last_backward(self) -> None:
+        self.reducer.arm()
+
+    def reduce_gradients(self) -> None:
+        self.reducer.finish()
+
+    def abandon(self) -> None:
+        self.reducer.disarm()
+
+    def _grad_chunk(self, b: int) -> torch.Tensor:
+        if self.stage == 2:
+            return self.grad_chunks[b]
+        chunk = self.chunks[b]
+        return self.reducer.buckets[b].buffer[self.rank * chunk:(self.rank + 1) * chunk]
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        if self.stage == 1:  # every rank has the full reduced gradients: no communication
+            grads = [b.buffer for b in self.reducer.buckets]
+            total_sq = sum(g.float().pow(2).sum() for g in grads)
+        else:
+            grads = self.grad_chunks
+            total_sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum().reshape(1)
+            self.group.all_reduce(total_sq)
+        total = torch.as_tensor(total_sq).sqrt().reshape(())
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return float(total)
+
+    @torch.no_grad()
+    def optimizer_step(self, step: int) -> None:
+        """Update the chunk for committed step ``step``, then all-gather the parameters."""
+        for b, master in enumerate(self.masters):
+            grad = self._grad_chunk(b)
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        self.optimizer.step()
+        for b, master in enumerate(self.masters):
+            master.grad = None
+            own = self._own_params(b)
+            if own.data_ptr() != master.data_ptr():
+                own.copy_(master)
+        self.live_step = step + 1
+        self._gather_params()
+
+    def _own_params(self, b: int) -> torch.Tensor:
+        chunk = self.chunks[b]
+        return self.param_buffers[b][self.rank * chunk:(self.rank + 1) * chunk]
+
+    def _gather_params(self) -> None:
+        try:
+            works = [self.group.all_gather_async(buffer, self._own_params(b))
+                     for b, buffer in enumerate(self.param_buffers)]
+            for work in works:
+                work.wait()
+        except Exception as exc:
+            raise self._collective_error("parameter all-gather", exc) from None
+
+    def _collective_error(self, what: str, exc: Exception) -> CollectiveError:
+        return CollectiveError(f"gen {self.generation} rank {self.rank} step {self.live_step}: {what} failed: "
+                               f"{exc}", rank=self.rank, step=self.live_step)
+
+    # -- peer snapshots ----------------------------------------------------------------------
+    def after_commit(self, step: int, fault: Fault | None = None) -> None:
+        """At state step ``step`` (committed steps), snapshot to the right neighbour when due."""
+        if self.world_size == 1 or step % self.config.snapshot_every:
+            return
+        own = self._pack(self.export("live", step))
+        self._keep(self.own, own)
+        trigger(fault, "snapshot")
+        received = torch.empty_like(own.flat)
+        send = own.flat.to(self.masters[0].device) if self.masters else own.flat
+        try:
+            self.group.exchange(send, (self.rank + 1) % self.world_size,
+                                received, (self.rank - 1) % self.world_size)
+        except Exception as exc:
+            raise self._collective_error("peer snapshot", exc) from None
+        self._keep(self.peer, _Snapshot(step, received.cpu(), own.keys))
+
+    @staticmethod
+    def _keep(snapshots: list[_Snapshot], snapshot: _Snapshot) -> None:
+        snapshots[:] = [s for s in snapshots if s.step != snapshot.step][-(SNAPSHOTS_KEPT - 1):] + [snapshot]
+
+    def holdings(self) -> dict[str, object]:
+        """What this rank can export: its live chunk's step and its snapshots' steps."""
+        return {"rank": self.rank, "live": self.live_step, "own": [s.step for s in self.own],
+                "peer": [s.step for s in self.peer]}
+
+    def export(self, kind: str, step: int) -> ShardState:
+        """A chunk as a ShardState: ``live``, or the ``own`` / ``peer`` snapshot of ``step``."""
+        if kind == "live":
+            if step != self.live_step:
+                raise ValueError(f"live chunk is at step {self.live_step}, not {step}")
+            state: dict[str, list[torch.Tensor]] = {}
+            for b, master in enumerate(self.masters):
+                for key, value in self.optimizer.state.get(master, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        state.setdefault(key, []).append(value.detach().to("cpu", copy=True))
+            return ShardState(step=step, world_size=self.world_size, rank=self.rank,
+                              master=[m.detach().to("cpu", torch.float32, copy=True) for m in self.masters],
+                              state=state)
+        snaps = {"own": self.own, "peer": self.peer}[kind]
+        snap = next((s for s in snaps if s.step == step), None)
+        if snap is None:
+            raise ValueError(f"no {kind} snapshot of step {step} (have {[s.step for s in snaps]})")
+        rank = self.rank if kind == "own" else (self.rank - 1) % self.world_size
+        return self._unpack(snap, rank)
+
+    def _pack(self, shard: ShardState) -> _Snapshot:
+        keys = tuple(sorted((k, v[0].dim() == 0) for k, v in shard.state.items()))
+        parts = []
+        for b, master in enumerate(shard.master):
+            parts.append(master.reshape(-1))
+            parts.extend(shard.state[k][b].reshape(-1).float() for k, _ in keys)
+        flat = torch.cat(parts) if parts else torch.zeros(0)
+        return _Snapshot(shard.step, flat, keys)
+
+    def _unpack(self, snap: _Snapshot, rank: int) -> ShardState:
+        shard = ShardState(step=snap.step, world_size=self.world_size, rank=rank, master=[])
+        offset = 0
+
+        def take(n: int) -> torch.Tensor:
+            nonlocal offset
+            offset += n
+            return snap.flat[offset - n:offset].clone()
+
+        for chunk in self.chunks:
+            shard.master.append(take(chunk))
+            for key, scalar in snap.keys:
+                shard.state.setdefault(key, []).append(take(1).reshape(()) if scalar else take(chunk))
+        return shard
+
+    # -- resharding ----------------------------------------------------------------------
+    def _old_chunks(self, old_world_size: int) -> list[int]:
+        return [-(-b.numel // old_world_size) for b in self.buckets]
+
+    def _sources(self, rank: int, old_world_size: int) -> list[int]:
+        found = set()
+        for chunk, old in zip(self.chunks, self._old_chunks(old_world_size)):
+            lo, hi = rank * chunk, (rank + 1) * chunk
+            found.update(i for i in range(old_world_size) if i * old < hi and (i + 1) * old > lo)
+        return sorted(found) or [0]
+
+    def needed_sources(self, old_world_size: int) -> list[int]:
+        """Old ranks whose chunks overlap this rank's new chunk or its left neighbour's."""
+        left = (self.rank - 1) % self.world_size
+        return sorted(set(self._sources(self.rank, old_world_size)) | set(self._sources(left, old_world_size)))
+
+    def cut(self, rank: int, fetch: Callable[[int], ShardState], old_world_size: int, step: int) -> ShardState:
+        """Rank ``rank``'s new chunk, cut out of the old generation's chunks (``fetch(old_rank)``)."""
+        template = fetch(self._sources(rank, old_world_size)[0])
+        out = ShardState(step=step, world_size=self.world_size, rank=rank, master=[])
+        for key, values in template.state.items():  # 0-dim state (a step count) is the same everywhere
+            out.state[key] = [v.clone() if v.dim() == 0 else None for v in values]
+        for b, (chunk, old) in enumerate(zip(self.chunks, self._old_chunks(old_world_size))):
+            lo, hi = rank * chunk, (rank + 1) * chunk
+            pieces = {"master": torch.zeros(chunk)}
+            for key, values in template.state.items():
+                if values[b].dim() > 0:
+                    pieces[key] = torch.zeros(chunk, dtype=values[b].dtype)
+            for i in range(old_world_size):
+                a, e = max(lo, i * old), min(hi, (i + 1) * old)
+                if a >= e:
+                    continue
+                src = fetch(i)
+                if src.step != step or src.master[b].numel() != old:
+                    raise ValueError(f"old rank {i}'s chunk is at step {src.step} with {src.master[b].numel()} "
+                                     f"elements in bucket {b}, expected step {step} and {old}")
+                for key, piece in pieces.items():
+                    values = src.master if key == "master" else src.state[key]
+                    piece[a - lo:e - lo] = values[b][a - i * old:e - i * old]
+            out.master.append(pieces.pop("master"))
+            for key, piece in pieces.items():
+                out.state[key][b] = piece
+        return out
+
+    @torch.no_grad()
+    def load_shards(self, fetch: Callable[[int], ShardState], old_world_size: int, step: int) -> None:
+        """Become this generation's rank from the old chunks; then gather the parameters.
+
+        A collective: every rank of the new generation calls it. Afterwards the rank holds
+        its chunk at ``step`` and, as snapshots, a copy of it and of its left neighbour's.
+        """
+        own = self.cut(self.rank, fetch, old_world_size, step)
+        self._set_live(own)
+        self._gather_params()
+        self.own, self.peer = [self._pack(own)], []
+        if self.world_size > 1:
+            left = self.cut((self.rank - 1) % self.world_size, fetch, old_world_size, step)
+            self.peer = [self._pack(left)]
+
+    @torch.no_grad()
+    def _set_live(self, shard: ShardState) -> None:
+        for b, master in enumerate(self.masters):
+            master.copy_(shard.master[b])
+            own = self._own_params(b)
+            if own.data_ptr() != master.data_ptr():
+                own.copy_(master)
+            state = {}
+            for key, values in shard.state.items():
+                value = values[b]
+                state[key] = value.clone() if value.dim() == 0 else value.to(master.device, copy=True)
+            if state:
+                self.optimizer.state[master] = state
+            else:
+                self.optimizer.state.pop(master, None)
+        self.live_step = shard.step
+
+    @torch.no_grad()
+    def reset_from_params(self, step: int) -> None:
+        """Start from the model's parameters (equal on every rank) and empty optimizer state."""
+        shard = ShardState(step=step, world_size=self.world_size, rank=self.rank,
+                           master=[self._own_params(b).detach().float().cpu() for b in range(len(self.buckets))])
+        self._set_live(shard)
+        self.own, self.peer = [self._pack(shard)], []
+        if self.world_size > 1:
+            left = (self.rank - 1) % self.world_size
+            peer = ShardState(step=step, world_size=self.world_size, rank=left,
+                              master=[buf[left * c:(left + 1) * c].detach().float().cpu()
+                                      for buf, c in zip(self.param_buffers, self.chunks)])
+            self.peer = [self._pack(peer)]
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def named_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's part of the optimizer state, keyed ``<param name>/<key>`` as in a
+        checkpoint: slices of parameters, placed by ``meta["slices"][key] = [start, shape]``
+        (``checkpoint.merge_shards`` joins the ranks' parts). bf16/fp16 parameters also get
+        their fp32 master values, under the key ``master``."""
+        live = self.export("live", self.live_step)
+        tensors: dict[str, torch.Tensor] = {}
+        slices: dict[str, list] = {}
+        for b, bucket in enumerate(self.buckets):
+            lo = self.rank * self.chunks[b]
+            hi = lo + self.chunks[b]
+            entries = {key: values[b] for key, values in live.state.items()}
+            for p, offset in zip(bucket.params, bucket.offsets):
+                a, e = max(lo, offset), min(hi, offset + p.numel())
+                if a >= e:
+                    continue
+                name = self.names[id(p)]
+                fields = dict(entries, master=live.master[b]) if p.dtype != torch.float32 else entries
+                for key, value in fields.items():
+                    if value.dim() == 0:
+                        tensors[f"{name}/{key}"] = value
+                    else:
+                        tensors[f"{name}/{key}"] = value[a - lo:e - lo].clone()
+                        slices[f"{name}/{key}"] = [a - offset, list(p.shape)]
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self.names[id(p)] for p in base["params"]]}
+                  for g, base in zip(self.optimizer.param_groups, self.base_groups)]
+        return tensors, {"param_groups": groups, "scalars": {}, "slices": slices}
+
+    def load_named(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        """Load whole-parameter optimizer state keyed ``<param name>/<key>`` (a checkpoint's,
+        saved at any world size and stage), after the model's parameters were loaded."""
+        by_param: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            name, _, field = key.rpartition("/")
+            by_param.setdefault(name, {})[field] = value
+        full = ShardState(step=step, world_size=1, rank=0, master=[])
+        for b, bucket in enumerate(self.buckets):
+            master = self.param_buffers[b][:bucket.numel].detach().float().cpu()
+            values: dict[str, torch.Tensor] = {}
+            for p, offset in zip(bucket.params, bucket.offsets):
+                for field, value in by_param.get(self.names[id(p)], {}).items():
+                    if field == "master":
+                        master[offset:offset + p.numel()] = value.reshape(-1)
+                    elif value.dim() == 0:
+                        values[field] = value.clone()
+                    else:
+                        values.setdefault(field, torch.zeros(bucket.numel, dtype=value.dtype))
+                        values[field][offset:offset + p.numel()] = value.reshape(-1)
+            full.master.append(master)
+            for field, value in values.items():
+                full.state.setdefault(field, []).append(value)
+        if any(len(v) != len(self.buckets) for v in full.state.values()):
+            raise ValueError("optimizer state is missing for some parameters")
+        self.load_shards(lambda _: full, 1, step)

@@ -1,0 +1,175 @@
+"""ZeRO stages 1 and 2 on gloo ranks run as threads (no Ray): the same parameters as stage 0
+and as a plain PyTorch replay, world-size-independent resharding and checkpoints, peer
+snapshots, and the optimizers it refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from elastic_dp import ConfigError, ElasticSampler, Task, TrainConfig
+from elastic_dp.checkpoint import merge_shards
+from elastic_dp.data import split
+from elastic_dp.worker import Replica
+from tests.ranks import run_ranks
+from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression, mlp, mse
+
+CPU = torch.device("cpu")
+
+
+def _initial(task: Task, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)  # built once: the ranks are threads sharing torch's RNG
+    return {k: v.clone() for k, v in task.model().state_dict().items()}
+
+
+def _train(task: Task, config: TrainConfig, world: int, steps: range, initial, *, start=None):
+    """Run ``steps`` on ``world`` thread ranks from ``initial`` weights (or a whole
+    TrainingState ``start``); return rank 0's final weights and every rank's training state."""
+    dataset_len = len(task.dataset())
+    sampler = ElasticSampler(dataset_len, global_batch=config.global_batch, seed=config.seed)
+
+    def rank_fn(group):
+        replica = Replica(task, config, CPU, group)
+        if start is not None:
+            replica.load_state(start)
+        else:
+            replica.model.load_state_dict(initial)
+            replica.broadcast_state(0)
+        for step in steps:
+            result = replica.step(step, split(sampler.batch(step), group.world_size)[group.rank])
+            assert result.committed, result.error
+        state = replica.training_state(steps.stop, {"seed": config.seed})
+        return replica.model_state(), state, replica
+
+    results = run_ranks(world, rank_fn)
+    return results[0][0], [r[1] for r in results], [r[2] for r in results]
+
+
+def _max_diff(a, b) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("task", [MLP_TASK, TINY_GPT_TASK], ids=["sgd-two-groups", "adamw-gpt"])
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_stages_reach_the_parameters_of_stage_0(task, zero, world):
+    config = dataclasses.replace(task.defaults, steps=6, bucket_mb=0.0001)  # several buckets
+    initial = _initial(task, config.seed)
+    reference, _, _ = _train(task, config, world, range(6), initial)
+    sharded, _, replicas = _train(task, dataclasses.replace(config, zero=zero), world, range(6), initial)
+    assert len(replicas[0].strategy.buckets) > 2
+    assert _max_diff(sharded, reference) < 2e-5
+
+
+def test_stage_2_keeps_only_gradient_chunks_and_stage_1_keeps_full_gradients():
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=1)
+    initial = _initial(TINY_GPT_TASK, config.seed)
+    for zero, world in ((1, 3), (2, 3)):
+        _, _, replicas = _train(TINY_GPT_TASK, dataclasses.replace(config, zero=zero), world, range(1), initial)
+        for replica in replicas:
+            numel = sum(p.numel() for p in replica.model.parameters())
+            strategy = replica.strategy
+            held = sum(p.grad.numel() for p in replica.model.parameters() if p.grad is not None)
+            if zero == 2:
+                assert held == 0
+                chunks = sum(g.numel() for g in strategy.grad_chunks)
+                assert numel / world <= chunks <= numel / world + len(strategy.buckets)
+            else:
+                assert held == numel
+            state = sum(v.numel() for s in strategy.optimizer.state.values() for v in s.values() if v.dim())
+            assert 2 * numel / world <= state <= 2 * (numel / world + len(strategy.buckets))
+
+
+def test_a_checkpoint_saved_at_3_workers_resumes_at_2_and_at_4():
+    task, config = TINY_GPT_TASK, dataclasses.replace(TINY_GPT_TASK.defaults, zero=2, bucket_mb=0.002)
+    initial = _initial(task, config.seed)
+    uninterrupted, _, _ = _train(task, dataclasses.replace(config, zero=0), 1, range(6), initial)
+    _, parts, _ = _train(task, config, 3, range(3), initial)
+    saved = merge_shards(parts)
+    assert saved.step == 3 and saved.model
+    assert {k.rpartition("/")[2] for k in saved.optimizer_tensors} == {"exp_avg", "exp_avg_sq", "step"}
+    for world in (2, 4):
+        resumed, _, _ = _train(task, config, world, range(3, 6), None, start=saved)
+        assert _max_diff(resumed, uninterrupted) < 2e-5, world
+    stage0, _, _ = _train(task, dataclasses.replace(config, zero=0), 2, range(3, 6), None, start=saved)
+    assert _max_diff(stage0, uninterrupted) < 2e-5
+
+
+def test_resharding_from_live_chunks_and_snapshots_continues_the_same_trajectory():
+    """3 ranks train 3 steps; 2 new ranks continue from the old chunks, one of which comes
+    from its right neighbour's peer snapshot instead of its (lost) owner."""
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, zero=1, bucket_mb=0.002)
+    initial = _initial(task, config.seed)
+    uninterrupted, _, _ = _train(task, dataclasses.replace(config, zero=0), 1, range(6), initial)
+    _, _, old = _train(task, config, 3, range(3), initial)
+    assert [r.strategy.holdings() for r in old] == [
+        {"rank": r, "live": 3, "own": [2, 3], "peer": [2, 3]} for r in range(3)]
+    # rank 1 is lost: its chunk comes from rank 2's peer snapshot
+    chunks = [old[0].strategy.export("live", 3), old[2].strategy.export("peer", 3), old[2].strategy.export("own", 3)]
+    sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
+
+    def rank_fn(group):
+        replica = Replica(task, config, CPU, group)
+        replica.sharded().load_shards(lambda i: chunks[i], 3, 3)
+        for step in range(3, 6):
+            assert replica.step(step, split(sampler.batch(step), 2)[group.rank]).committed
+        return replica.model_state()
+
+    final = run_ranks(2, rank_fn)[0]
+    assert _max_diff(final, uninterrupted) < 2e-5
+
+
+def test_snapshots_every_k_steps_roll_back_to_a_consistent_step():
+    task = MLP_TASK
+    config = dataclasses.replace(task.defaults, zero=2, snapshot_every=4)
+    _, _, replicas = _train(task, config, 2, range(6), _initial(task, config.seed))
+    assert [r.strategy.holdings()["own"] for r in replicas] == [[0, 4], [0, 4]]
+    assert [r.strategy.holdings()["peer"] for r in replicas] == [[0, 4], [0, 4]]
+    # the peer snapshot of rank 0 on rank 1 equals rank 0's own snapshot
+    a, b = replicas[0].strategy.export("own", 4), replicas[1].strategy.export("peer", 4)
+    assert all(torch.equal(x, y) for x, y in zip(a.master, b.master))
+    assert all(torch.equal(x, y) for k in a.state for x, y in zip(a.state[k], b.state[k]))
+
+
+def test_bf16_parameters_keep_fp32_master_weights_in_the_shard():
+    def bf16_mlp():
+        return mlp().to(torch.bfloat16)
+
+    def adam(model):
+        return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def loss(model, batch):
+        x, y = batch
+        return nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y)
+
+    task = Task(model=bf16_mlp, dataset=Regression, loss=loss, optimizer=adam)
+    config = TrainConfig(global_batch=8, zero=1, seed=1)
+    initial = _initial(task, config.seed)
+    final, parts, replicas = _train(task, config, 2, range(5), initial)
+    masters = replicas[0].strategy.masters
+    assert all(m.dtype == torch.float32 for m in masters)
+    # a 1e-3 Adam step is below bf16's resolution for most weights: only an fp32 master
+    # accumulates them, so the fp32 masters must differ from the bf16 parameters
+    merged = merge_shards(parts)
+    master_w = merged.optimizer_tensors["0.weight/master"]
+    assert master_w.dtype == torch.float32
+    assert float((master_w - final["0.weight"].float()).abs().max()) > 0
+    torch.testing.assert_close(master_w.to(torch.bfloat16), final["0.weight"])
+
+
+def test_non_elementwise_optimizer_is_refused_with_zero():
+    task = dataclasses.replace(MLP_TASK, optimizer=lambda m: torch.optim.LBFGS(m.parameters()))
+    with pytest.raises(ConfigError, match=r"--zero 1 .*LBFGS.*--zero 0"):
+        Replica(task, TrainConfig(zero=1), CPU, group=None)
+    Replica(task, TrainConfig(zero=0), CPU, group=None)  # fine without sharding
+
+
+@pytest.mark.parametrize("stage", [3, -1, "1"])
+def test_unknown_stage_is_refused(stage):
+    with pytest.raises(ConfigError, match="--zero"):
+        TrainConfig(zero=stage)
