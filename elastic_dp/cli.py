@@ -25,7 +25,7 @@ logger = logging.getLogger("elastic_dp.cli")
 # flag -> TrainConfig field; absent flags keep the job's defaults
 _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": int,
                 "warmup_steps": int, "lr_reference_batch": int, "clip_grad_norm": float,
-                "precision": str, "bucket_mb": float}
+                "precision": str, "bucket_mb": float, "zero": int, "snapshot_every": int}
 
 
 def _worker_range(text: str) -> tuple[int, int]:
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--workers", type=_worker_range, default=(2, 2), metavar="N|MIN:MAX",
                        help="worker actors: N, or an elastic range MIN:MAX (default 2)")
     for name, kind in _TRAIN_FLAGS.items():
-        extra = {"choices": ["fp32", "bf16"]} if name == "precision" else {}
+        extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2]}}.get(name, {})
         train.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
                            help=f"override the job's {name}", **extra)
     train.add_argument("--no-reduce-fp32", dest="reduce_fp32", action="store_false", default=None,
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds a worker may take to leave an aborted step before it counts as hung")
     train.add_argument("--inject", action="append", default=[], metavar="SPEC",
                        help="fault injection, repeatable: kill:step=S:rank=R[:phase=forward|allreduce|"
-                            "optimizer|checkpoint], hang:step=S:rank=R, join:step=S")
+                            "optimizer|snapshot|checkpoint], hang:step=S:rank=R, join:step=S")
     train.add_argument("--checkpoint-dir", default=None)
     train.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
     train.add_argument("--checkpoint-keep", type=int, default=3)

@@ -13,7 +13,10 @@ takes the sampler's global batch, splits it into contiguous slices over the curr
 ranks, and commits the step when every member reports it committed (invariants 2, 5).
 When members fail it asks the ``ElasticPolicy`` what to do, re-forms the next
 generation in place from the survivors (and ready joiners), makes their state equal,
-and re-runs the interrupted step on the same samples (invariant 4). It never touches a
+and re-runs the interrupted step on the same samples (invariant 4). With ZeRO the state
+is in chunks: ``shard_sources`` picks where each old chunk comes from (a survivor, or a
+neighbour's peer snapshot), the new ranks re-cut them for the new world size, and the
+run rolls back to the snapshot's step when it is older than the failed step. It never touches a
 tensor: state moves between workers, checkpoints and the output as opaque objects.
 """
 
@@ -26,7 +29,7 @@ import time
 import ray
 import torch.distributed as dist
 
-from .checkpoint import CheckpointStore, TrainingState
+from .checkpoint import CheckpointStore, TrainingState, merge_shards
 from .config import CheckpointConfig, ClusterConfig, TrainConfig, check_batch_fits
 from .data import ElasticSampler, split
 from .dispatch import StepOutcome, gather
@@ -35,7 +38,7 @@ from .faults import Fault, FaultPlan
 from .messages import StepResult
 from .metrics import RunRecorder, RunSummary
 from .placement import resolve_device
-from .policy import Action, ElasticPolicy, MembershipDecision
+from .policy import Action, ElasticPolicy, MembershipDecision, ShardPlan, shard_sources
 from .pool import Member, WorkerPool, placement_error
 from .task import Task
 
@@ -63,6 +66,11 @@ class Coordinator:
         joins = sum(1 for f in faults if f.kind == "join")
         if any(f.phase == "checkpoint" and f.rank != 0 for f in faults):
             raise ConfigError("--inject ...:phase=checkpoint applies to rank 0, the rank whose state is saved")
+        for f in faults:
+            if f.phase == "snapshot" and (not train.zero or (f.step + 1) % train.snapshot_every):
+                raise ConfigError(f"--inject ...:step={f.step}:phase=snapshot needs --zero 1 or 2 and a step "
+                                  f"after which a snapshot is taken: (step + 1) divisible by --snapshot-every "
+                                  f"{train.snapshot_every}")
         self.task, self.train, self.cluster, self.ckpt_cfg = task, train, cluster, checkpoint
         self.recorder = recorder
         self.faults = FaultPlan(list(faults))
@@ -92,8 +100,10 @@ class Coordinator:
         """Place, form, restore, train every remaining step, and tear down."""
         try:
             self.start()
-            self.run_steps(self.train.steps - self.step)
-            self._finish()
+            while True:
+                self.run_steps(self.train.steps - self.step)
+                if self._finish():
+                    break  # else a failure during the final save rolled the run back
             self._to(RunState.FINISHED)
             return self.recorder.finish()
         except BaseException:
@@ -216,7 +226,10 @@ class Coordinator:
             self._to(RunState.RESIZING)
             start = time.monotonic()
             joined = [m for m in decision.members if m not in self.members]
-            self._change_membership(list(decision.members), source=self.members[0], needs_state=joined)
+            if self.train.zero:  # every chunk is live at this step: re-cut them for the new size
+                self._reshard(list(decision.members), holders=self.members)
+            else:
+                self._change_membership(list(decision.members), source=self.members[0], needs_state=joined)
             self.recorder.event("membership_changed", cause=decision.reason, generation=self.generation,
                                 world_size=len(self.members), joined=len(joined), lost=0,
                                 reform_s=round(time.monotonic() - start, 4), steps_rerun=0,
@@ -227,7 +240,7 @@ class Coordinator:
         slices = split(self.sampler.batch(step), len(self.members))
         calls = {}
         for rank, (member, indices) in enumerate(zip(self.members, slices)):
-            fault = self.faults.take(step, rank, ("forward", "allreduce", "optimizer"))
+            fault = self.faults.take(step, rank, ("forward", "allreduce", "optimizer", "snapshot"))
             calls[member.actor.step.remote(step, indices, fault)] = member
         return gather(calls, deadline_s=self.cluster.step_timeout_s, grace_s=self.cluster.abort_grace_s,
                       abort=self._abort)
@@ -237,7 +250,8 @@ class Coordinator:
             m.actor.abort_group.remote()  # control thread; a hung worker never runs it
 
     def _run_step(self, step: int) -> bool:
-        """Run ``step`` until it commits; False when the run went back to a checkpoint."""
+        """Run ``step`` until it commits; False when the run went back to an earlier step (a
+        checkpoint, or a ZeRO snapshot older than ``step``)."""
         start = time.perf_counter()
         while True:
             outcome = self._dispatch_step(step)
@@ -250,7 +264,8 @@ class Coordinator:
             if committed is None:
                 return False
             if committed:
-                results = [r for r in outcome.results.values() if r.committed]
+                results = ([r for r in outcome.results.values() if r.committed]
+                           or [r for r in outcome.results.values() if r.samples])  # ZeRO: gather failed
                 self._record(step, results, time.perf_counter() - start)
                 return True
 
@@ -269,7 +284,7 @@ class Coordinator:
         is spread); False: re-run the step; None: restarted from a checkpoint."""
         self._to(RunState.RECOVERING)
         start = time.monotonic()
-        lost_ranks = [self.members.index(m) for m in outcome.lost]
+        lost_ranks = sorted(self.members.index(m) for m in outcome.lost)
         for member in outcome.lost:
             self.pool.stop(member)
         survivors = [m for m in self.members if m not in outcome.lost]
@@ -278,14 +293,11 @@ class Coordinator:
         logger.warning("gen %d step %d: %s; lost ranks %s", self.generation, step, outcome.cause, lost_ranks)
         decision = self._decide_after_failure(step, survivors)
         if decision.action is Action.RESTORE:
-            state = self.ckpt.load()
-            self.joiners = [j for j in self.joiners if j not in decision.members]
-            self._form(list(decision.members))
-            self._load(state, self.members)
-            self._event_changed(outcome, decision.reason, lost_ranks, start, steps_rerun=step - state.step + 1,
-                                kind="restored_from_checkpoint", step=state.step)
-            self._to(RunState.RUNNING)
+            self._restore(list(decision.members), outcome, decision.reason, lost_ranks, start, step)
             return None
+        if self.train.zero:
+            return self._recover_sharded(step, outcome, list(decision.members), survivors, decision.reason,
+                                         lost_ranks, start)
         members = list(decision.members)
         source = committed[0] if committed else survivors[0]
         needs = [m for m in members if m not in survivors or (committed and m not in committed)]
@@ -300,6 +312,62 @@ class Coordinator:
         self._event_changed(outcome, decision.reason, lost_ranks, start, steps_rerun=0 if committed else 1)
         self._to(RunState.RUNNING)
         return bool(committed)
+
+    def _restore(self, members: list[Member], outcome: StepOutcome, reason: str, lost_ranks: list[int],
+                 start: float, step: int) -> None:
+        """Restart ``members`` from the latest durable checkpoint."""
+        state = self.ckpt.load()
+        self.joiners = [j for j in self.joiners if j not in members]
+        self._form(members)
+        self._load(state, self.members)
+        self.recorder.rewind(state.step)
+        self._event_changed(outcome, reason, lost_ranks, start, steps_rerun=step - state.step + 1,
+                            kind="restored_from_checkpoint", step=state.step)
+        self._to(RunState.RUNNING)
+
+    def _recover_sharded(self, step: int, outcome: StepOutcome, members: list[Member], survivors: list[Member],
+                         reason: str, lost_ranks: list[int], start: float) -> bool | None:
+        """Re-form after a failed step under ZeRO (``_recover``'s contract)."""
+        try:
+            plan = self._reshard(members, holders=survivors)
+        except ray.exceptions.RayActorError as exc:
+            raise MembershipError(f"a worker failed while generation {self.generation + 1} was being formed "
+                                  f"({exc.__class__.__name__}); restart with --resume to continue from the "
+                                  "latest checkpoint") from None
+        if plan is None:
+            lost = f"ranks {lost_ranks} of {len(self.members)} were lost together"
+            if self.ckpt is None or self.ckpt.latest() is None:
+                raise MembershipError(f"{lost}, and with them a ZeRO shard and its only peer snapshot, and there "
+                                      "is no durable checkpoint: pass --checkpoint-dir and --checkpoint-every so a "
+                                      "run can recover from this")
+            logger.warning("gen %d step %d: %s, and with them a ZeRO shard and its peer snapshot: restarting "
+                           "from the latest checkpoint", self.generation, step, lost)
+            self._restore(members, outcome, f"{lost}, and with them a ZeRO shard and its peer snapshot",
+                          lost_ranks, start, step)
+            return None
+        self._event_changed(outcome, reason, lost_ranks, start, steps_rerun=step + 1 - plan.step,
+                            restored_step=plan.step)
+        self._to(RunState.RUNNING)
+        if plan.step == step + 1:
+            return True  # the step committed everywhere before the failure
+        self.step = plan.step
+        self.recorder.rewind(plan.step)
+        return False if plan.step == step else None
+
+    def _reshard(self, members: list[Member], holders: list[Member]) -> ShardPlan | None:
+        """Form the next generation over ``members`` and re-cut the ZeRO chunks that ``holders``
+        (members of the current generation) hold; None when some chunk is lost."""
+        old = list(self.members)
+        reports = ray.get([m.actor.shard_holdings.remote() for m in holders])
+        plan = shard_sources(len(old), {old.index(m): r for m, r in zip(holders, reports)})
+        if plan is None:
+            return None
+        refs = [old[holder].actor.export_shard.remote(kind, plan.step) for holder, kind in plan.sources]
+        ray.wait(refs, num_returns=len(refs))  # exported before the holders join the next generation
+        self.joiners = [j for j in self.joiners if j not in members]
+        self._form(members)
+        ray.get([m.actor.import_shards.remote(refs, len(old), plan.step) for m in members])
+        return plan
 
     def _decide_after_failure(self, step: int, survivors: list[Member]) -> MembershipDecision:
         """Ask the policy until it stops saying WAIT; raise when it says FAIL."""
@@ -334,29 +402,43 @@ class Coordinator:
                             reform_s=round(time.monotonic() - start, 4), steps_rerun=steps_rerun)
 
     # -- checkpoints and the end -----------------------------------------------------------
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self) -> bool:
+        """Save the state after ``self.step`` steps; False when a failure meanwhile sent the
+        run back to an earlier step (the save happens again when the run gets here)."""
         while True:
             start = time.perf_counter()
             fault = self.faults.take(self.step - 1, 0, ("checkpoint",))
-            ref = self.members[0].actor.training_state.remote(self.step, self._sampler_state(), fault)
-            try:
-                state = ray.get(ref)
+            # stage 0: rank 0 holds everything; ZeRO: every rank holds a part
+            members = self.members if self.train.zero else self.members[:1]
+            refs = [m.actor.training_state.remote(self.step, self._sampler_state(), fault if i == 0 else None)
+                    for i, m in enumerate(members)]
+            lost = []
+            for member, ref in zip(members, refs):
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    lost.append(member)
+            if not lost:
+                parts = ray.get(refs)
                 break
-            except ray.exceptions.RayActorError:
-                lost = self.members[0]
-                outcome = StepOutcome(results={m: StepResult(step=self.step - 1, rank=i, generation=self.generation,
-                                                             committed=True)
-                                               for i, m in enumerate(self.members) if m is not lost},
-                                      lost=[lost], cause=f"{lost!r} died while saving a checkpoint", detect_s=0.0)
-                if self._recover(self.step - 1, outcome) is None:
-                    return  # back at a checkpoint: nothing new to save
+            outcome = StepOutcome(results={m: StepResult(step=self.step - 1, rank=i, generation=self.generation,
+                                                         committed=True)
+                                           for i, m in enumerate(self.members) if m not in lost},
+                                  lost=lost, cause=f"{lost!r} died while saving a checkpoint", detect_s=0.0)
+            if self._recover(self.step - 1, outcome) is not True:
+                return False  # back at an earlier step: nothing new to save
+        state = merge_shards(parts) if self.train.zero else parts[0]
         path = self.ckpt.save(state)
         self.recorder.event("checkpoint_saved", step=self.step, path=str(path),
                             save_s=round(time.perf_counter() - start, 4))
+        return True
 
-    def _finish(self) -> None:
+    def _finish(self) -> bool:
+        """The final checkpoint and output; False when the run has steps to re-run first."""
         if self.ckpt is not None and (not self.ckpt_cfg.every or self.step % self.ckpt_cfg.every):
-            self._save_checkpoint()
+            if not self._save_checkpoint():
+                return False
         rank0 = self.members[0].actor
         self.recorder.weights("final", ray.get(rank0.model_state.remote()))
         self.recorder.summary.sample = ray.get(rank0.sample.remote())
+        return True

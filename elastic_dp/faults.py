@@ -1,7 +1,8 @@
 """Fault injection: ``--inject SPEC`` (repeatable), for users validating a setup and for tests.
 
     kill:step=S:rank=R[:phase=P]   the worker process of rank R dies (SIGKILL) during step S;
-                                    P is forward (default), allreduce, optimizer or checkpoint
+                                    P is forward (default), allreduce, optimizer, snapshot
+                                    (ZeRO's peer snapshot) or checkpoint
     hang:step=S:rank=R[:phase=P]   the worker stops (SIGSTOP) and never answers again
     join:step=S                    one more worker joins before step S
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-PHASES = ("forward", "allreduce", "optimizer", "checkpoint")
+PHASES = ("forward", "allreduce", "optimizer", "snapshot", "checkpoint")
 KINDS = ("kill", "hang", "join")
 
 
@@ -31,7 +32,7 @@ class Fault:
     @classmethod
     def parse(cls, spec: str) -> "Fault":
         kind, *fields = spec.split(":")
-        usage = ("--inject takes kill:step=S:rank=R[:phase=forward|allreduce|optimizer|checkpoint], "
+        usage = ("--inject takes kill:step=S:rank=R[:phase=forward|allreduce|optimizer|snapshot|checkpoint], "
                  f"hang:step=S:rank=R or join:step=S; got {spec!r}")
         if kind not in KINDS:
             raise ConfigError(usage)

@@ -79,6 +79,7 @@ class RunRecorder:
         self._show_bar = sys.stderr.isatty() if progress is None else progress
         self._bar = None
         self._log_every = max(1, total_steps // 20)
+        self._committed: dict[int, int] = {}  # step -> samples, of the steps recorded in this run
 
     def _open(self) -> bool:
         if self.out is not None and not self._opened:
@@ -114,6 +115,7 @@ class RunRecorder:
         s = self.summary
         s.steps += 1
         s.samples += samples
+        self._committed[step] = samples
         s.first_loss = loss if s.first_loss is None else s.first_loss
         s.final_loss = loss
         if self._bar is not None:
@@ -122,6 +124,16 @@ class RunRecorder:
         elif (step + 1) % self._log_every == 0 or step + 1 == self.total_steps:
             logger.info("gen %d step %d/%d: loss %.4f, %.3f s/step, %d workers",
                         generation, step + 1, self.total_steps, loss, step_s, world_size)
+
+    def rewind(self, to_step: int) -> None:
+        """The run went back to ``to_step`` (a rollback or a checkpoint): steps from there on
+        will be trained, and recorded, again. metrics.jsonl keeps both lines of such a step."""
+        dropped = [s for s in self._committed if s >= to_step]
+        for step in dropped:
+            self.summary.samples -= self._committed.pop(step)
+        self.summary.steps -= len(dropped)
+        if self._bar is not None and dropped:
+            self._bar.update(-len(dropped))
 
     def weights(self, name: str, state: dict) -> None:
         """Write ``state`` (a model state dict) as ``<out>/<name>.safetensors``."""

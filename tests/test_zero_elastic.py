@@ -1,0 +1,89 @@
+"""ZeRO through failures and joins, on a local Ray cluster: every run ends where the
+uninterrupted run ends (plain PyTorch replay, tests.reference), whatever membership
+changes, snapshot rollbacks or checkpoint fallbacks it went through."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer
+from tests.reference import max_abs_diff, replay
+from tests.tasks import TINY_GPT_TASK
+
+TOL = 2e-5
+
+
+def _run(tmp_path, workers, inject, *, zero, steps=6, snapshot_every=1, min_workers=None, checkpoint=None,
+         **cluster):
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=steps, zero=zero, snapshot_every=snapshot_every,
+                                 bucket_mb=0.02)
+    summary = Trainer(TINY_GPT_TASK, train=config,
+                      cluster=ClusterConfig(workers=workers, min_workers=min_workers, **cluster),
+                      checkpoint=checkpoint, out_dir=str(tmp_path), progress=False, inject=inject).fit()
+    expected = replay(TINY_GPT_TASK, config, str(tmp_path / "initial.safetensors"))
+    diff = max_abs_diff(load_file(tmp_path / "final.safetensors"), expected)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return summary, diff, events, metrics
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_kills_and_joins_under_zero_end_where_the_uninterrupted_run_ends(ray_cluster, tmp_path, zero):
+    """Starts with 2 workers (the third is held back for the join); rank 1 is killed in its
+    backward at step 1, a worker joins at step 3 (resharded from live chunks), and rank 0 is
+    killed while it sends its snapshot after step 4. Lost workers are replaced as they come."""
+    summary, diff, events, metrics = _run(
+        tmp_path, 3, ["kill:step=1:rank=1:phase=allreduce", "join:step=3", "kill:step=4:rank=0:phase=snapshot"],
+        zero=zero, steps=7, min_workers=1)
+    assert diff < TOL
+    changes = [e for e in events if e["kind"] == "membership_changed"]
+    failures = [c for c in changes if c["lost"]]
+    assert [c["lost_ranks"] for c in failures] == [[1], [0]]
+    assert any(c["lost"] == 0 and c["joined"] >= 1 for c in changes)  # the join (and replacements)
+    # killed in the backward: the step had not committed anywhere; re-run it alone
+    assert failures[0]["restored_step"] == 1 and failures[0]["steps_rerun"] == 1
+    # killed while sending its snapshot of step 5: everyone had committed step 4, but rank
+    # 0's chunk exists at step 5 only if its neighbour received it; otherwise roll back
+    assert failures[1]["restored_step"] in (4, 5)
+    assert summary.steps == 7 and summary.samples == 7 * TINY_GPT_TASK.defaults.global_batch
+    assert [m["step"] for m in metrics][-1] == 6
+
+
+def test_snapshots_every_k_steps_roll_back_and_replay(ray_cluster, tmp_path):
+    summary, diff, events, metrics = _run(tmp_path, 2, ["kill:step=5:rank=1"], zero=2, steps=7,
+                                          snapshot_every=4, min_workers=1)
+    assert diff < TOL
+    change = next(e for e in events if e["kind"] == "membership_changed")
+    assert change["restored_step"] == 4 and change["steps_rerun"] == 2  # steps 4 and 5 again
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 4, 5, 6]
+    assert summary.steps == 7 and summary.samples == 7 * TINY_GPT_TASK.defaults.global_batch
+
+
+def test_two_adjacent_workers_lost_fall_back_to_the_durable_checkpoint(ray_cluster, tmp_path):
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2)
+    summary, diff, events, _ = _run(tmp_path / "out", 3, ["kill:step=3:rank=1:phase=allreduce",
+                                                          "kill:step=3:rank=2"], zero=1, min_workers=1,
+                                    checkpoint=ckpt)
+    assert diff < TOL
+    restored = next(e for e in events if e["kind"] == "restored_from_checkpoint")
+    assert restored["step"] == 2 and restored["lost_ranks"] == [1, 2]
+    assert "ZeRO shard and its peer snapshot" in restored["decision"]
+    assert "restored_from_checkpoint" in summary.render()
+
+
+def test_adjacent_loss_without_a_checkpoint_fails_clearly(ray_cluster, tmp_path):
+    with pytest.raises(Exception, match="--checkpoint-dir and --checkpoint-every"):
+        _run(tmp_path, 3, ["kill:step=1:rank=1:phase=allreduce", "kill:step=1:rank=2"], zero=2, min_workers=1)
+
+
+def test_a_non_elementwise_optimizer_is_refused_before_training(ray_cluster, tmp_path):
+    task = dataclasses.replace(TINY_GPT_TASK, optimizer=lambda m: torch.optim.LBFGS(m.parameters()))
+    with pytest.raises(ConfigError, match="--zero 2 shards optimizer state element by element.*LBFGS"):
+        Trainer(task, train=dataclasses.replace(TINY_GPT_TASK.defaults, zero=2),
+                cluster=ClusterConfig(workers=2), out_dir=str(tmp_path / "out"), progress=False).fit()
+    assert not (tmp_path / "out").exists()
