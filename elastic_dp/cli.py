@@ -2,7 +2,9 @@
 
     elastic-dp train JOB --workers N --steps S [--global-batch B] [--micro-batch M]
         [--seed X] [--device auto|cpu|cuda] [--checkpoint-dir DIR --checkpoint-every K]
-        [--resume] [--out DIR]
+        [--resume] [--out DIR] [--zero 0|1|2 --snapshot-every K]
+    elastic-dp plan --params 7.5e9 --workers 64 --zero 1 [--gpu-memory 80GB]
+        [--precision bf16|fp32] [--optimizer adam|adamw|sgd-momentum|sgd] [--json]
 
 JOB is an importable module that defines ``TASK`` (e.g. ``jobs.gpt``); its defaults
 apply to every flag not given.
@@ -12,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 
 from .api import Trainer
 from .config import CheckpointConfig, ClusterConfig
 from .errors import ElasticDPError
+from .plan import MemoryPlan, parse_size, render
 from .task import load_task
 
 logger = logging.getLogger("elastic_dp.cli")
@@ -70,6 +74,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--progress", dest="progress", action="store_true", default=None,
                        help="force the progress bar (default: when stderr is a terminal)")
     train.add_argument("--no-progress", dest="progress", action="store_false")
+
+    plan = sub.add_parser("plan", help="per-worker memory and communication for a model size and ZeRO stage")
+    plan.add_argument("--params", required=True, help="parameter count, e.g. 7.5e9 or 125M")
+    plan.add_argument("--workers", type=int, required=True, help="data-parallel workers")
+    plan.add_argument("--zero", type=int, default=0, help="ZeRO stage 0, 1 or 2 (default 0)")
+    plan.add_argument("--precision", default="bf16", help="bf16 (mixed, fp32 master) or fp32 (default bf16)")
+    plan.add_argument("--optimizer", default="adam", help="adam, adamw, sgd-momentum or sgd (default adam)")
+    plan.add_argument("--gpu-memory", default=None, help="device memory, e.g. 80GB or 80GiB: also say how many "
+                                                          "devices the training state needs")
+    plan.add_argument("--json", action="store_true", help="print the figures as JSON")
     return parser
 
 
@@ -91,11 +105,19 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    plan = MemoryPlan(params=parse_size(args.params, "--params"), workers=args.workers, zero=args.zero,
+                      precision=args.precision, optimizer=args.optimizer)
+    gpu = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
+    print(json.dumps(plan.report(gpu), indent=1) if args.json else render(plan, gpu))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return _train(args)
+        return _plan(args) if args.command == "plan" else _train(args)
     except ElasticDPError as exc:
         print(f"elastic-dp: error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""elastic_dp at N=2 reaches the parameters that torch DDP reaches on the same batches.
+"""elastic_dp at N=2 reaches the parameters that torch DDP reaches on the same batches, and
+with ``--zero 1`` the parameters of torch's ZeroRedundancyOptimizer over DDP.
 
 DDP runs in two plain processes (torch.multiprocessing, gloo, a FileStore), each on the
 same contiguous half of every global batch that elastic_dp gives its rank. DDP averages
@@ -12,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic_dp import ClusterConfig, ElasticSampler, Trainer
@@ -26,7 +29,7 @@ TOL = 2e-5
 WORLD = 2
 
 
-def _ddp_rank(rank: int, store_path: str, initial: str, out: str) -> None:
+def _ddp_rank(rank: int, store_path: str, initial: str, out: str, zero: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     task, config = TINY_GPT_TASK, TINY_GPT_TASK.defaults
@@ -35,6 +38,9 @@ def _ddp_rank(rank: int, store_path: str, initial: str, out: str) -> None:
     ddp = DDP(model)
     dataset = task.dataset()
     optimizer = task.optimizer(model)
+    if zero:  # torch's own optimizer-state sharding, same optimizer class and settings
+        settings = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(optimizer), **settings)
     base = [g["lr"] for g in optimizer.param_groups]
     sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
     for step in range(config.steps):
@@ -50,12 +56,13 @@ def _ddp_rank(rank: int, store_path: str, initial: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_two_workers_match_torch_ddp(ray_cluster, tmp_path):
-    config = dataclasses.replace(TINY_GPT_TASK.defaults, micro_batch=None)
+@pytest.mark.parametrize("zero", [0, 1], ids=["ddp", "zero-redundancy-optimizer"])
+def test_two_workers_match_torch_ddp(ray_cluster, tmp_path, zero):
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, micro_batch=None, zero=zero)
     Trainer(TINY_GPT_TASK, train=config, cluster=ClusterConfig(workers=WORLD), out_dir=str(tmp_path),
             progress=False).fit()
     ddp_out = str(tmp_path / "ddp.safetensors")
-    mp.start_processes(_ddp_rank, args=(str(tmp_path / "store"), str(tmp_path / "initial.safetensors"), ddp_out),
+    mp.start_processes(_ddp_rank, args=(str(tmp_path / "store"), str(tmp_path / "initial.safetensors"), ddp_out, zero),
                        nprocs=WORLD, start_method="spawn")
     ours, theirs = load_file(tmp_path / "final.safetensors"), load_file(ddp_out)
     assert max_abs_diff(ours, load_file(tmp_path / "initial.safetensors")) > 1e-3

@@ -1,0 +1,89 @@
+"""``elastic-dp plan`` against the published ZeRO arithmetic (Rajbhandari et al., 2020:
+a 7.5B-parameter model with mixed-precision Adam needs 120 GB per device without
+sharding, 31.4 GB with optimizer-state sharding and 16.6 GB with gradients sharded too,
+at 64 devices)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from elastic_dp import cli
+from elastic_dp.errors import ConfigError
+from elastic_dp.plan import MemoryPlan, parse_size
+
+
+@pytest.mark.parametrize("workers", [1, 8, 64])
+def test_stage_0_is_16_bytes_per_parameter_at_any_worker_count(workers):
+    plan = MemoryPlan(params=7.5e9, workers=workers, zero=0)
+    assert plan.bytes_per_param() == {"parameters": 2, "gradients": 2, "optimizer_state": 12, "total": 16}
+    assert plan.per_worker_bytes()["total"] == 120e9
+
+
+@pytest.mark.parametrize("zero, published_gb", [(0, 120.0), (1, 31.4), (2, 16.6)])
+def test_the_zero_paper_figures_for_7_5b_parameters_on_64_devices(zero, published_gb):
+    total = MemoryPlan(params=7.5e9, workers=64, zero=zero).per_worker_bytes()["total"]
+    assert round(total / 1e9, 1) == published_gb
+
+
+def test_fp32_and_sgd_variants():
+    assert MemoryPlan(1e6, 4, 0, precision="fp32").bytes_per_param()["total"] == 16  # 4 + 4 + 8
+    assert MemoryPlan(1e6, 4, 2, precision="fp32").bytes_per_param() == {
+        "parameters": 4, "gradients": 1, "optimizer_state": 2, "total": 7}
+    assert MemoryPlan(1e6, 4, 1, optimizer="sgd").bytes_per_param()["optimizer_state"] == 1  # fp32 master / 4
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_workers_needed_is_the_fewest_that_fit(zero):
+    gpu = 80e9
+    plan = MemoryPlan(params=7.5e9, workers=64, zero=zero)
+    need = plan.workers_needed(gpu)
+    if zero == 0:
+        assert need is None  # 120 GB never fits 80 GB without sharding
+        return
+    assert plan.per_worker_bytes(need)["total"] <= gpu
+    assert need == 1 or plan.per_worker_bytes(need - 1)["total"] > gpu
+    assert MemoryPlan(params=1e9, workers=1, zero=0).workers_needed(gpu) == 1
+
+
+def test_communication_per_step():
+    n, psi = 4, 1e9
+    assert MemoryPlan(psi, n, 0).comm_bytes_per_step() == pytest.approx(2 * 3 / 4 * 2 * psi)
+    assert MemoryPlan(psi, n, 1).comm_bytes_per_step() == pytest.approx((2 * 3 / 4 * 2 + 3 / 4 * 2) * psi)
+    assert MemoryPlan(psi, n, 2).comm_bytes_per_step() == pytest.approx(3 / 4 * 4 * psi)
+    assert MemoryPlan(psi, 1, 2).comm_bytes_per_step() == 0
+
+
+@pytest.mark.parametrize("text, value", [("7.5e9", 7.5e9), ("125M", 125e6), ("80GB", 80e9), ("80GiB", 80 * 2**30),
+                                         ("1.5b", 1.5e9)])
+def test_sizes(text, value):
+    assert parse_size(text, "--x") == value
+
+
+def test_cli_text_and_json(capsys):
+    cmd = [sys.executable, "-m", "elastic_dp.cli", "plan", "--params", "7.5e9", "--workers", "64", "--zero", "1",
+           "--gpu-memory", "80GB"]
+    text = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout  # the real command
+    assert "ZeRO stage 1" in text and "needs at least 2 device(s)" in text
+    assert cli.main(["plan", *cmd[4:], "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["per_worker_bytes"]["total"] == pytest.approx(31.40625e9)
+    assert report["workers_needed"] == 2 and report["fits"] is True
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--params", "0", "--workers", "4"], "--params must be positive"),
+    (["--params=-3", "--workers", "4"], "--params must be positive"),
+    (["--params", "lots", "--workers", "4"], "--params expects a number"),
+    (["--params", "1e9", "--workers", "0"], "--workers must be a positive integer"),
+    (["--params", "1e9", "--workers", "4", "--zero", "3"], "--zero must be stage 0, 1 or 2"),
+    (["--params", "1e9", "--workers", "4", "--gpu-memory=-80GB"], "--gpu-memory must be positive"),
+])
+def test_bad_plan_input_is_named(args, message, capsys):
+    assert cli.main(["plan", *args]) == 2
+    assert message in capsys.readouterr().err
+    with pytest.raises(ConfigError):
+        MemoryPlan(params=0, workers=1, zero=0)
