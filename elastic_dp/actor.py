@@ -65,6 +65,10 @@ class WorkerActor:
     def load_state(self, state: TrainingState) -> None:
         self.replica.load_state(state)
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this worker holds now."""
+        return self.replica.strategy.state_bytes()
+
     # -- ZeRO: peer snapshots and resharding --------------------------------------------------
     def shard_holdings(self) -> dict:
         return self.replica.strategy.holdings()

@@ -45,6 +45,9 @@ class Strategy(Protocol):
     def after_commit(self, step: int, fault=None) -> None:
         """After the update, at ``step`` committed steps: peer snapshots when due."""
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this worker holds for parameters, gradients and optimizer state (with masters)."""
+
 
 class Replicated:
     """ZeRO stage 0: full replicas, bucketed all-reduce overlapped with backward."""
@@ -83,3 +86,20 @@ class Replicated:
 
     def after_commit(self, step: int, fault=None) -> None:
         pass  # every worker holds the whole state: nothing to snapshot
+
+    def state_bytes(self) -> dict[str, int]:
+        buffers = [b.buffer for b in self.reducer.buckets]
+        return {"parameters": nbytes(self.params),
+                "gradients": nbytes(buffers) + nbytes(
+                    [p.grad for p in self.params if p.grad is not None and not inside(p.grad, buffers)]),
+                "optimizer_state": nbytes([v for s in self.optimizer.state.values() for v in s.values()
+                                            if isinstance(v, torch.Tensor)])}
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def inside(t: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
+    """``t`` shares memory with one of ``buffers`` (a gradient that is a bucket view)."""
+    return any(t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)

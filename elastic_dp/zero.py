@@ -43,6 +43,7 @@ from .config import TrainConfig
 from .errors import CollectiveError, ConfigError
 from .faults import Fault, trigger
 from .reducer import GradientReducer, make_buckets
+from .strategy import inside, nbytes
 
 # Optimizers whose update of an element depends only on that element's parameter, gradient
 # and state (and on scalars such as the step count): sharding them is exact.
@@ -204,6 +205,17 @@ class Sharded:
         return CollectiveError(f"gen {self.generation} rank {self.rank} step {self.live_step}: {what} failed: "
                                f"{exc}", rank=self.rank, step=self.live_step)
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this worker holds for parameters, gradients and optimizer state (with the
+        fp32 masters when they are separate from the parameters); snapshots apart."""
+        grads = self.grad_chunks if self.stage == 2 else [b.buffer for b in self.reducer.buckets]
+        stray = [p.grad for p in self.params if p.grad is not None and not inside(p.grad, grads)]
+        separate = [m for b, m in enumerate(self.masters) if m.data_ptr() != self._own_params(b).data_ptr()]
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {"parameters": nbytes(self.param_buffers), "gradients": nbytes(grads) + nbytes(stray),
+                "optimizer_state": nbytes(state) + nbytes(separate),
+                "snapshots": sum(nbytes([s.flat]) for s in self.own + self.peer)}
+
     # -- peer snapshots ----------------------------------------------------------------------
     def after_commit(self, step: int, fault: Fault | None = None) -> None:
         """At state step ``step`` (committed steps), snapshot to the right neighbour when due."""
@@ -212,8 +224,8 @@ class Sharded:
         own = self._pack(self.export("live", step))
         self._keep(self.own, own)
         trigger(fault, "snapshot")
-        received = torch.empty_like(own.flat)
-        send = own.flat.to(self.masters[0].device) if self.masters else own.flat
+        send = own.flat.to(self.masters[0].device) if self.masters else own.flat  # NCCL sends from the GPU
+        received = torch.empty_like(send)
         try:
             self.group.exchange(send, (self.rank + 1) % self.world_size,
                                 received, (self.rank - 1) % self.world_size)
@@ -228,7 +240,8 @@ class Sharded:
     def holdings(self) -> dict[str, object]:
         """What this rank can export: its live chunk's step and its snapshots' steps."""
         return {"rank": self.rank, "live": self.live_step, "own": [s.step for s in self.own],
-                "peer": [s.step for s in self.peer]}
+                "peer": [s.step for s in self.peer],
+                "snapshot_bytes": self.own[-1].flat.numel() * self.own[-1].flat.element_size() if self.own else 0}
 
     def export(self, kind: str, step: int) -> ShardState:
         """A chunk as a ShardState: ``live``, or the ``own`` / ``peer`` snapshot of ``step``."""

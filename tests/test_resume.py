@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
+
+import pytest
 
 from safetensors.torch import load_file
 
@@ -13,10 +17,8 @@ from tests.tasks import TINY_GPT_TASK
 TOL = 2e-5  # float32 reduction order, as in test_sync_equivalence
 
 
-def _fit(workers, out, *, steps, ckpt_dir=None, every=0, resume=False):
-    import dataclasses
-
-    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=steps)
+def _fit(workers, out, *, steps, ckpt_dir=None, every=0, resume=False, zero=0):
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=steps, zero=zero)
     checkpoint = CheckpointConfig(dir=str(ckpt_dir) if ckpt_dir else None, every=every, resume=resume)
     return Trainer(TINY_GPT_TASK, train=config, cluster=ClusterConfig(workers=workers),
                    checkpoint=checkpoint, out_dir=str(out), progress=False).fit()
@@ -42,3 +44,20 @@ def test_resume_at_other_worker_count_matches_uninterrupted_run(ray_cluster, tmp
     assert resumed_event["world_size"] == 2
     manifest = json.loads((tmp_path / "ckpt" / "step-00000006" / "manifest.json").read_text())
     assert manifest["step"] == 6 and manifest["world_size"] == 2
+
+
+def test_zero_checkpoint_saved_at_3_resumes_at_2_and_at_4(ray_cluster, tmp_path):
+    """Every rank's shard is joined into one name-keyed checkpoint; it loads at any size.
+    (Stage 1 here; tests/test_zero.py does the same for stage 2 on thread ranks.)"""
+    zero = 1
+    _fit(1, tmp_path / "straight", steps=6)
+    _fit(3, tmp_path / "first", steps=3, ckpt_dir=tmp_path / "ckpt", zero=zero)
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000003" / "manifest.json").read_text())
+    assert manifest["world_size"] == 3
+    straight = load_file(tmp_path / "straight" / "final.safetensors")
+    for workers in (2, 4):
+        ckpt = tmp_path / f"ckpt-{workers}"
+        shutil.copytree(tmp_path / "ckpt", ckpt)
+        _fit(workers, tmp_path / f"at-{workers}", steps=6, ckpt_dir=ckpt, resume=True, zero=zero)
+        resumed = load_file(tmp_path / f"at-{workers}" / "final.safetensors")
+        assert max_abs_diff(straight, resumed) < TOL, workers
