@@ -435,9 +435,9 @@ class Coordinator:
 
     def _finish(self) -> bool:
         """The final checkpoint and output; False when the run has steps to re-run first."""
-        if self.ckpt is not None and (not self.ckpt_cfg.every or self.step % self.ckpt_cfg.every):
-            if not self._save_checkpoint():
-                return False
+        due = self.ckpt is not None and (not self.ckpt_cfg.every or self.step % self.ckpt_cfg.every)
+        if due and not self._save_checkpoint():
+            return False
         rank0 = self.members[0].actor
         self.recorder.weights("final", ray.get(rank0.model_state.remote()))
         self.recorder.summary.sample = ray.get(rank0.sample.remote())

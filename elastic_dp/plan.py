@@ -120,8 +120,8 @@ class MemoryPlan:
 def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
     r = plan.report(gpu_memory)
     gib = 2**30
-    lines = [f"elastic_dp plan: {plan.params:.3g} parameters, {plan.workers} workers, ZeRO stage {plan.zero}, "
-             f"{plan.precision} parameters, {plan.optimizer}",
+    lines = [(f"elastic_dp plan: {plan.params:.3g} parameters, {plan.workers} workers, ZeRO stage {plan.zero}, "
+              f"{plan.precision} parameters, {plan.optimizer}"),
              "  per worker          bytes/param        GiB"]
     for key in ("parameters", "gradients", "optimizer_state", "total"):
         lines.append(f"    {key.replace('_', ' '):16} {r['bytes_per_param'][key]:10.3f}  {r['per_worker_bytes'][key] / gib:10.2f}")

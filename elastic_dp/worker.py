@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checkpoint import TrainingState, load_optimizer_state, optimizer_state
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .data import micro_batches
 from .errors import CollectiveError, ElasticDPError, TaskError, WorkerError
 from .faults import Fault, trigger
 from .messages import StepResult, WorkerInfo
-from .checkpoint import TrainingState, load_optimizer_state, optimizer_state
 from .strategy import Replicated, Strategy
 from .task import Task
 from .zero import Sharded, check_shardable

@@ -33,8 +33,8 @@ chunk, and a copy of their left neighbour's, out of them (``load_shards()``).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

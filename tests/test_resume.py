@@ -6,8 +6,6 @@ import dataclasses
 import json
 import shutil
 
-import pytest
-
 from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -16,7 +15,7 @@ from elastic_dp.checkpoint import merge_shards
 from elastic_dp.data import split
 from elastic_dp.worker import Replica
 from tests.ranks import run_ranks
-from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression, mlp, mse
+from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression, mlp
 
 CPU = torch.device("cpu")
 
