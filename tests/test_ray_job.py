@@ -88,7 +88,7 @@ def test_gpt_job_under_ray_job_submit_with_token_auth(tmp_path):
         submit = [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", job_id,
                   "--no-wait", "--working-dir", str(ROOT), "--",
                   "python", "-m", "jobs.gpt", "--workers", "2", "--steps", "4", "--global-batch", "8",
-                  "--no-progress", "--out", str(out)]
+                  "--zero", "2", "--no-progress", "--out", str(out)]  # stage 0 runs in test_cli
         while True:  # the job server answers before its agent is up; Ray says to retry
             job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=120)
             if "No available agent to submit job" not in job.stderr + job.stdout or time.monotonic() > deadline:
