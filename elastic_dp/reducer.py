@@ -188,10 +188,10 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp3
                  group_of: dict[int, int] | None = None, pad_to: int = 1) -> list[_Bucket]:
     """Pack ``params``, last first, into buckets of about ``bucket_bytes`` (no buffers yet).
 
-    A bucket holds one dtype on one device and, with ``group_of`` (``id(param)`` -> param
-    group), one param group. The partition does not depend on ``pad_to``: only each
-    bucket's padded length does, so buckets keep their identity when the world size
-    changes.
+    A bucket holds parameters of one dtype on one device and, with ``group_of``
+    (``id(param)`` -> param group), of one param group. The partition does not depend on
+    ``pad_to``: only each bucket's padded length does, so buckets keep their identity when
+    the world size changes.
     """
     def buffer_dtype(p: torch.nn.Parameter) -> torch.dtype:
         if reduce_fp32 and p.dtype in (torch.bfloat16, torch.float16):
@@ -199,7 +199,7 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp3
         return p.dtype
 
     def kind(p: torch.nn.Parameter) -> tuple:
-        return buffer_dtype(p), p.device, (group_of or {}).get(id(p))
+        return p.dtype, buffer_dtype(p), p.device, (group_of or {}).get(id(p))
 
     buckets: list[_Bucket] = []
     current: list[torch.nn.Parameter] = []

@@ -248,14 +248,17 @@ class Sharded:
         if kind == "live":
             if step != self.live_step:
                 raise ValueError(f"live chunk is at step {self.live_step}, not {step}")
+            # no copies of CPU tensors: a snapshot packs them into a new vector at once, and
+            # Ray serialises an export when the call returns (step counts, changed in place
+            # by the optimizer, are cloned)
             state: dict[str, list[torch.Tensor]] = {}
             for b, master in enumerate(self.masters):
                 for key, value in self.optimizer.state.get(master, {}).items():
                     if isinstance(value, torch.Tensor):
-                        state.setdefault(key, []).append(value.detach().to("cpu", copy=True))
+                        value = value.detach()
+                        state.setdefault(key, []).append(value.clone() if value.dim() == 0 else value.to("cpu"))
             return ShardState(step=step, world_size=self.world_size, rank=self.rank,
-                              master=[m.detach().to("cpu", torch.float32, copy=True) for m in self.masters],
-                              state=state)
+                              master=[m.detach().to("cpu", torch.float32) for m in self.masters], state=state)
         snaps = {"own": self.own, "peer": self.peer}[kind]
         snap = next((s for s in snaps if s.step == step), None)
         if snap is None:
