@@ -4,9 +4,11 @@
    for parameters, gradients and optimizer state after a few steps (``state_bytes``);
    compared with ``elastic-dp plan`` (fp32 parameters with AdamW, the jobs.gpt model).
 2. Step time: stages 0, 1 and 2 (snapshots every step), and stage 2 with snapshots every
-   10 steps, on the same model, worker count and batches, alternating in rounds of
-   ``--steps-per-round`` so machine noise hits all alike; round 0 is warm-up. Reported:
-   median step time of each and ratios to stage 0.
+   10 steps, on the same model, worker count and batches — and, as the peer, torch DDP
+   against DDP with torch's ZeroRedundancyOptimizer (its ZeRO stage 1) — all alternating
+   in rounds of ``--steps-per-round`` so machine noise hits all alike; round 0 is
+   warm-up. Reported: median step time of each, ratios to stage 0, and torch's own
+   ZeRO-1 / DDP ratio.
 3. Peer snapshots: bytes each worker sends per snapshot, and the time per step spent
    snapshotting (max over ranks, as the step waits for it) at k = 1 and k = 10.
 
@@ -26,8 +28,10 @@ import time
 
 import ray
 import torch
+import torch.distributed as dist
 
-from elastic_dp import CheckpointConfig, ClusterConfig
+from benchmarks.peers import DDPWorker, remote
+from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, split
 from elastic_dp.coordinator import Coordinator
 from elastic_dp.metrics import RunRecorder
 from elastic_dp.plan import MemoryPlan
@@ -75,15 +79,40 @@ def bench_memory(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+class _TorchPeer:
+    """torch DDP, or DDP with ZeroRedundancyOptimizer, stepped like a coordinator."""
+
+    def __init__(self, workers: int, zero: bool) -> None:
+        store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False)
+        self.store = store  # kept alive: the workers rendezvous on it
+        self.workers = [remote(DDPWorker).remote(ray.util.get_node_ip_address(), store.port, r, workers, zero)
+                        for r in range(workers)]
+        dataset_len = len(TASK.dataset())
+        self.sampler = ElasticSampler(dataset_len, global_batch=TASK.defaults.global_batch, seed=TASK.defaults.seed)
+        self.step = 0
+
+    def run_steps(self, count: int) -> None:
+        for _ in range(count):
+            slices = split(self.sampler.batch(self.step), len(self.workers))
+            ray.get([w.step.remote(s, TASK.defaults.global_batch) for w, s in zip(self.workers, slices)])
+            self.step += 1
+
+    def close(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+
+
 def bench_step_time(args: argparse.Namespace) -> dict:
     variants = {"zero0": {"zero": 0}, "zero1": {"zero": 1}, "zero2": {"zero": 2},
                 "zero2_k10": {"zero": 2, "snapshot_every": 10}}
     runs = {name: _coordinator(args.workers, **train) for name, train in variants.items()}
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    # the peers: torch's own ZeRO stage 1 against torch DDP, on the same machine and batches
+    peers = {"torch_ddp": _TorchPeer(args.workers, zero=False), "torch_zero_ro": _TorchPeer(args.workers, zero=True)}
+    times: dict[str, list[float]] = {name: [] for name in [*variants, *peers]}
     try:
         for round_ in range(args.rounds):
             line = []
-            for name, (coordinator, _) in runs.items():
+            for name, (coordinator, _) in [*runs.items(), *((n, (p, None)) for n, p in peers.items())]:
                 start = time.perf_counter()
                 coordinator.run_steps(args.steps_per_round)
                 seconds = (time.perf_counter() - start) / args.steps_per_round
@@ -106,11 +135,16 @@ def bench_step_time(args: argparse.Namespace) -> dict:
     finally:
         for coordinator, _ in runs.values():
             coordinator.close()
+        for peer in peers.values():
+            peer.close()
     median = {name: statistics.median(t) for name, t in times.items()}
     return {"median_ms": {k: round(v * 1e3, 2) for k, v in median.items()},
-            "ratio_to_zero0": {k: round(v / median["zero0"], 3) for k, v in median.items()},
+            "ratio_to_zero0": {k: round(v / median["zero0"], 3) for k, v in median.items() if k in variants},
             "median_round_ratio_to_zero0": {
-                k: round(statistics.median(a / b for a, b in zip(times[k], times["zero0"])), 3) for k in times},
+                k: round(statistics.median(a / b for a, b in zip(times[k], times["zero0"])), 3) for k in variants},
+            "torch_zero_ro_over_torch_ddp": round(median["torch_zero_ro"] / median["torch_ddp"], 3),
+            "torch_median_round_ratio": round(statistics.median(
+                a / b for a, b in zip(times["torch_zero_ro"], times["torch_ddp"])), 3),
             "snapshots": snapshot}
 
 
@@ -122,7 +156,7 @@ def main() -> None:
     parser.add_argument("--steps-per-round", type=int, default=20)
     args = parser.parse_args()
     temp_dir = tempfile.mkdtemp(prefix="edp-bench-", dir="/tmp")
-    ray.init(address="local", num_cpus=max(4 * args.workers, args.max_workers), include_dashboard=False,
+    ray.init(address="local", num_cpus=max(6 * args.workers, args.max_workers), include_dashboard=False,
              _temp_dir=temp_dir, log_to_driver=False)
     try:
         result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "ray": ray.__version__,

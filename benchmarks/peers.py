@@ -21,19 +21,25 @@ from jobs.gpt import TASK
 
 
 class DDPWorker:
-    """torch DDP on one CPU slot: the peer a user would otherwise pick."""
+    """torch DDP on one CPU slot: the peer a user would otherwise pick. With ``zero`` its
+    optimizer is torch's ZeroRedundancyOptimizer (optimizer-state sharding, ZeRO stage 1)."""
 
-    def __init__(self, host: str, port: int, rank: int, world: int) -> None:
+    def __init__(self, host: str, port: int, rank: int, world: int, zero: bool = False) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         torch.set_num_threads(1)
-        store = dist.PrefixStore("ddp/", dist.TCPStore(host, port, is_master=False))
+        store = dist.PrefixStore("zero/" if zero else "ddp/", dist.TCPStore(host, port, is_master=False))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         torch.manual_seed(TASK.defaults.seed)
         self.model = TASK.model()
         self.ddp = DDP(self.model, bucket_cap_mb=TASK.defaults.bucket_mb)
         self.dataset = TASK.dataset()
         self.optimizer = TASK.optimizer(self.model)
+        if zero:
+            settings = {k: self.optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+            self.optimizer = ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=type(self.optimizer),
+                                                     **settings)
         self.config = TASK.defaults
 
     def step(self, indices: np.ndarray, global_batch: int) -> float:

@@ -189,9 +189,13 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp3
     """Pack ``params``, last first, into buckets of about ``bucket_bytes`` (no buffers yet).
 
     A bucket holds parameters of one dtype on one device and, with ``group_of``
-    (``id(param)`` -> param group), of one param group. The partition does not depend on
-    ``pad_to``: only each bucket's padded length does, so buckets keep their identity when
-    the world size changes.
+    (``id(param)`` -> param group), of one param group. Each such kind has one open
+    bucket, filled in reverse registration order and closed when full, so parameters of
+    different kinds that alternate in the model (weights and biases in a weight-decay
+    split) do not cut each other's buckets short; buckets are ordered by when they were
+    closed, roughly when backward completes them, and the last, partly filled ones come
+    last. The partition does not depend on ``pad_to``: only each bucket's padded length
+    does, so buckets keep their identity when the world size changes.
     """
     def buffer_dtype(p: torch.nn.Parameter) -> torch.dtype:
         if reduce_fp32 and p.dtype in (torch.bfloat16, torch.float16):
@@ -201,30 +205,24 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp3
     def kind(p: torch.nn.Parameter) -> tuple:
         return p.dtype, buffer_dtype(p), p.device, (group_of or {}).get(id(p))
 
-    buckets: list[_Bucket] = []
-    current: list[torch.nn.Parameter] = []
-    size = 0
-
-    def close() -> None:
-        nonlocal current, size
-        if not current:
-            return
-        dtype = buffer_dtype(current[0])
+    def bucket(members: list[torch.nn.Parameter]) -> _Bucket:
+        dtype = buffer_dtype(members[0])
         offsets, offset = [], 0
-        for p in current:
+        for p in members:
             offsets.append(offset)
             offset += p.numel()
-        padded = -(-offset // pad_to) * pad_to
-        buckets.append(_Bucket(params=current, offsets=offsets, numel=offset, padded=padded, dtype=dtype,
-                               as_view=all(p.dtype == dtype for p in current)))
-        current, size = [], 0
+        return _Bucket(params=members, offsets=offsets, numel=offset, padded=-(-offset // pad_to) * pad_to,
+                       dtype=dtype, as_view=all(p.dtype == dtype for p in members))
 
+    buckets: list[_Bucket] = []
+    open_: dict[tuple, tuple[list[torch.nn.Parameter], int]] = {}  # kind -> (params, bytes); insertion-ordered
     for p in reversed(params):
-        if current and kind(p) != kind(current[0]):
-            close()
-        current.append(p)
+        members, size = open_.pop(kind(p), ([], 0))
+        members.append(p)
         size += p.numel() * torch.empty((), dtype=buffer_dtype(p)).element_size()
         if size >= bucket_bytes:
-            close()
-    close()
+            buckets.append(bucket(members))
+        else:
+            open_[kind(p)] = (members, size)  # re-inserted: open buckets stay ordered by last use
+    buckets.extend(bucket(members) for members, _ in open_.values())
     return buckets
