@@ -79,14 +79,10 @@ class WorkerActor:
     def import_shards(self, refs: list, old_world_size: int, step: int) -> None:
         """Collective over the new generation: take this rank's chunk (and a snapshot of its
         left neighbour's) out of the old generation's chunks ``refs`` (in old rank order)."""
-        fetched: dict[int, ShardState] = {}
-
-        def fetch(i: int) -> ShardState:
-            if i not in fetched:
-                fetched[i] = ray.get(refs[i])
-            return fetched[i]
-
-        self.replica.sharded().load_shards(fetch, old_world_size, step)
+        strategy = self.replica.sharded()
+        needed = strategy.needed_sources(old_world_size)
+        fetched: dict[int, ShardState] = dict(zip(needed, ray.get([refs[i] for i in needed])))  # in parallel
+        strategy.load_shards(fetched.__getitem__, old_world_size, step)
 
     def sample(self) -> str | None:
         """The task's sample of what the model does now (None when the task has none)."""

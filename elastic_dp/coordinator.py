@@ -16,8 +16,9 @@ generation in place from the survivors (and ready joiners), makes their state eq
 and re-runs the interrupted step on the same samples (invariant 4). With ZeRO the state
 is in chunks: ``shard_sources`` picks where each old chunk comes from (a survivor, or a
 neighbour's peer snapshot), the new ranks re-cut them for the new world size, and the
-run rolls back to the snapshot's step when it is older than the failed step. It never touches a
-tensor: state moves between workers, checkpoints and the output as opaque objects.
+run rolls back to the snapshot's step when it is older than the failed step. The
+coordinator never touches a tensor: state moves between workers, checkpoints and the
+output as opaque objects.
 """
 
 from __future__ import annotations
@@ -280,8 +281,9 @@ class Coordinator:
 
     # -- failures --------------------------------------------------------------------------
     def _recover(self, step: int, outcome: StepOutcome) -> bool | None:
-        """Re-form after a failed step. True: the step had committed on a survivor (its state
-        is spread); False: re-run the step; None: restarted from a checkpoint."""
+        """Re-form after a failed step. True: the step had committed (stage 0: on a survivor,
+        whose state is spread); False: re-run the step; None: the run went back to an earlier
+        step, ``self.step`` (a checkpoint, or a ZeRO snapshot)."""
         self._to(RunState.RECOVERING)
         start = time.monotonic()
         lost_ranks = sorted(self.members.index(m) for m in outcome.lost)
