@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import shutil
 import statistics
-import tempfile
 import time
 
 import ray
@@ -29,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_dp import ClusterConfig, split
-from benchmarks.peers import DDPWorker, ReduceWorker, remote
+from benchmarks.peers import DDPWorker, ReduceWorker, local_ray, remote
 from elastic_dp.coordinator import Coordinator
 from elastic_dp.metrics import RunRecorder
 from jobs.gpt import TASK
@@ -106,16 +104,10 @@ def main() -> None:
     parser.add_argument("--allreduce-iters", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()
-    temp_dir = tempfile.mkdtemp(prefix="edp-bench-", dir="/tmp")
-    ray.init(address="local", num_cpus=2 * args.workers, include_dashboard=False, _temp_dir=temp_dir,
-             log_to_driver=False)
-    try:
+    with local_ray(num_cpus=2 * args.workers):
         result = {"date": datetime.date.today().isoformat(), "workers": args.workers,
                   "torch": torch.__version__, "ray": ray.__version__,
                   "step_time": bench_step_time(args), "allreduce": bench_allreduce(args)}
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
     print(json.dumps(result, indent=1))
 
 

@@ -21,16 +21,14 @@ import argparse
 import dataclasses
 import datetime
 import json
-import shutil
 import statistics
-import tempfile
 import time
 
 import ray
 import torch
 import torch.distributed as dist
 
-from benchmarks.peers import DDPWorker, remote
+from benchmarks.peers import DDPWorker, local_ray, remote
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, split
 from elastic_dp.coordinator import Coordinator
 from elastic_dp.metrics import RunRecorder
@@ -155,15 +153,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps-per-round", type=int, default=20)
     args = parser.parse_args()
-    temp_dir = tempfile.mkdtemp(prefix="edp-bench-", dir="/tmp")
-    ray.init(address="local", num_cpus=max(6 * args.workers, args.max_workers), include_dashboard=False,
-             _temp_dir=temp_dir, log_to_driver=False)
-    try:
+    with local_ray(num_cpus=max(6 * args.workers, args.max_workers)):
         result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "ray": ray.__version__,
                   "memory": bench_memory(args), "workers": args.workers, "step_time": bench_step_time(args)}
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
     print(json.dumps(result, indent=1))
 
 

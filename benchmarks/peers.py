@@ -7,7 +7,11 @@ pickled by value, which fails for these).
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import ray
@@ -18,6 +22,18 @@ from elastic_dp.collective import CollectiveGroup
 from elastic_dp.data import micro_batches
 from elastic_dp.reducer import GradientReducer
 from jobs.gpt import TASK
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int) -> Iterator[None]:
+    """A local Ray cluster of this benchmark's own (own temp dir), shut down and removed after."""
+    temp_dir = tempfile.mkdtemp(prefix="edp-bench-", dir="/tmp")
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 class DDPWorker:

@@ -414,14 +414,13 @@ class Coordinator:
             members = self.members if self.train.zero else self.members[:1]
             refs = [m.actor.training_state.remote(self.step, self._sampler_state(), fault if i == 0 else None)
                     for i, m in enumerate(members)]
-            lost = []
+            parts, lost = [], []
             for member, ref in zip(members, refs):
                 try:
-                    ray.get(ref)
+                    parts.append(ray.get(ref))
                 except ray.exceptions.RayActorError:
                     lost.append(member)
             if not lost:
-                parts = ray.get(refs)
                 break
             outcome = StepOutcome(results={m: StepResult(step=self.step - 1, rank=i, generation=self.generation,
                                                          committed=True)

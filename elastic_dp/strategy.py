@@ -49,16 +49,11 @@ class Strategy(Protocol):
         """Bytes this worker holds for parameters, gradients and optimizer state (with masters)."""
 
 
-class Replicated:
-    """ZeRO stage 0: full replicas, bucketed all-reduce overlapped with backward."""
+class BucketedGradients:
+    """The gradient part of the Strategy interface, for a strategy whose ``reducer`` (a
+    GradientReducer) reduces the gradients during backward."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 group: CollectiveGroup, config: TrainConfig) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = optimizer
-        self.reducer = GradientReducer(self.params, group,
-                                       bucket_bytes=int(config.bucket_mb * 2**20),
-                                       reduce_fp32=config.reduce_fp32)
+    reducer: GradientReducer
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
@@ -71,6 +66,18 @@ class Replicated:
 
     def abandon(self) -> None:
         self.reducer.disarm()
+
+
+class Replicated(BucketedGradients):
+    """ZeRO stage 0: full replicas, bucketed all-reduce overlapped with backward."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 group: CollectiveGroup, config: TrainConfig) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer
+        self.reducer = GradientReducer(self.params, group,
+                                       bucket_bytes=int(config.bucket_mb * 2**20),
+                                       reduce_fp32=config.reduce_fp32)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         # Gradients are identical on every rank after the all-reduce, so the local norm

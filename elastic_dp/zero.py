@@ -43,7 +43,7 @@ from .config import TrainConfig
 from .errors import CollectiveError, ConfigError
 from .faults import Fault, trigger
 from .reducer import GradientReducer, make_buckets
-from .strategy import inside, nbytes
+from .strategy import BucketedGradients, inside, nbytes
 
 # Optimizers whose update of an element depends only on that element's parameter, gradient
 # and state (and on scalars such as the step count): sharding them is exact.
@@ -85,7 +85,7 @@ class _Snapshot:
     """(state key, is 0-dim) in packing order."""
 
 
-class Sharded:
+class Sharded(BucketedGradients):
     """ZeRO stage 1 or 2 for one generation (``group``'s world size and rank)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
@@ -140,19 +140,7 @@ class Sharded:
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
-    # -- the step ----------------------------------------------------------------------------
-    def zero_grad(self) -> None:
-        self.reducer.zero_grad()
-
-    def before_last_backward(self) -> None:
-        self.reducer.arm()
-
-    def reduce_gradients(self) -> None:
-        self.reducer.finish()
-
-    def abandon(self) -> None:
-        self.reducer.disarm()
-
+    # -- the step (zero_grad .. abandon come from BucketedGradients) ------------------------
     def _grad_chunk(self, b: int) -> torch.Tensor:
         if self.stage == 2:
             return self.grad_chunks[b]

@@ -24,8 +24,11 @@ from tests.tasks import TINY_GPT_TASK
 TOL = 2e-5
 
 
-def _run(tmp_path, workers, inject, *, steps=6, min_workers=None, checkpoint=None, **cluster):
-    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=steps)
+def run_against_replay(tmp_path, workers, inject, *, steps=6, min_workers=None, checkpoint=None, train=None,
+                       **cluster):
+    """Train TINY_GPT_TASK with ``inject`` faults (``train``: TrainConfig overrides); return the
+    summary, the largest difference from a plain PyTorch replay, and the events and metrics."""
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=steps, **(train or {}))
     summary = Trainer(TINY_GPT_TASK, train=config,
                       cluster=ClusterConfig(workers=workers, min_workers=min_workers, **cluster),
                       checkpoint=checkpoint, out_dir=str(tmp_path), progress=False, inject=inject).fit()
@@ -38,7 +41,8 @@ def _run(tmp_path, workers, inject, *, steps=6, min_workers=None, checkpoint=Non
 
 @pytest.mark.parametrize("phase", ["forward", "allreduce", "optimizer"])
 def test_kill_in_a_phase_reforms_in_place_and_ends_where_the_uninterrupted_run_ends(ray_cluster, tmp_path, phase):
-    summary, diff, events, metrics = _run(tmp_path, 3, [f"kill:step=2:rank=1:phase={phase}"], min_workers=2)
+    summary, diff, events, metrics = run_against_replay(tmp_path, 3, [f"kill:step=2:rank=1:phase={phase}"],
+                                                        min_workers=2)
     assert diff < TOL
     changes = [e for e in events if e["kind"] == "membership_changed"]
     assert changes and changes[0]["lost_ranks"] == [1] and changes[0]["generation"] == 1
@@ -50,8 +54,8 @@ def test_kill_in_a_phase_reforms_in_place_and_ends_where_the_uninterrupted_run_e
 
 def test_kill_while_saving_a_checkpoint(ray_cluster, tmp_path):
     ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2)
-    _, diff, events, _ = _run(tmp_path / "out", 2, ["kill:step=3:rank=0:phase=checkpoint"], min_workers=1,
-                              checkpoint=ckpt)
+    _, diff, events, _ = run_against_replay(tmp_path / "out", 2, ["kill:step=3:rank=0:phase=checkpoint"],
+                                            min_workers=1, checkpoint=ckpt)
     assert diff < TOL
     saved = [e["step"] for e in events if e["kind"] == "checkpoint_saved"]
     assert saved == [2, 4, 6]
@@ -60,8 +64,8 @@ def test_kill_while_saving_a_checkpoint(ray_cluster, tmp_path):
 
 @pytest.mark.parametrize("phase", ["forward", "allreduce"])  # outside and inside a collective
 def test_hang_is_found_by_the_deadline_and_the_worker_replaced(ray_cluster, tmp_path, phase):
-    summary, diff, events, _ = _run(tmp_path, 2, [f"hang:step=1:rank=1:phase={phase}"], step_timeout_s=4.0,
-                                    abort_grace_s=2.0)
+    summary, diff, events, _ = run_against_replay(tmp_path, 2, [f"hang:step=1:rank=1:phase={phase}"],
+                                                  step_timeout_s=4.0, abort_grace_s=2.0)
     assert diff < TOL
     change = next(e for e in events if e["kind"] == "membership_changed")
     assert "deadline" in change["cause"] and change["lost_ranks"] == [1]
@@ -69,7 +73,7 @@ def test_hang_is_found_by_the_deadline_and_the_worker_replaced(ray_cluster, tmp_
 
 
 def test_join_takes_state_from_a_survivor_and_ends_at_the_same_parameters(ray_cluster, tmp_path):
-    summary, diff, events, metrics = _run(tmp_path, 3, ["join:step=2"], min_workers=2, steps=8)
+    summary, diff, events, metrics = run_against_replay(tmp_path, 3, ["join:step=2"], min_workers=2, steps=8)
     assert diff < TOL
     join = next(e for e in events if e["kind"] == "membership_changed")
     assert join["joined"] == 1 and join["world_size"] == 3 and join["lost"] == 0
@@ -82,7 +86,7 @@ def test_five_kills_and_joins_in_one_run(ray_cluster, tmp_path):
     # survivor even if no replacement is ready in time; replacements join when ready.
     inject = ["kill:step=1:rank=0", "join:step=2", "kill:step=3:rank=1:phase=allreduce", "join:step=4",
               "kill:step=5:rank=0:phase=optimizer"]
-    summary, diff, events, metrics = _run(tmp_path, 4, inject, min_workers=1, steps=8)
+    summary, diff, events, metrics = run_against_replay(tmp_path, 4, inject, min_workers=1, steps=8)
     assert diff < TOL
     changes = [e for e in events if e["kind"] == "membership_changed"]
     assert sum(e["lost"] for e in changes) == 3 and sum(e.get("joined", 0) for e in changes) >= 2
@@ -138,7 +142,7 @@ def test_below_min_waits_for_capacity_then_fails_clearly(ray_cluster, tmp_path):
     try:
         start = time.monotonic()
         with pytest.raises(MembershipError, match=r"only 1 workers available after waiting 3 s.*MIN in --workers MIN:MAX"):
-            _run(tmp_path, 2, ["kill:step=2:rank=1"], min_wait_timeout_s=3.0)
+            run_against_replay(tmp_path, 2, ["kill:step=2:rank=1"], min_wait_timeout_s=3.0)
         assert time.monotonic() - start >= 3.0
         events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
         assert not any(e["kind"] == "membership_changed" for e in events)
@@ -150,8 +154,8 @@ def test_below_min_waits_for_capacity_then_fails_clearly(ray_cluster, tmp_path):
 
 def test_all_workers_lost_restarts_from_the_latest_checkpoint(ray_cluster, tmp_path):
     ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2)
-    summary, diff, events, metrics = _run(tmp_path / "out", 2, ["kill:step=3:rank=0", "kill:step=3:rank=1"],
-                                          checkpoint=ckpt)
+    summary, diff, events, metrics = run_against_replay(tmp_path / "out", 2,
+                                                        ["kill:step=3:rank=0", "kill:step=3:rank=1"], checkpoint=ckpt)
     assert diff < TOL
     restored = [e for e in events if e["kind"] == "restored_from_checkpoint"]
     assert len(restored) == 1 and restored[0]["step"] == 2 and restored[0]["steps_rerun"] == 2

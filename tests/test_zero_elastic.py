@@ -5,31 +5,20 @@ changes, snapshot rollbacks or checkpoint fallbacks it went through."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer
-from tests.reference import max_abs_diff, replay
 from tests.tasks import TINY_GPT_TASK
+from tests.test_elastic import run_against_replay
 
 TOL = 2e-5
 
 
-def _run(tmp_path, workers, inject, *, zero, steps=6, snapshot_every=1, min_workers=None, checkpoint=None,
-         **cluster):
-    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=steps, zero=zero, snapshot_every=snapshot_every,
-                                 bucket_mb=0.02)
-    summary = Trainer(TINY_GPT_TASK, train=config,
-                      cluster=ClusterConfig(workers=workers, min_workers=min_workers, **cluster),
-                      checkpoint=checkpoint, out_dir=str(tmp_path), progress=False, inject=inject).fit()
-    expected = replay(TINY_GPT_TASK, config, str(tmp_path / "initial.safetensors"))
-    diff = max_abs_diff(load_file(tmp_path / "final.safetensors"), expected)
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    return summary, diff, events, metrics
+def _run(tmp_path, workers, inject, *, zero, snapshot_every=1, **kw):
+    return run_against_replay(tmp_path, workers, inject, **kw,
+                              train={"zero": zero, "snapshot_every": snapshot_every, "bucket_mb": 0.02})
 
 
 @pytest.mark.parametrize("zero", [1, 2])
