@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -26,27 +27,27 @@ import ray
 import torch
 import torch.distributed as dist
 
-from elastic_dp import ClusterConfig, split
 from benchmarks.peers import DDPWorker, ReduceWorker, local_ray, remote
-from elastic_dp.coordinator import Coordinator
+from elastic_dp import CheckpointConfig, ClusterConfig, split
+from elastic_dp.api import build_coordinator
 from elastic_dp.metrics import RunRecorder
 from jobs.gpt import TASK
 
 
 def bench_step_time(args: argparse.Namespace) -> dict:
-    config = TASK.defaults
-    coordinator = Coordinator(TASK, config, ClusterConfig(workers=args.workers), _no_checkpoint(),
-                              RunRecorder(None, total_steps=10**9, progress=False))
-    coordinator.start()
+    config = dataclasses.replace(TASK.defaults, steps=10**9)  # rounds are run with run_until
+    coordinator = build_coordinator(TASK, config, ClusterConfig(workers=args.workers), CheckpointConfig(),
+                                    RunRecorder(None, total_steps=10**9, progress=False))
+    coordinator.run_until(0)  # placed, formed, started
     store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False)
     ddp = [remote(DDPWorker).remote(ray.util.get_node_ip_address(), store.port, r, args.workers)
            for r in range(args.workers)]
-    sampler = coordinator.sampler
+    sampler = coordinator.mode.sampler
     ours, theirs, ddp_step = [], [], 0
     try:
         for round_ in range(args.rounds):
             start = time.perf_counter()
-            coordinator.run_steps(args.steps_per_round)
+            coordinator.run_until(coordinator.step + args.steps_per_round)
             t_ours = (time.perf_counter() - start) / args.steps_per_round
             start = time.perf_counter()
             for _ in range(args.steps_per_round):
@@ -87,12 +88,6 @@ def bench_allreduce(args: argparse.Namespace) -> dict:
     return {"megabytes": args.allreduce_mb, "bucket_mb": args.bucket_mb,
             "bucketed_ms": t_b * 1e3, "raw_ms": t_r * 1e3,
             "bucketed_GBps": factor / t_b, "raw_GBps": factor / t_r, "ratio": t_r / t_b}
-
-
-def _no_checkpoint():
-    from elastic_dp import CheckpointConfig
-
-    return CheckpointConfig()
 
 
 def main() -> None:

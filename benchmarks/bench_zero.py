@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from benchmarks.peers import DDPWorker, local_ray, remote
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, split
-from elastic_dp.coordinator import Coordinator
+from elastic_dp.api import build_coordinator
 from elastic_dp.metrics import RunRecorder
 from elastic_dp.plan import MemoryPlan
 from jobs.gpt import TASK
@@ -48,12 +48,30 @@ class _Capture(RunRecorder):
         self.rows.append(record)
 
 
-def _coordinator(workers: int, **train) -> tuple[Coordinator, _Capture]:
-    recorder = _Capture()
-    config = dataclasses.replace(TASK.defaults, **train)
-    coordinator = Coordinator(TASK, config, ClusterConfig(workers=workers), CheckpointConfig(), recorder)
-    coordinator.start()
-    return coordinator, recorder
+class _Run:
+    """One elastic_dp run, advanced a few steps at a time."""
+
+    def __init__(self, workers: int, **train) -> None:
+        self.recorder = _Capture()
+        config = dataclasses.replace(TASK.defaults, steps=10**9, **train)  # advanced with run_steps
+        self.coordinator = build_coordinator(TASK, config, ClusterConfig(workers=workers), CheckpointConfig(),
+                                             self.recorder)
+        self.coordinator.run_until(0)  # placed, formed, started
+
+    @property
+    def members(self) -> list:
+        return self.coordinator.membership.members
+
+    def run_steps(self, count: int) -> None:
+        self.coordinator.run_until(self.coordinator.step + count)
+
+    def close(self) -> None:
+        self.coordinator.close()
+
+
+def _coordinator(workers: int, **train) -> tuple[_Run, _Capture]:
+    run = _Run(workers, **train)
+    return run, run.recorder
 
 
 def bench_memory(args: argparse.Namespace) -> list[dict]:

@@ -42,7 +42,10 @@ class WorkerActor:
         self.replica = Replica(task, config, self.device, self.group)
         return self.replica.info()
 
-    def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int) -> None:
+    def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int,
+                        fault: Fault | None = None) -> None:
+        """Join ``generation`` as ``rank`` (``fault``: phase ``reform``, fired first)."""
+        trigger(fault, "reform")
         self.group.configure(host, port, generation=generation, rank=rank, world_size=world_size)
 
     def broadcast_state(self, src: int) -> None:
@@ -51,9 +54,10 @@ class WorkerActor:
     def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
         return self.replica.step(step, indices, fault)
 
-    def abort_group(self) -> None:
-        """Control thread: release a step blocked in a collective of this generation."""
-        self.group.abort()
+    def abort_group(self, generation: int | None = None) -> None:
+        """Control thread: release a call blocked in a collective or in the rendezvous of
+        ``generation`` (default: the current one); an abort of an older one does nothing."""
+        self.group.abort(generation)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         return self.replica.model_state()
@@ -61,6 +65,13 @@ class WorkerActor:
     def training_state(self, step: int, sampler: dict[str, int], fault: Fault | None = None) -> TrainingState:
         trigger(fault, "checkpoint")
         return self.replica.training_state(step, sampler)
+
+    @ray.method(num_returns=2)
+    def share_state(self, step: int, sampler: dict[str, int]) -> tuple[int, TrainingState]:
+        """This worker's whole state for other workers, as two objects: a small one the
+        coordinator waits for (is the source alive?) and the state, which goes from the
+        object store to the workers that load it without passing through the coordinator."""
+        return step, self.replica.training_state(step, sampler)
 
     def load_state(self, state: TrainingState) -> None:
         self.replica.load_state(state)
@@ -73,16 +84,16 @@ class WorkerActor:
     def shard_holdings(self) -> dict:
         return self.replica.strategy.holdings()
 
-    def export_shard(self, kind: str, step: int) -> ShardState:
-        return self.replica.strategy.export(kind, step)
+    @ray.method(num_returns=2)
+    def export_shard(self, kind: str, step: int) -> tuple[int, ShardState]:
+        """A chunk (``share_state``'s two objects): the coordinator waits for the first."""
+        return step, self.replica.strategy.export(kind, step)
 
     def import_shards(self, refs: list, old_world_size: int, step: int) -> None:
         """Collective over the new generation: take this rank's chunk (and a snapshot of its
         left neighbour's) out of the old generation's chunks ``refs`` (in old rank order)."""
-        strategy = self.replica.sharded()
-        needed = strategy.needed_sources(old_world_size)
-        fetched: dict[int, ShardState] = dict(zip(needed, ray.get([refs[i] for i in needed])))  # in parallel
-        strategy.load_shards(fetched.__getitem__, old_world_size, step)
+        self.replica.strategy.import_shards(lambda needed: ray.get([refs[i] for i in needed]),  # in parallel
+                                            old_world_size, step)
 
     def sample(self) -> str | None:
         """The task's sample of what the model does now (None when the task has none)."""

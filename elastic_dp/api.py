@@ -16,10 +16,14 @@ import os
 
 import ray
 
+from .checkpoint import CheckpointStore
 from .config import CheckpointConfig, ClusterConfig, TrainConfig, check_batch_fits
 from .coordinator import Coordinator
-from .faults import Fault
+from .faults import Fault, FaultPlan, parse_faults
+from .membership import Membership
+from .membership.pool import WorkerPool
 from .metrics import RunRecorder, RunSummary
+from .modes import make_mode
 from .task import Task
 
 logger = logging.getLogger(__name__)
@@ -43,18 +47,32 @@ class Trainer:
         self.out_dir = out_dir
         check_batch_fits(self.train, self.cluster)
         self.progress = progress
-        self.faults = [f if isinstance(f, Fault) else Fault.parse(f) for f in inject]
+        self.faults = parse_faults(inject, self.train, self.cluster, self.checkpoint)
 
     def fit(self) -> RunSummary:
         """Train to ``train.steps``; attaches to Ray, or starts an embedded local Ray."""
         started = _ensure_ray(self.cluster)
         try:
             recorder = RunRecorder(self.out_dir, total_steps=self.train.steps, progress=self.progress)
-            return Coordinator(self.task, self.train, self.cluster, self.checkpoint, recorder,
-                               self.faults).run()
+            return build_coordinator(self.task, self.train, self.cluster, self.checkpoint, recorder,
+                                     self.faults).run()
         finally:
             if started:
                 ray.shutdown()
+
+
+def build_coordinator(task: Task, train: TrainConfig, cluster: ClusterConfig, checkpoint: CheckpointConfig,
+                      recorder: RunRecorder, faults: list[Fault] = ()) -> Coordinator:
+    """The parts of one run on the connected Ray cluster: the worker pool and membership,
+    the training mode the configuration asks for, the checkpoint store, the coordinator."""
+    plan = FaultPlan(faults)
+    membership = Membership(WorkerPool(task, train, cluster), min_workers=cluster.min_workers,
+                            max_workers=cluster.workers, held_back=sum(f.kind == "join" for f in faults),
+                            wait_timeout_s=cluster.min_wait_timeout_s,
+                            placement_timeout_s=cluster.placement_timeout_s)
+    store = CheckpointStore(checkpoint.dir, keep=checkpoint.keep) if checkpoint.dir else None
+    return Coordinator(make_mode(train, cluster, recorder, plan), membership, train=train, recorder=recorder,
+                       faults=plan, store=store, checkpoint=checkpoint)
 
 
 def _ensure_ray(cluster: ClusterConfig) -> bool:

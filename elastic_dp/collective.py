@@ -25,9 +25,13 @@ import datetime
 import logging
 import os
 import socket
+import threading
+import time
 
 import torch
 import torch.distributed as dist
+
+from .errors import CollectiveError
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ class CollectiveGroup:
         self._store: dist.Store | None = None
         self._pg: dist.ProcessGroup | None = None
         self._sockets: list[int] = []  # the gloo group's own TCP sockets, for abort()
+        self._aborted = -1  # every generation up to this one is aborted
+        self._lock = threading.Lock()  # configure (training thread) against abort (control thread)
 
     @property
     def configured(self) -> bool:
@@ -60,16 +66,52 @@ class CollectiveGroup:
 
     def configure(self, store_host: str, store_port: int, *, generation: int, rank: int,
                   world_size: int) -> None:
-        """Join generation ``generation`` as ``rank`` of ``world_size`` (blocks until all join)."""
+        """Join generation ``generation`` as ``rank`` of ``world_size`` (blocks until all join).
+
+        Every rank first announces itself under the generation's prefix and waits until
+        all have (polling, so that ``abort(generation)`` from another thread ends the wait
+        with ``CollectiveError``: a peer that died before joining would otherwise hold the
+        others in the process group's rendezvous until the timeout). Then the group is built.
+        """
         if self.configured:
             self.destroy()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
-        self.generation, self.rank, self.world_size = generation, rank, world_size
+        with self._lock:
+            self._check_not_aborted(generation, rank)
+            self.generation, self.rank, self.world_size = generation, rank, world_size
         if world_size == 1:
             return
-        store = dist.TCPStore(store_host, store_port, is_master=False, timeout=self.timeout)
-        self._store = dist.PrefixStore(f"gen{generation}/", store)
+        try:
+            store = dist.TCPStore(store_host, store_port, is_master=False, timeout=self.timeout)
+            self._store = dist.PrefixStore(f"gen{generation}/", store)
+            self._arrive(generation, rank, world_size)
+            self._build(rank, world_size)
+        except BaseException:
+            self._forget()
+            raise
+        if generation <= self._aborted:  # aborted while the group was being built
+            self.abort(generation)
+        logger.debug("gen %d rank %d/%d: %s group formed", generation, rank, world_size, self.backend)
+
+    def _check_not_aborted(self, generation: int, rank: int) -> None:
+        if generation <= self._aborted:
+            raise CollectiveError(f"gen {generation} rank {rank}: the group was aborted while it formed",
+                                  rank=rank)
+
+    def _arrive(self, generation: int, rank: int, world_size: int) -> None:
+        """Announce this rank and wait until every rank of the generation has."""
+        self._store.set(f"arrived/{rank}", b"1")
+        keys = [f"arrived/{r}" for r in range(world_size)]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self._store.check(keys):
+            self._check_not_aborted(generation, rank)
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"gen {generation} rank {rank}: not every rank joined within the "
+                                      f"collective timeout of {self.timeout.total_seconds():.0f} s", rank=rank)
+            time.sleep(0.002)
+
+    def _build(self, rank: int, world_size: int) -> None:
         if self.backend == "gloo":
             before = _socket_fds()
             self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, self.timeout)
@@ -79,7 +121,6 @@ class CollectiveGroup:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
             self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
-        logger.debug("gen %d rank %d/%d: %s group formed", generation, rank, world_size, self.backend)
 
     def _require(self) -> dist.ProcessGroup | None:
         if not self.configured:
@@ -141,8 +182,12 @@ class CollectiveGroup:
             pg.broadcast([tensor], opts).wait()
         return tensor
 
-    def abort(self) -> None:
+    def abort(self, generation: int | None = None) -> None:
         """Make every collective blocked on this group raise, on this rank, now.
+
+        ``generation`` (default: the current one) and every earlier one are aborted: a
+        group of a later generation is left alone (a late abort cannot hit the next
+        group), and one still forming gives up its rendezvous (``configure`` raises).
 
         Safe to call from another thread while the training thread is blocked in a
         collective; the group is unusable afterwards (``destroy()`` it once the blocked
@@ -151,12 +196,16 @@ class CollectiveGroup:
         down, which makes the blocked call raise in a few ms. Its listening socket is left
         alone: shutting that one down aborts the process.
         """
-        if self._pg is None:
-            return
+        with self._lock:
+            generation = self.generation if generation is None else generation
+            self._aborted = max(self._aborted, generation)
+            if self._pg is None or generation < self.generation:
+                return
+            pg, sockets = self._pg, list(self._sockets)
         if self.backend == "nccl":
-            self._pg.abort()
+            pg.abort()
             return
-        for fd in self._sockets:
+        for fd in sockets:
             try:
                 sock = socket.socket(fileno=os.dup(fd))
             except OSError:

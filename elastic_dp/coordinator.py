@@ -1,24 +1,23 @@
-"""The coordinator: the control plane of a run.
+"""The coordinator: the state machine that drives a run.
 
-An explicit state machine::
+``run()`` repeats one iteration until a terminal state; each iteration calls the handler
+of the current state, which acts and returns the next state with its reason::
 
-    INITIALIZING -> PLACING -> FORMING -> RESTORING -> RUNNING -> FINISHED
-                                          RUNNING <-> RECOVERING   (a member failed)
-                                          RUNNING <-> RESIZING     (workers join)
-                                                (any) -> FAILED
+    STARTING -> RUNNING -> FINISHING -> FINISHED
+                RUNNING <-> SAVING                      (a checkpoint is due)
+                RUNNING  -> RESIZING -> RUNNING         (joiners admitted at a step boundary)
+    (a member lost) -> RECOVERING -> REFORMING -> RUNNING
+                       RECOVERING <-> WAITING           (below MIN: wait for capacity)
+                       RECOVERING -> RESTORING -> RUNNING   (no copy of the state survived)
+                       REFORMING  -> RESTORING          (a ZeRO shard and its snapshot were lost)
+    (any) -> FAILED
 
-It starts the workers, hosts the rendezvous store, forms each generation's collective
-group under its own prefix (DESIGN invariant 1), and drives the steps: for step ``s`` it
-takes the sampler's global batch, splits it into contiguous slices over the current
-ranks, and commits the step when every member reports it committed (invariants 2, 5).
-When members fail it asks the ``ElasticPolicy`` what to do, re-forms the next
-generation in place from the survivors (and ready joiners), makes their state equal,
-and re-runs the interrupted step on the same samples (invariant 4). With ZeRO the state
-is in chunks: ``shard_sources`` picks where each old chunk comes from (a survivor, or a
-neighbour's peer snapshot), the new ranks re-cut them for the new world size, and the
-run rolls back to the snapshot's step when it is older than the failed step. The
-coordinator never touches a tensor: state moves between workers, checkpoints and the
-output as opaque objects.
+It asks ``Membership`` who is in the group and delegates how to train to the training
+mode: a mode call that loses workers raises ``MembersLost``, which from any state leads
+to RECOVERING. A loss while re-forming or restoring is one more failure of the same
+recovery: membership decides again and the mode re-forms from what survived. The
+coordinator holds no tensors and imports neither Ray nor torch; it can be driven with
+a fake mode and a fake pool (tests/test_coordinator.py).
 """
 
 from __future__ import annotations
@@ -26,420 +25,262 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
-import ray
-import torch.distributed as dist
-
-from .checkpoint import CheckpointStore, TrainingState, merge_shards
-from .config import CheckpointConfig, ClusterConfig, TrainConfig, check_batch_fits
-from .data import ElasticSampler, split
-from .dispatch import StepOutcome, gather
-from .errors import CheckpointError, ConfigError, MembershipError, TaskError
-from .faults import Fault, FaultPlan
-from .messages import StepResult
+from .config import CheckpointConfig, TrainConfig
+from .data import check_resumable
+from .errors import MembershipError
+from .faults import FaultPlan
+from .membership import Action, Membership, MembershipDecision
 from .metrics import RunRecorder, RunSummary
-from .placement import resolve_device
-from .policy import Action, ElasticPolicy, MembershipDecision, ShardPlan, shard_sources
-from .pool import Member, WorkerPool, placement_error
-from .task import Task
+from .modes.base import Failure, MembersLost, Recovery, RecoveryResult, TrainingMode
 
 logger = logging.getLogger(__name__)
 
 
 class RunState(enum.Enum):
-    INITIALIZING = "initializing"
-    PLACING = "placing"
-    FORMING = "forming"
-    RESTORING = "restoring"
+    STARTING = "starting"
     RUNNING = "running"
-    RECOVERING = "recovering"
+    SAVING = "saving"
     RESIZING = "resizing"
+    RECOVERING = "recovering"
+    WAITING = "waiting"
+    REFORMING = "reforming"
+    RESTORING = "restoring"
+    FINISHING = "finishing"
     FINISHED = "finished"
     FAILED = "failed"
 
+    @property
+    def is_terminal(self) -> bool:
+        return self in (RunState.FINISHED, RunState.FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """The state the run moved to, and why."""
+
+    state: RunState
+    reason: str = ""
+
 
 class Coordinator:
-    """Drives one run from placement to the last committed step, through failures and joins."""
+    """Drives one run from placement to the last committed step, through failures and joins.
 
-    def __init__(self, task: Task, train: TrainConfig, cluster: ClusterConfig,
-                 checkpoint: CheckpointConfig, recorder: RunRecorder, faults: list[Fault] = ()) -> None:
-        check_batch_fits(train, cluster)
-        joins = sum(1 for f in faults if f.kind == "join")
-        if any(f.phase == "checkpoint" and f.rank != 0 for f in faults):
-            raise ConfigError("--inject ...:phase=checkpoint applies to rank 0, the rank whose state is saved")
-        for f in faults:
-            if f.phase == "snapshot" and (not train.zero or (f.step + 1) % train.snapshot_every):
-                raise ConfigError(f"--inject ...:step={f.step}:phase=snapshot needs --zero 1 or 2 and a step "
-                                  f"after which a snapshot is taken: (step + 1) divisible by --snapshot-every "
-                                  f"{train.snapshot_every}")
-        self.task, self.train, self.cluster, self.ckpt_cfg = task, train, cluster, checkpoint
-        self.recorder = recorder
-        self.faults = FaultPlan(list(faults))
-        # join:step=S faults hold a worker back at the start and add it at step S
-        self.target = max(cluster.min_workers, cluster.workers - joins)
-        self.state = RunState.INITIALIZING
-        self.generation = -1
-        self.members: list[Member] = []
-        self.joiners: list[Member] = []
-        self.ckpt = CheckpointStore(checkpoint.dir, keep=checkpoint.keep) if checkpoint.dir else None
-        self.sampler: ElasticSampler | None = None
-        self.pool: WorkerPool | None = None
-        self.store: dist.TCPStore | None = None
+    ``store`` is the durable checkpoint store (None: no checkpoints); ``checkpoint`` says
+    when to save and whether to resume; ``train.steps`` is where the run ends. ``sleep``
+    and ``poll_s`` pace the wait below MIN (membership's clock times it).
+    """
+
+    def __init__(self, mode: TrainingMode, membership: Membership, *, train: TrainConfig, recorder: RunRecorder,
+                 faults: FaultPlan, store: Any | None = None, checkpoint: CheckpointConfig | None = None,
+                 sleep: Callable[[float], None] = time.sleep, poll_s: float = 0.2) -> None:
+        self.mode, self.membership, self.train, self.steps = mode, membership, train, train.steps
+        self.recorder, self.faults, self.store = recorder, faults, store
+        self.ckpt_cfg = checkpoint or CheckpointConfig()
+        self.sleep, self.poll_s = sleep, poll_s
+        self.state = RunState.STARTING
+        self.history: list[Transition] = [Transition(RunState.STARTING)]
         self.step = 0
+        self.save_due = False
+        self.failure: Failure | None = None
+        self.decision: MembershipDecision | None = None
+        self._recovery_started = 0.0
+        self._checkpoint_exists = False
+        self._handlers: dict[RunState, Callable[[], Transition]] = {
+            RunState.STARTING: self._starting, RunState.RUNNING: self._running, RunState.SAVING: self._saving,
+            RunState.RESIZING: self._resizing, RunState.RECOVERING: self._recovering,
+            RunState.WAITING: self._waiting, RunState.REFORMING: self._reforming,
+            RunState.RESTORING: self._restoring, RunState.FINISHING: self._finishing}
 
-    @property
-    def policy(self) -> ElasticPolicy:
-        return ElasticPolicy(min_workers=self.cluster.min_workers, max_workers=self.target,
-                             wait_timeout_s=self.cluster.min_wait_timeout_s)
-
-    def _to(self, state: RunState) -> None:
-        logger.debug("coordinator: %s -> %s", self.state.value, state.value)
-        self.state = state
-
-    # -- lifecycle -------------------------------------------------------------------------
+    # -- the loop --------------------------------------------------------------------------
     def run(self) -> RunSummary:
-        """Place, form, restore, train every remaining step, and tear down."""
+        """Iterate until FINISHED (return the summary) or FAILED (raise the error)."""
         try:
-            self.start()
-            while True:
-                self.run_steps(self.train.steps - self.step)
-                if self._finish():
-                    break  # else a failure during the final save rolled the run back
-            self._to(RunState.FINISHED)
+            while not self.state.is_terminal:
+                self.iterate()
             return self.recorder.finish()
-        except BaseException:
-            self._to(RunState.FAILED)
-            raise
         finally:
             self.close()
 
-    def start(self) -> None:
-        """Start the workers, form generation 0 and restore state (checkpoint or rank 0)."""
-        self._prepare()
-        self._to(RunState.RUNNING)
-        self.recorder.start(self.step)
+    def iterate(self) -> None:
+        """Run the current state's handler once and move to the state it returns."""
+        try:
+            try:
+                transition = self._handlers[self.state]()
+            except MembersLost as lost:
+                transition = self._lost(lost)
+        except BaseException as exc:
+            self._move(Transition(RunState.FAILED, f"{type(exc).__name__}: {exc}"))
+            raise
+        self._move(transition)
+
+    def run_until(self, step: int) -> None:
+        """Iterate until ``step`` steps have committed (or the run ended). For benchmarks."""
+        while not self.state.is_terminal and (self.step < step or self.state is not RunState.RUNNING):
+            self.iterate()
 
     def close(self) -> None:
-        """Stop every worker and release its placement group."""
-        # Killing the actors releases their process groups with them; a graceful destroy
-        # could block behind a collective that a failed step left running.
-        if self.pool is not None:
-            self.pool.stop_all()
-        self.members, self.joiners, self.store = [], [], None
+        """Stop every worker (killing the actors releases their process groups with them)."""
+        self.membership.close()
 
-    def _prepare(self) -> None:
-        resume: TrainingState | None = None
-        if self.ckpt is not None:
-            self.ckpt.check_writable()
+    def _move(self, transition: Transition) -> None:
+        if transition.state is not self.state:
+            logger.debug("coordinator: %s -> %s (%s)", self.state.value, transition.state.value, transition.reason)
+            self.history.append(transition)
+        self.state = transition.state
+        if self.state.is_terminal:
+            for fault, why in self.faults.unfired():
+                self.recorder.event("fault_not_fired", fault=str(fault), reason=why)
+
+    # -- states ----------------------------------------------------------------------------
+    def _starting(self) -> Transition:
+        resume = None
+        if self.store is not None:
+            self.store.check_writable()
             if self.ckpt_cfg.resume:  # verified before anything starts or is written
-                resume = self.ckpt.load()
-                self._check_sampler(resume.sampler, dataset_len=False)
-        self._to(RunState.PLACING)
-        device = resolve_device(self.cluster.device)
-        self.pool = WorkerPool(self.task, self.train, self.cluster, device)
-        self.pool.start(self.target)
-        ready = self.pool.wait_ready(self.cluster.min_workers, self.cluster.placement_timeout_s)
-        if len(ready) < self.cluster.min_workers:
-            raise placement_error(self.cluster.min_workers, len(ready) + self.pool.placed_but_starting(),
-                                  device, self.cluster.placement_timeout_s)
-        while self.pool.placed_but_starting() and len(ready) < self.target:  # placed: nearly ready
-            ready += self.pool.wait_ready(1, self.cluster.placement_timeout_s)
-        self._make_sampler(ready)
-        if resume is not None:
-            self._check_sampler(resume.sampler)
-        logger.info("%d workers on %s; model has %d parameters; dataset has %d samples, %d steps per epoch",
-                    len(ready), device, ready[0].info.num_params, self.sampler.dataset_len,
-                    self.sampler.steps_per_epoch)
-        self._to(RunState.FORMING)
-        start = time.perf_counter()
-        self._form(ready)
-        self.recorder.event("group_formed", generation=self.generation, world_size=len(ready),
-                            form_s=round(time.perf_counter() - start, 4))
-        self._to(RunState.RESTORING)
-        if resume is not None:
-            self._load(resume, self.members)
-            self.recorder.event("resumed", step=resume.step, saved_world_size=resume.world_size,
-                                world_size=len(self.members))
-        else:
-            ray.get([m.actor.broadcast_state.remote(0) for m in self.members])
-        self.recorder.weights("initial", ray.get(self.members[0].actor.model_state.remote()))
+                resume = self.store.load()
+                check_resumable(resume.sampler, self.train)
+        members = self.membership.place()
+        try:
+            self.step = self.mode.start(members, resume)
+        except MembersLost as lost:
+            raise MembershipError(f"a worker failed while the run was starting ({lost.cause}); start it "
+                                  "again") from None
+        self.membership.admit(members)
+        self.recorder.start(self.step)
+        return Transition(RunState.RUNNING, f"generation {self.mode.generation} formed at step {self.step}")
 
-    def _make_sampler(self, ready: list[Member]) -> None:
-        lengths = {m.info.dataset_len for m in ready}
-        if len(lengths) != 1:
-            raise TaskError(f"workers built datasets of different lengths {sorted(lengths)}: the dataset "
-                            "factory must build the same dataset on every worker")
-        self.sampler = ElasticSampler(lengths.pop(), global_batch=self.train.global_batch, seed=self.train.seed)
-
-    def _form(self, members: list[Member]) -> None:
-        """Form the next generation's collective group over ``members`` (ranks in list order)."""
-        if self.store is None:
-            self.store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True,
-                                       wait_for_workers=False, use_libuv=True)
-        self.generation += 1
-        host = ray.util.get_node_ip_address()
-        ray.get([m.actor.configure_group.remote(host, self.store.port, self.generation, rank, len(members))
-                 for rank, m in enumerate(members)])
-        self.members = list(members)
-
-    def _sampler_state(self) -> dict[str, int]:
-        return {"seed": self.sampler.seed, "global_batch": self.sampler.global_batch,
-                "dataset_len": self.sampler.dataset_len}
-
-    def _check_sampler(self, saved: dict[str, int], *, dataset_len: bool = True) -> None:
-        ours = {"global_batch": self.train.global_batch, "seed": self.train.seed}
-        if dataset_len:
-            ours["dataset_len"] = self.sampler.dataset_len
-        flags = {"global_batch": "--global-batch", "seed": "--seed"}
-        for key, value in ours.items():
-            if saved[key] != value:
-                fix = (f"resume with {flags[key]} {saved[key]}" if key in flags
-                       else "resume with the dataset it was saved with")
-                raise CheckpointError(f"the checkpoint was saved with {key}={saved[key]}, this run has "
-                                      f"{value}: {fix} (a run's sample order depends on it)")
-
-    def _load(self, state: TrainingState, members: list[Member]) -> None:
-        ref = ray.put(state)
-        ray.get([m.actor.load_state.remote(ref) for m in members])
-        self.step = state.step
-
-    # -- the step loop ---------------------------------------------------------------------
-    def run_steps(self, count: int) -> None:
-        """Run and commit steps until ``count`` more have committed, saving checkpoints when due."""
-        target = self.step + count
-        while self.step < target:
-            self._step_boundary()
-            if self._run_step(self.step):
-                self.step += 1
-                if self.ckpt is not None and self.ckpt_cfg.every and self.step % self.ckpt_cfg.every == 0:
-                    self._save_checkpoint()
-
-    def _step_boundary(self) -> None:
-        """Between steps: start workers for due join faults, admit the ready ones."""
+    def _running(self) -> Transition:
+        if self.save_due:
+            return Transition(RunState.SAVING, f"checkpoint due after step {self.step}")
+        if self.step >= self.steps:
+            every = self.ckpt_cfg.every
+            if self.store is not None and (not every or self.step % every):
+                return Transition(RunState.SAVING, "final checkpoint")
+            return Transition(RunState.FINISHING, f"{self.step} steps committed")
         joins = self.faults.joins_due(self.step)
         if joins:  # an injected join happens at its step: wait for the worker to be ready
-            self.target = min(self.cluster.workers, self.target + joins)
-            self.pool.start(joins)
-            self.joiners += self.pool.wait_ready(joins, self.cluster.placement_timeout_s)
-        self.joiners += self.pool.poll()
-        decision = self.policy.at_step_boundary(self.members, self.joiners)
+            self.membership.grow(joins)
+        decision = self.membership.at_step_boundary()
         if decision.action is Action.REFORM:
-            self._to(RunState.RESIZING)
-            start = time.monotonic()
-            joined = [m for m in decision.members if m not in self.members]
-            if self.train.zero:  # every chunk is live at this step: re-cut them for the new size
-                self._reshard(list(decision.members), holders=self.members)
-            else:
-                self._change_membership(list(decision.members), source=self.members[0], needs_state=joined)
-            self.recorder.event("membership_changed", cause=decision.reason, generation=self.generation,
-                                world_size=len(self.members), joined=len(joined), lost=0,
-                                reform_s=round(time.monotonic() - start, 4), steps_rerun=0,
-                                ready_to_join_s=round(time.time() - min(m.info.ready_time for m in joined), 4))
-            self._to(RunState.RUNNING)
+            self.decision = decision
+            return Transition(RunState.RESIZING, decision.reason)
+        self.step = self.mode.advance(self.step)
+        self.save_due = self._due(self.step)
+        return Transition(RunState.RUNNING)
 
-    def _dispatch_step(self, step: int) -> StepOutcome:
-        slices = split(self.sampler.batch(step), len(self.members))
-        calls = {}
-        for rank, (member, indices) in enumerate(zip(self.members, slices)):
-            fault = self.faults.take(step, rank, ("forward", "allreduce", "optimizer", "snapshot"))
-            calls[member.actor.step.remote(step, indices, fault)] = member
-        return gather(calls, deadline_s=self.cluster.step_timeout_s, grace_s=self.cluster.abort_grace_s,
-                      abort=self._abort)
-
-    def _abort(self, members: list[Member]) -> None:
-        for m in members:
-            m.actor.abort_group.remote()  # control thread; a hung worker never runs it
-
-    def _run_step(self, step: int) -> bool:
-        """Run ``step`` until it commits; False when the run went back to an earlier step (a
-        checkpoint, or a ZeRO snapshot older than ``step``)."""
+    def _saving(self) -> Transition:
         start = time.perf_counter()
-        while True:
-            outcome = self._dispatch_step(step)
-            if outcome.committed_everywhere:
-                self._record(step, list(outcome.results.values()), time.perf_counter() - start)
-                return True
-            if outcome.task_errors and not outcome.lost:
-                raise outcome.task_errors[0]
-            committed = self._recover(step, outcome)
-            if committed is None:
-                return False
-            if committed:
-                results = ([r for r in outcome.results.values() if r.committed]
-                           or [r for r in outcome.results.values() if r.samples])  # ZeRO: gather failed
-                self._record(step, results, time.perf_counter() - start)
-                return True
-
-    def _record(self, step: int, results: list[StepResult], seconds: float) -> None:
-        samples = sum(r.samples for r in results)
-        loss = sum(r.loss_sum for r in results) / samples
-        timings = {k: round(max(r.timings.get(k, 0.0) for r in results), 6) for k in results[0].timings}
-        # every sample of the step was trained (the gradients of a rank lost after the vote
-        # were in the all-reduce), even when fewer results came back
-        self.recorder.step(step=step, loss=loss, samples=self.train.global_batch, step_s=seconds,
-                           world_size=len(self.members), generation=self.generation, timings=timings)
-
-    # -- failures --------------------------------------------------------------------------
-    def _recover(self, step: int, outcome: StepOutcome) -> bool | None:
-        """Re-form after a failed step. True: the step had committed (stage 0: on a survivor,
-        whose state is spread); False: re-run the step; None: the run went back to an earlier
-        step, ``self.step`` (a checkpoint, or a ZeRO snapshot)."""
-        self._to(RunState.RECOVERING)
-        start = time.monotonic()
-        lost_ranks = sorted(self.members.index(m) for m in outcome.lost)
-        for member in outcome.lost:
-            self.pool.stop(member)
-        survivors = [m for m in self.members if m not in outcome.lost]
-        committed = [m for m in survivors if outcome.results[m].committed]
-        self.pool.start(self.policy.wanted(len(survivors), len(self.pool.pending) + len(self.joiners)))
-        logger.warning("gen %d step %d: %s; lost ranks %s", self.generation, step, outcome.cause, lost_ranks)
-        decision = self._decide_after_failure(step, survivors)
-        if decision.action is Action.RESTORE:
-            self._restore(list(decision.members), outcome, decision.reason, lost_ranks, start, step)
-            return None
-        if self.train.zero:
-            return self._recover_sharded(step, outcome, list(decision.members), survivors, decision.reason,
-                                         lost_ranks, start)
-        members = list(decision.members)
-        source = committed[0] if committed else survivors[0]
-        needs = [m for m in members if m not in survivors or (committed and m not in committed)]
-        try:
-            self._change_membership(members, source=source, needs_state=needs)
-        except ray.exceptions.RayActorError as exc:
-            # Some members may already hold the source's state and others not; rather than
-            # guess, stop here: committed checkpoints are intact.
-            raise MembershipError(f"a worker failed while generation {self.generation + 1} was being formed "
-                                  f"({exc.__class__.__name__}); restart with --resume to continue from the "
-                                  "latest checkpoint") from None
-        self._event_changed(outcome, decision.reason, lost_ranks, start, steps_rerun=0 if committed else 1)
-        self._to(RunState.RUNNING)
-        return bool(committed)
-
-    def _restore(self, members: list[Member], outcome: StepOutcome, reason: str, lost_ranks: list[int],
-                 start: float, step: int) -> None:
-        """Restart ``members`` from the latest durable checkpoint."""
-        state = self.ckpt.load()
-        self.joiners = [j for j in self.joiners if j not in members]
-        self._form(members)
-        self._load(state, self.members)
-        self.recorder.rewind(state.step)
-        self._event_changed(outcome, reason, lost_ranks, start, steps_rerun=step - state.step + 1,
-                            kind="restored_from_checkpoint", step=state.step)
-        self._to(RunState.RUNNING)
-
-    def _recover_sharded(self, step: int, outcome: StepOutcome, members: list[Member], survivors: list[Member],
-                         reason: str, lost_ranks: list[int], start: float) -> bool | None:
-        """Re-form after a failed step under ZeRO (``_recover``'s contract)."""
-        try:
-            plan = self._reshard(members, holders=survivors)
-        except ray.exceptions.RayActorError as exc:
-            raise MembershipError(f"a worker failed while generation {self.generation + 1} was being formed "
-                                  f"({exc.__class__.__name__}); restart with --resume to continue from the "
-                                  "latest checkpoint") from None
-        if plan is None:
-            lost = f"ranks {lost_ranks} of {len(self.members)} were lost together"
-            if self.ckpt is None or self.ckpt.latest() is None:
-                raise MembershipError(f"{lost}, and with them a ZeRO shard and its only peer snapshot, and there "
-                                      "is no durable checkpoint: pass --checkpoint-dir and --checkpoint-every so a "
-                                      "run can recover from this")
-            logger.warning("gen %d step %d: %s, and with them a ZeRO shard and its peer snapshot: restarting "
-                           "from the latest checkpoint", self.generation, step, lost)
-            self._restore(members, outcome, f"{lost}, and with them a ZeRO shard and its peer snapshot",
-                          lost_ranks, start, step)
-            return None
-        self._event_changed(outcome, reason, lost_ranks, start, steps_rerun=step + 1 - plan.step,
-                            restored_step=plan.step)
-        self._to(RunState.RUNNING)
-        if plan.step == step + 1:
-            return True  # the step committed everywhere before the failure
-        self.step = plan.step
-        self.recorder.rewind(plan.step)
-        return False if plan.step == step else None
-
-    def _reshard(self, members: list[Member], holders: list[Member]) -> ShardPlan | None:
-        """Form the next generation over ``members`` and re-cut the ZeRO chunks that ``holders``
-        (members of the current generation) hold; None when some chunk is lost."""
-        old = list(self.members)
-        reports = ray.get([m.actor.shard_holdings.remote() for m in holders])
-        plan = shard_sources(len(old), {old.index(m): r for m, r in zip(holders, reports)})
-        if plan is None:
-            return None
-        refs = [old[holder].actor.export_shard.remote(kind, plan.step) for holder, kind in plan.sources]
-        ray.wait(refs, num_returns=len(refs))  # exported before the holders join the next generation
-        self.joiners = [j for j in self.joiners if j not in members]
-        self._form(members)
-        ray.get([m.actor.import_shards.remote(refs, len(old), plan.step) for m in members])
-        return plan
-
-    def _decide_after_failure(self, step: int, survivors: list[Member]) -> MembershipDecision:
-        """Ask the policy until it stops saying WAIT; raise when it says FAIL."""
-        waited_since, warned = time.monotonic(), False
-        has_ckpt = self.ckpt is not None and self.ckpt.latest() is not None  # none is written meanwhile
-        while True:
-            self.joiners += self.pool.poll()
-            decision = self.policy.after_failure(survivors, self.joiners, waited_s=time.monotonic() - waited_since,
-                                                 has_checkpoint=has_ckpt)
-            if decision.action is Action.FAIL:
-                raise MembershipError(decision.reason)
-            if decision.action is not Action.WAIT:
-                return decision
-            if not warned:
-                logger.warning("gen %d step %d: %s", self.generation, step, decision.reason)
-                warned = True
-            time.sleep(0.2)
-
-    def _change_membership(self, members: list[Member], *, source: Member, needs_state: list[Member]) -> None:
-        """Form the next generation over ``members`` and copy ``source``'s state to ``needs_state``."""
-        if needs_state:  # through Ray's object store: joiners have no optimizer state to broadcast into
-            ref = source.actor.training_state.remote(self.step, self._sampler_state())
-            ray.get([m.actor.load_state.remote(ref) for m in needs_state])
-        self.joiners = [j for j in self.joiners if j not in members]
-        self._form(members)
-
-    def _event_changed(self, outcome: StepOutcome, reason: str, lost_ranks: list[int], start: float,
-                       steps_rerun: int, kind: str = "membership_changed", **extra) -> None:
-        self.recorder.event(kind, **extra, cause=outcome.cause, decision=reason,
-                            generation=self.generation, world_size=len(self.members), lost=len(outcome.lost),
-                            lost_ranks=lost_ranks, detect_s=round(outcome.detect_s or 0.0, 4),
-                            reform_s=round(time.monotonic() - start, 4), steps_rerun=steps_rerun)
-
-    # -- checkpoints and the end -----------------------------------------------------------
-    def _save_checkpoint(self) -> bool:
-        """Save the state after ``self.step`` steps; False when a failure meanwhile sent the
-        run back to an earlier step (the save happens again when the run gets here)."""
-        while True:
-            start = time.perf_counter()
-            fault = self.faults.take(self.step - 1, 0, ("checkpoint",))
-            # stage 0: rank 0 holds everything; ZeRO: every rank holds a part
-            members = self.members if self.train.zero else self.members[:1]
-            refs = [m.actor.training_state.remote(self.step, self._sampler_state(), fault if i == 0 else None)
-                    for i, m in enumerate(members)]
-            parts, lost = [], []
-            for member, ref in zip(members, refs):
-                try:
-                    parts.append(ray.get(ref))
-                except ray.exceptions.RayActorError:
-                    lost.append(member)
-            if not lost:
-                break
-            outcome = StepOutcome(results={m: StepResult(step=self.step - 1, rank=i, generation=self.generation,
-                                                         committed=True)
-                                           for i, m in enumerate(self.members) if m not in lost},
-                                  lost=lost, cause=f"{lost!r} died while saving a checkpoint", detect_s=0.0)
-            if self._recover(self.step - 1, outcome) is not True:
-                return False  # back at an earlier step: nothing new to save
-        state = merge_shards(parts) if self.train.zero else parts[0]
-        path = self.ckpt.save(state)
+        path = self.mode.save(self.store, self.step)
+        self.save_due = False
         self.recorder.event("checkpoint_saved", step=self.step, path=str(path),
                             save_s=round(time.perf_counter() - start, 4))
-        return True
+        if self.step >= self.steps:
+            return Transition(RunState.FINISHING, f"checkpoint of the last step {self.step} saved")
+        return Transition(RunState.RUNNING, f"checkpoint of step {self.step} saved")
 
-    def _finish(self) -> bool:
-        """The final checkpoint and output; False when the run has steps to re-run first."""
-        due = self.ckpt is not None and (not self.ckpt_cfg.every or self.step % self.ckpt_cfg.every)
-        if due and not self._save_checkpoint():
-            return False
-        rank0 = self.members[0].actor
-        self.recorder.weights("final", ray.get(rank0.model_state.remote()))
-        self.recorder.summary.sample = ray.get(rank0.sample.remote())
-        return True
+    def _resizing(self) -> Transition:
+        start = time.monotonic()
+        members = list(self.decision.members)
+        joined = [m for m in members if m not in self.membership.members]
+        self.mode.resize(members)
+        self.membership.admit(members)
+        self.recorder.event("membership_changed", cause=self.decision.reason, generation=self.mode.generation,
+                            world_size=len(members), joined=len(joined), lost=0,
+                            reform_s=round(time.monotonic() - start, 4), steps_rerun=0,
+                            ready_to_join_s=round(time.time() - min(m.ready_time for m in joined), 4))
+        return Transition(RunState.RUNNING, f"generation {self.mode.generation} formed over {len(members)}")
+
+    def _recovering(self) -> Transition:
+        decision = self.membership.after_failure(self.failure.survivors, has_checkpoint=self._checkpoint_exists)
+        if decision.action is Action.FAIL:
+            raise MembershipError(decision.reason)
+        if decision.action is Action.WAIT:
+            if not self.failure.waited:
+                logger.warning("gen %d step %d: %s", self.mode.generation, self.step, decision.reason)
+                self.failure.waited = True
+            return Transition(RunState.WAITING, decision.reason)
+        self.decision = decision
+        if decision.action is Action.RESTORE:
+            return Transition(RunState.RESTORING, decision.reason)
+        return Transition(RunState.REFORMING, decision.reason)
+
+    def _waiting(self) -> Transition:
+        self.sleep(self.poll_s)
+        return Transition(RunState.RECOVERING, "looking for capacity again")
+
+    def _reforming(self) -> Transition:
+        members = list(self.decision.members)
+        result = self.mode.reform(members, self.failure)
+        if result.outcome is Recovery.STATE_LOST:
+            if not self._checkpoint_exists:
+                raise MembershipError(f"{result.reason}, and there is no durable checkpoint: pass "
+                                      "--checkpoint-dir and --checkpoint-every so a run can recover from this")
+            logger.warning("gen %d step %d: %s: restarting from the latest checkpoint", self.mode.generation,
+                           self.failure.step, result.reason)
+            self.decision = MembershipDecision(Action.RESTORE, tuple(members), result.reason)
+            return Transition(RunState.RESTORING, result.reason)
+        self.membership.admit(members)
+        self._event_changed("membership_changed", result, **result.details)
+        self._go_to(result.step)
+        return Transition(RunState.RUNNING, f"{result.outcome.value}: step {result.step} is next")
+
+    def _restoring(self) -> Transition:
+        state = self.store.load()
+        members = list(self.decision.members)
+        self.mode.restore(members, state)
+        self.membership.admit(members)
+        self._event_changed("restored_from_checkpoint", RecoveryResult(Recovery.ROLLED_BACK, state.step),
+                            step=state.step)
+        self._go_to(state.step)
+        return Transition(RunState.RUNNING, f"restored the checkpoint of step {state.step}")
+
+    def _finishing(self) -> Transition:
+        self.mode.finish()
+        return Transition(RunState.FINISHED, f"{self.step} steps")
+
+    # -- failures --------------------------------------------------------------------------
+    def _lost(self, lost: MembersLost) -> Transition:
+        """Workers were lost in the current state: the failure to recover from."""
+        again = self.state in (RunState.REFORMING, RunState.RESTORING)
+        first = self.failure if again else None
+        self.failure = Failure(step=first.step if first else self.step,
+                               in_flight=first.in_flight if first else self.state is RunState.RUNNING,
+                               survivors=lost.survivors, lost=lost.lost, lost_ranks=lost.lost_ranks,
+                               cause=lost.cause, detect_s=lost.detect_s, during=self.state.value,
+                               attempts=first.attempts + 1 if first else 1)
+        if again:
+            self.recorder.event("reform_interrupted", cause=lost.cause, during=self.state.value,
+                                lost=len(lost.lost), lost_ranks=lost.lost_ranks)
+        else:
+            self._recovery_started = time.monotonic()
+        self.membership.lose(lost.lost)
+        self._checkpoint_exists = self.store is not None and self.store.latest() is not None
+        logger.warning("gen %d step %d (%s): %s; lost ranks %s", self.mode.generation, self.step,
+                       self.state.value, lost.cause, lost.lost_ranks)
+        return Transition(RunState.RECOVERING, lost.cause)
+
+    def _go_to(self, step: int) -> None:
+        """Continue at ``step``: after a step that counted, or back at an earlier one whose
+        steps from there on are trained (and recorded) again."""
+        if step < self.step:
+            self.recorder.rewind(step)
+            self.save_due = False
+        elif step > self.step:
+            self.save_due = self._due(step)
+        self.step, self.failure = step, None
+
+    def _due(self, step: int) -> bool:
+        """A checkpoint is due once ``step`` steps have committed."""
+        every = self.ckpt_cfg.every
+        return self.store is not None and bool(every) and step % every == 0
+
+    def _event_changed(self, kind: str, result: RecoveryResult, **extra: Any) -> None:
+        f = self.failure
+        self.recorder.event(kind, **extra, cause=f.cause, decision=self.decision.reason,
+                            generation=self.mode.generation, world_size=len(self.decision.members),
+                            lost=len(f.lost), lost_ranks=f.lost_ranks, detect_s=round(f.detect_s, 4),
+                            reform_s=round(time.monotonic() - self._recovery_started, 4),
+                            steps_rerun=f.step + f.in_flight - result.step)

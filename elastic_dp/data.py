@@ -21,7 +21,8 @@ import functools
 
 import numpy as np
 
-from .errors import ConfigError
+from .config import TrainConfig
+from .errors import CheckpointError, ConfigError
 
 
 class ElasticSampler:
@@ -73,3 +74,18 @@ def micro_batches(indices: np.ndarray, micro_batch: int | None) -> list[np.ndarr
     if micro_batch is None or len(indices) <= micro_batch:
         return [indices]
     return [indices[i:i + micro_batch] for i in range(0, len(indices), micro_batch)]
+
+
+def check_resumable(saved: dict[str, int], train: TrainConfig, *, dataset_len: int | None = None) -> None:
+    """Refuse to resume a checkpoint whose sampler settings (``saved``) differ from this
+    run's: the sample order depends on them. ``dataset_len``: also compare the dataset."""
+    ours = {"global_batch": train.global_batch, "seed": train.seed}
+    if dataset_len is not None:
+        ours["dataset_len"] = dataset_len
+    flags = {"global_batch": "--global-batch", "seed": "--seed"}
+    for key, value in ours.items():
+        if saved[key] != value:
+            fix = (f"resume with {flags[key]} {saved[key]}" if key in flags
+                   else "resume with the dataset it was saved with")
+            raise CheckpointError(f"the checkpoint was saved with {key}={saved[key]}, this run has "
+                                  f"{value}: {fix} (a run's sample order depends on it)")

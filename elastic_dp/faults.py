@@ -2,23 +2,31 @@
 
     kill:step=S:rank=R[:phase=P]   the worker process of rank R dies (SIGKILL) during step S;
                                     P is forward (default), allreduce, optimizer, snapshot
-                                    (ZeRO's peer snapshot) or checkpoint
+                                    (ZeRO's peer snapshot), checkpoint (rank 0, while its
+                                    state is saved after step S) or reform (rank R of the
+                                    generation formed after another fault at step S, as it joins)
     hang:step=S:rank=R[:phase=P]   the worker stops (SIGSTOP) and never answers again
     join:step=S                    one more worker joins before step S
 
-The coordinator owns the plan and hands each fault to its worker once, with the step it
-dispatches; a step re-run after the fault does not fault again.
+``parse_faults`` refuses, with the reason, a fault that can never fire in the configured
+run. The modes hand each fault to its worker once; a fault whose worker came back without
+firing it (the step failed before its phase) is handed out again on the re-run, and one
+that never fired is reported at the end of the run with the reason (``FaultPlan.unfired``).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections import defaultdict
 from dataclasses import dataclass
+from typing import Iterable
 
+from .config import CheckpointConfig, ClusterConfig, TrainConfig
 from .errors import ConfigError
 
-PHASES = ("forward", "allreduce", "optimizer", "snapshot", "checkpoint")
+STEP_PHASES = ("forward", "allreduce", "optimizer", "snapshot")
+PHASES = (*STEP_PHASES, "checkpoint", "reform")
 KINDS = ("kill", "hang", "join")
 
 
@@ -29,10 +37,15 @@ class Fault:
     rank: int | None = None
     phase: str = "forward"
 
+    def __str__(self) -> str:
+        if self.kind == "join":
+            return f"join:step={self.step}"
+        return f"{self.kind}:step={self.step}:rank={self.rank}:phase={self.phase}"
+
     @classmethod
     def parse(cls, spec: str) -> "Fault":
         kind, *fields = spec.split(":")
-        usage = ("--inject takes kill:step=S:rank=R[:phase=forward|allreduce|optimizer|snapshot|checkpoint], "
+        usage = (f"--inject takes kill:step=S:rank=R[:phase={'|'.join(PHASES)}], "
                  f"hang:step=S:rank=R or join:step=S; got {spec!r}")
         if kind not in KINDS:
             raise ConfigError(usage)
@@ -55,6 +68,48 @@ class Fault:
         return cls(kind=kind, step=step, rank=rank, phase=phase)
 
 
+def parse_faults(specs: Iterable[str | Fault], train: TrainConfig, cluster: ClusterConfig,
+                 checkpoint: CheckpointConfig) -> list[Fault]:
+    """Parse ``--inject`` specs and refuse each fault that can never fire in this run."""
+    faults = [f if isinstance(f, Fault) else Fault.parse(f) for f in specs]
+    for f in faults:
+        _check(f, faults, train, cluster, checkpoint)
+    joins = sum(f.kind == "join" for f in faults)
+    room = cluster.workers - cluster.min_workers
+    if joins > room:
+        raise ConfigError(f"--inject join:step=S needs a worker held back for it: {joins} joins, but --workers "
+                          f"{cluster.min_workers}:{cluster.workers} leaves room for {room} (each join holds one "
+                          "of MAX-MIN workers back until its step): raise MAX or lower MIN")
+    return faults
+
+
+def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterConfig,
+           checkpoint: CheckpointConfig) -> None:
+    def refuse(why: str) -> None:
+        raise ConfigError(f"--inject {f} can never fire: {why}")
+
+    if f.step >= train.steps:
+        refuse(f"the run trains steps 0..{train.steps - 1} (--steps {train.steps})")
+    if f.rank is not None and f.rank >= cluster.workers:
+        refuse(f"the run has at most {cluster.workers} workers, ranks 0..{cluster.workers - 1} (--workers)")
+    if f.phase == "checkpoint":
+        every = checkpoint.every
+        if f.rank != 0:
+            refuse("phase=checkpoint applies to rank 0, the rank whose state is saved")
+        if checkpoint.dir is None:
+            refuse("no checkpoint is saved without --checkpoint-dir")
+        if not ((every and (f.step + 1) % every == 0) or f.step + 1 == train.steps):
+            refuse(f"no checkpoint is saved after step {f.step}: --checkpoint-every {every} saves after steps "
+                   "whose number plus one it divides, and after the last step")
+    if f.phase == "snapshot" and (not train.zero or (f.step + 1) % train.snapshot_every):
+        refuse(f"phase=snapshot needs --zero 1 or 2 and a step after which a snapshot is taken: (step + 1) "
+               f"divisible by --snapshot-every {train.snapshot_every}")
+    if f.phase == "reform" and not any(g.kind != "join" and g.step == f.step and g.phase in STEP_PHASES
+                                       for g in faults):
+        refuse(f"phase=reform fires while the group re-forms after another fault in step {f.step}: add a "
+               f"kill or hang at step={f.step} in a step phase ({', '.join(STEP_PHASES)})")
+
+
 def trigger(fault: Fault | None, phase: str) -> None:
     """In a worker: carry out ``fault`` if it is due in ``phase``."""
     if fault is None or fault.phase != phase:
@@ -66,20 +121,58 @@ def trigger(fault: Fault | None, phase: str) -> None:
 
 
 class FaultPlan:
-    """The faults still to inject; each is handed out once."""
+    """The faults still to inject, and what the run did with them."""
 
-    def __init__(self, faults: list[Fault]) -> None:
+    def __init__(self, faults: Iterable[Fault] = ()) -> None:
         self._pending = list(faults)
+        self._sizes: dict[tuple[str, int], set[int]] = defaultdict(set)  # (what, step) -> world sizes
 
     def take(self, step: int, rank: int, phases: tuple[str, ...]) -> Fault | None:
+        """The first pending fault for ``rank`` at ``step`` in one of ``phases`` (handed out)."""
+        if "checkpoint" in phases:
+            self._sizes["checkpoint", step].add(1)
         for fault in self._pending:
             if fault.kind != "join" and fault.step == step and fault.rank == rank and fault.phase in phases:
                 self._pending.remove(fault)
                 return fault
         return None
 
+    def take_step(self, step: int, world_size: int, phases: tuple[str, ...]) -> dict[int, Fault]:
+        """The faults of an attempt at ``step`` on ``world_size`` ranks: rank -> fault."""
+        self._sizes["step", step].add(world_size)
+        taken = {rank: self.take(step, rank, phases) for rank in range(world_size)}
+        return {rank: f for rank, f in taken.items() if f is not None}
+
+    def take_reform(self, step: int, world_size: int) -> dict[int, Fault]:
+        """The faults of the generation that re-forms after a failure in ``step``."""
+        self._sizes["reform", step].add(world_size)
+        taken = {rank: self.take(step, rank, ("reform",)) for rank in range(world_size)}
+        return {rank: f for rank, f in taken.items() if f is not None}
+
+    def put_back(self, faults: Iterable[Fault | None]) -> None:
+        """Faults handed out that did not fire (their worker came back): pending again."""
+        self._pending.extend(f for f in faults if f is not None)
+
     def joins_due(self, step: int) -> int:
         due = [f for f in self._pending if f.kind == "join" and f.step <= step]
         for f in due:
             self._pending.remove(f)
         return len(due)
+
+    def unfired(self) -> list[tuple[Fault, str]]:
+        """Each fault that never fired, with the reason."""
+        return [(f, self._why(f)) for f in self._pending]
+
+    def _why(self, f: Fault) -> str:
+        if f.kind == "join":
+            return f"the run never reached step {f.step}"
+        what = {"checkpoint": "checkpoint", "reform": "reform"}.get(f.phase, "step")
+        sizes = sorted(self._sizes.get((what, f.step), ()))
+        if not sizes:
+            return {"checkpoint": f"no checkpoint was saved after step {f.step} in this run",
+                    "reform": f"no group re-formed after a failure in step {f.step}",
+                    "step": f"step {f.step} was not run in this run (it resumed after it)"}[what]
+        if f.rank >= max(sizes):
+            where = "the generation re-formed after it" if what == "reform" else f"step {f.step}"
+            return f"{where} had {' or '.join(map(str, sizes))} workers: there was no rank {f.rank}"
+        return f"rank {f.rank} finished step {f.step} without reaching phase {f.phase}"

@@ -1,9 +1,11 @@
 """Data-parallel strategies: how gradients are reduced and the optimizer updates.
 
-A strategy is an object with one interface; the worker's step does not branch on which
-one it has. ``Replicated`` is ZeRO stage 0: every worker holds full parameters,
-gradients and optimizer state, and gradients are all-reduced in buckets overlapped with
-backward. ``elastic_dp.zero.Sharded`` (stages 1 and 2) implements the same interface.
+A strategy is an object with one interface, built once per worker by ``make_strategy``;
+the worker's step and its state calls do not branch on which one it has. ``Replicated``
+is ZeRO stage 0: every worker holds full parameters, gradients and optimizer state, and
+gradients are all-reduced in buckets overlapped with backward. ``elastic_dp.zero.Sharded``
+(stages 1 and 2) implements the same interface, and also what resharding needs
+(``holdings``, ``export``, ``import_shards``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from .checkpoint import TrainingState, load_optimizer_state, optimizer_state
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .reducer import GradientReducer
@@ -48,6 +51,41 @@ class Strategy(Protocol):
     def state_bytes(self) -> dict[str, int]:
         """Bytes this worker holds for parameters, gradients and optimizer state (with masters)."""
 
+    # -- state: initial sync, checkpoint parts, loading ---------------------------------------
+    def sync_from(self, src: int) -> None:
+        """A collective: make this worker's state equal rank ``src``'s fresh model's."""
+
+    @property
+    def saves_model(self) -> bool:
+        """Whether this worker's checkpoint part carries the model's parameters."""
+
+    def state_part(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """This worker's part of the optimizer state: tensors keyed ``<param name>/<key>``
+        and JSON metadata (``checkpoint.merge_shards`` joins the parts of several workers)."""
+
+    def load(self, state: TrainingState) -> None:
+        """Load a whole, world-size-independent state after the model's parameters were
+        loaded (with ZeRO a collective: every rank calls it)."""
+
+
+def make_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
+                  config: TrainConfig, device: torch.device) -> Strategy:
+    """The strategy of ``config.zero``, built once; a sharded one re-cuts itself for every
+    generation of ``group``."""
+    if config.zero:
+        from .zero import Sharded
+        return Sharded(model, optimizer, group, config, device)
+    return Replicated(model, optimizer, group, config, device)
+
+
+def broadcast_tensors(group: CollectiveGroup, tensors: list[torch.Tensor], src: int, device: torch.device) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s."""
+    for t in tensors:
+        if t.device == device:
+            group.broadcast(t, src)
+        else:  # e.g. Adam's CPU "step" counter when the group is NCCL
+            t.copy_(group.broadcast(t.to(device), src))
+
 
 class BucketedGradients:
     """The gradient part of the Strategy interface, for a strategy whose ``reducer`` (a
@@ -72,8 +110,10 @@ class Replicated(BucketedGradients):
     """ZeRO stage 0: full replicas, bucketed all-reduce overlapped with backward."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 group: CollectiveGroup, config: TrainConfig) -> None:
+                 group: CollectiveGroup, config: TrainConfig, device: torch.device) -> None:
+        self.model, self.group, self.device = model, group, device
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.names = {id(p): n for n, p in model.named_parameters()}
         self.optimizer = optimizer
         self.reducer = GradientReducer(self.params, group,
                                        bucket_bytes=int(config.bucket_mb * 2**20),
@@ -101,6 +141,26 @@ class Replicated(BucketedGradients):
                     [p.grad for p in self.params if p.grad is not None and not inside(p.grad, buffers)]),
                 "optimizer_state": nbytes([v for s in self.optimizer.state.values() for v in s.values()
                                             if isinstance(v, torch.Tensor)])}
+
+    def sync_from(self, src: int) -> None:
+        tensors = list(self.model.state_dict().values())
+        for state in self.optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        broadcast_tensors(self.group, tensors, src, self.device)
+
+    @property
+    def saves_model(self) -> bool:
+        return True
+
+    def state_part(self) -> tuple[dict[str, torch.Tensor], dict]:
+        return optimizer_state(self.optimizer, self.names)
+
+    def load(self, state: TrainingState) -> None:
+        # copies: the optimizer steps its state in place (0-dim step counts stay on the CPU)
+        tensors = {k: v.to(self.device, copy=True) if v.dim() > 0 else v.clone()
+                   for k, v in state.optimizer_tensors.items()
+                   if not k.endswith("/master")}  # fp32 masters are ZeRO's; stage 0 has none
+        load_optimizer_state(self.optimizer, self.names, tensors, state.optimizer_meta)
 
 
 def nbytes(tensors) -> int:

@@ -20,16 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint import TrainingState, load_optimizer_state, optimizer_state
+from .checkpoint import TrainingState
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .data import micro_batches
 from .errors import CollectiveError, ElasticDPError, TaskError, WorkerError
 from .faults import Fault, trigger
 from .messages import StepResult, WorkerInfo
-from .strategy import Replicated, Strategy
+from .strategy import Strategy, make_strategy
 from .task import Task
-from .zero import Sharded, check_shardable
 
 logger = logging.getLogger(__name__)
 
@@ -63,21 +62,8 @@ class Replica:
         self.model = task.model().to(device)
         self.dataset = task.dataset()
         self.optimizer = task.optimizer(self.model)
-        if config.zero:
-            check_shardable(self.optimizer, config.zero)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self.names = {id(p): n for n, p in self.model.named_parameters()}
-        # a sharded strategy depends on the world size: it is built for each generation
-        self.strategy: Strategy | None = (Replicated(self.model, self.optimizer, group, config)
-                                          if not config.zero else None)
-
-    def sharded(self) -> Sharded:
-        """The ZeRO strategy for the group's current generation (rebuilt after a re-formation)."""
-        if not isinstance(self.strategy, Sharded) or self.strategy.generation != self.group.generation:
-            if self.strategy is not None:
-                self.strategy.close()
-            self.strategy = Sharded(self.model, self.optimizer, self.group, self.config)
-        return self.strategy
+        self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(dataset_len=len(self.dataset),
@@ -85,32 +71,16 @@ class Replica:
 
     # -- state ---------------------------------------------------------------------------
     def broadcast_state(self, src: int) -> None:
-        """Make this replica's parameters, buffers and optimizer state equal rank ``src``'s.
-
-        With ZeRO the optimizer state starts empty; each rank then takes its chunk of the
-        broadcast parameters."""
-        strategy = self.sharded() if self.config.zero else None
-        tensors = list(self.model.state_dict().values())
-        for state in self.optimizer.state.values():
-            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-        for t in tensors:
-            if t.device == self.device:
-                self.group.broadcast(t, src)
-            else:  # e.g. Adam's CPU "step" counter when the group is NCCL
-                t.copy_(self.group.broadcast(t.to(self.device), src))
-        if strategy is not None:
-            strategy.reset_from_params(step=0)
+        """Make this replica's state equal rank ``src``'s (a collective). With ZeRO the
+        optimizer state starts empty; each rank then takes its chunk of the parameters."""
+        self.strategy.sync_from(src)
 
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
         """This worker's state for a checkpoint or a joiner. With ZeRO only this rank's part
         of the optimizer state (``checkpoint.merge_shards`` joins the parts); the model
         only from rank 0."""
-        if self.config.zero:
-            tensors, meta = self.sharded().named_state()
-        else:
-            tensors, meta = optimizer_state(self.optimizer, self.names)
-        model = {} if self.config.zero and self.group.rank else self.model_state()
-        return TrainingState(step=step, model=model,
+        tensors, meta = self.strategy.state_part()
+        return TrainingState(step=step, model=self.model_state() if self.strategy.saves_model else {},
                              optimizer_tensors={k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
                              optimizer_meta=meta, sampler=sampler, world_size=self.group.world_size,
                              rng=torch.get_rng_state())
@@ -118,14 +88,7 @@ class Replica:
     def load_state(self, state: TrainingState) -> None:
         """Load a whole (world-size-independent) training state; with ZeRO a collective."""
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.model.items()})
-        if self.config.zero:
-            self.sharded().load_named(state.optimizer_tensors, state.step)
-        else:
-            # copies: the optimizer steps its state in place (0-dim step counts stay on the CPU)
-            tensors = {k: v.to(self.device, copy=True) if v.dim() > 0 else v.clone()
-                       for k, v in state.optimizer_tensors.items()
-                       if not k.endswith("/master")}  # fp32 masters are ZeRO's; stage 0 has none
-            load_optimizer_state(self.optimizer, self.names, tensors, state.optimizer_meta)
+        self.strategy.load(state)
         torch.set_rng_state(state.rng)
 
     def model_state(self) -> dict[str, torch.Tensor]:

@@ -38,12 +38,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checkpoint import TrainingState
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .errors import CollectiveError, ConfigError
 from .faults import Fault, trigger
 from .reducer import GradientReducer, make_buckets
-from .strategy import BucketedGradients, inside, nbytes
+from .strategy import BucketedGradients, broadcast_tensors, inside, nbytes
 
 # Optimizers whose update of an element depends only on that element's parameter, gradient
 # and state (and on scalars such as the step count): sharding them is exact.
@@ -86,18 +87,34 @@ class _Snapshot:
 
 
 class Sharded(BucketedGradients):
-    """ZeRO stage 1 or 2 for one generation (``group``'s world size and rank)."""
+    """ZeRO stage 1 or 2, built once per worker. Its layout depends on the world size, so
+    it is re-cut for each generation of ``group`` (``_current``) when that generation
+    starts: its first step, or the state it is given (``sync_from``, ``load``,
+    ``import_shards``). Until then it still holds, and can export, the last generation's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
-                 config: TrainConfig) -> None:
-        stage = config.zero
-        check_shardable(optimizer, stage)
-        self.stage, self.group, self.config = stage, group, config
-        self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
+                 config: TrainConfig, device: torch.device) -> None:
+        check_shardable(optimizer, config.zero)
+        self.model, self.base_optimizer, self.device = model, optimizer, device
+        self.stage, self.group, self.config = config.zero, group, config
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.base_groups = optimizer.param_groups
+        self.generation: int | None = None  # of the layout below; None: not built yet
+        self.own: list[_Snapshot] = []
+        self.peer: list[_Snapshot] = []
+
+    def _current(self) -> None:
+        """Re-cut the layout for the group's generation, if it changed."""
+        if self.generation != self.group.generation:
+            if self.generation is not None:
+                self.reducer.close()
+            self._build()
+
+    def _build(self) -> None:
+        stage, group, config, optimizer = self.stage, self.group, self.config, self.base_optimizer
+        self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        self.params = [p for p in model.parameters() if p.requires_grad and id(p) in group_of]
+        self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) in group_of]
         bucket_bytes = int(config.bucket_mb * 2**20)
         self.buckets = make_buckets(self.params, bucket_bytes, config.reduce_fp32, group_of=group_of,
                                     pad_to=self.world_size)
@@ -133,14 +150,16 @@ class Sharded(BucketedGradients):
         self.own: list[_Snapshot] = []
         self.peer: list[_Snapshot] = []
 
-    def close(self) -> None:
-        self.reducer.close()
-
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
-    # -- the step (zero_grad .. abandon come from BucketedGradients) ------------------------
+    # -- the step (before_last_backward .. abandon come from BucketedGradients) -------------
+    def zero_grad(self) -> None:
+        if self.generation != self.group.generation:
+            raise RuntimeError(f"generation {self.group.generation} got no state before its first step "
+                               "(sync_from, load or import_shards)")
+        self.reducer.zero_grad()
     def _grad_chunk(self, b: int) -> torch.Tensor:
         if self.stage == 2:
             return self.grad_chunks[b]
@@ -322,6 +341,14 @@ class Sharded(BucketedGradients):
                 out.state[key][b] = piece
         return out
 
+    def import_shards(self, fetch: Callable[[list[int]], list[ShardState]], old_world_size: int, step: int) -> None:
+        """Become this generation's rank from the old generation's chunks at ``step``;
+        ``fetch(old_ranks)`` returns those ranks' chunks (only the ones needed are asked)."""
+        self._current()
+        needed = self.needed_sources(old_world_size)
+        fetched = dict(zip(needed, fetch(needed)))
+        self.load_shards(fetched.__getitem__, old_world_size, step)
+
     @torch.no_grad()
     def load_shards(self, fetch: Callable[[int], ShardState], old_world_size: int, step: int) -> None:
         """Become this generation's rank from the old chunks; then gather the parameters.
@@ -329,6 +356,7 @@ class Sharded(BucketedGradients):
         A collective: every rank of the new generation calls it. Afterwards the rank holds
         its chunk at ``step`` and, as snapshots, a copy of it and of its left neighbour's.
         """
+        self._current()
         own = self.cut(self.rank, fetch, old_world_size, step)
         self._set_live(own)
         self._gather_params()
@@ -368,7 +396,25 @@ class Sharded(BucketedGradients):
                                       for buf, c in zip(self.param_buffers, self.chunks)])
             self.peer = [self._pack(peer)]
 
-    # -- checkpoints ---------------------------------------------------------------------
+    # -- state: initial sync, checkpoint parts, loading ---------------------------------------
+    def sync_from(self, src: int) -> None:
+        """Take rank ``src``'s parameters (into this generation's buffers) and start every
+        chunk from them with empty optimizer state."""
+        self._current()
+        broadcast_tensors(self.group, list(self.model.state_dict().values()), src, self.device)
+        self.reset_from_params(step=0)
+
+    @property
+    def saves_model(self) -> bool:
+        return self.rank == 0  # every rank has the parameters; one of them saves them
+
+    def state_part(self) -> tuple[dict[str, torch.Tensor], dict]:
+        return self.named_state()
+
+    def load(self, state: TrainingState) -> None:
+        self._current()
+        self.load_named(state.optimizer_tensors, state.step)
+
     def named_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This rank's part of the optimizer state, keyed ``<param name>/<key>`` as in a
         checkpoint: slices of parameters, placed by ``meta["slices"][key] = [start, shape]``

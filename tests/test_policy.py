@@ -8,7 +8,8 @@ import time
 import pytest
 
 from elastic_dp import ConfigError
-from elastic_dp.policy import Action, ElasticPolicy, ShardPlan, shard_sources
+from elastic_dp.membership.policy import Action, ElasticPolicy
+from elastic_dp.modes.sync.sharded import ShardPlan, shard_sources
 
 
 def test_failure_reforms_over_survivors_then_joiners_in_rank_order():

@@ -1,8 +1,8 @@
 """Membership policy: when to shrink, grow, wait or give up. Pure decisions, no Ray, no torch.
 
-The coordinator reports what it sees — which members of the current generation are
-alive, which new workers are ready to join, how long it has waited — and the policy
-returns a ``MembershipDecision``; the coordinator acts on it. Members are opaque ids; the
+``Membership`` reports what it sees — which members of the current generation are alive,
+which new workers are ready to join, how long it has waited — and the policy returns a
+``MembershipDecision``; the coordinator acts on it. Members are opaque ids; the
 order of ``MembershipDecision.members`` is the rank order of the next generation
 (survivors keep their relative order, joiners come after), so ranks stay dense.
 """
@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 class Action(enum.Enum):
@@ -97,40 +97,3 @@ class ElasticPolicy:
         return MembershipDecision(Action.FAIL, reason=(
             f"only {have} workers available after waiting {waited_s:.0f} s, below the minimum of "
             f"{self.min_workers}: lower MIN in --workers MIN:MAX, add capacity, or raise --min-wait-timeout"))
-
-
-@dataclass(frozen=True, slots=True)
-class ShardPlan:
-    """Where each old rank's ZeRO chunk comes from, all at one step."""
-
-    step: int
-    """The state step (committed steps) the next generation starts from."""
-    sources: tuple[tuple[int, str], ...]
-    """Per old rank: (the old rank that holds the chunk, ``live`` | ``own`` | ``peer``)."""
-
-
-def shard_sources(world_size: int, holdings: dict[int, dict]) -> ShardPlan | None:
-    """Pick the newest step at which every old rank's chunk is still held somewhere.
-
-    ``holdings`` maps each surviving old rank to what it reported: ``live`` (the step of
-    its live chunk), ``own`` (steps of snapshots of its own chunk) and ``peer`` (steps of
-    snapshots of rank ``r-1``'s chunk). A chunk at step ``t`` is held by its owner (live or
-    own snapshot) or by its right neighbour (peer snapshot). None: some chunk and its
-    replica are both lost, and only a durable checkpoint can restore the state.
-    """
-    steps = sorted({t for h in holdings.values() for t in (h["live"], *h["own"], *h["peer"])}, reverse=True)
-    for step in steps:
-        sources = []
-        for rank in range(world_size):
-            owner, right = holdings.get(rank), holdings.get((rank + 1) % world_size)
-            if owner is not None and owner["live"] == step:
-                sources.append((rank, "live"))
-            elif owner is not None and step in owner["own"]:
-                sources.append((rank, "own"))
-            elif right is not None and step in right["peer"] and world_size > 1:
-                sources.append(((rank + 1) % world_size, "peer"))
-            else:
-                break
-        else:
-            return ShardPlan(step, tuple(sources))
-    return None

@@ -3,7 +3,8 @@
 Each worker gets a placement group of its own (one bundle), so the pool can grow and
 shrink one worker at a time: a failed worker's bundle is released, a new request waits in
 Ray until the cluster has room. ``poll()`` reports which started workers are built and
-ready to join.
+ready to join. This is the only part of membership that talks to Ray
+(``elastic_dp.membership.Membership`` drives it, or a fake in tests).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .actor import remote_worker_class
-from .config import ClusterConfig, TrainConfig
-from .errors import PlacementError
-from .messages import WorkerInfo
-from .placement import worker_bundle
-from .task import Task
+from ..actor import remote_worker_class
+from ..config import ClusterConfig, TrainConfig
+from ..errors import PlacementError
+from ..messages import WorkerInfo
+from ..placement import resolve_device, worker_bundle
+from ..task import Task
 
 logger = logging.getLogger(__name__)
 
@@ -37,20 +38,34 @@ class Member:
     setup_ref: object | None = None
     placed_ref: object | None = None
     info: WorkerInfo | None = None
+    stopped: bool = False
 
     def __repr__(self) -> str:
         return f"worker-{self.id}"
+
+    @property
+    def ready_time(self) -> float:
+        """Wall-clock time at which the worker finished building its task."""
+        return self.info.ready_time
 
 
 class WorkerPool:
     """Starts workers in the background and hands out the ones that are ready."""
 
-    def __init__(self, task: Task, train: TrainConfig, cluster: ClusterConfig, device: str) -> None:
-        self.task, self.train, self.cluster, self.device = task, train, cluster, device
+    def __init__(self, task: Task, train: TrainConfig, cluster: ClusterConfig) -> None:
+        self.task, self.train, self.cluster = task, train, cluster
+        self._device: str | None = None  # resolved on the first start, when Ray is up
         self._ids = itertools.count()
         self._cls = remote_worker_class()
         self.pending: list[Member] = []   # placement or setup not finished
         self.all: list[Member] = []
+
+    @property
+    def device(self) -> str:
+        """``cpu`` or ``cuda``: the cluster config's device, ``auto`` resolved."""
+        if self._device is None:
+            self._device = resolve_device(self.cluster.device)
+        return self._device
 
     def start(self, count: int) -> None:
         """Request ``count`` more workers; they become ready when placed and built."""
@@ -100,7 +115,10 @@ class WorkerPool:
         return sum(1 for m in self.pending if m.actor is not None)
 
     def stop(self, member: Member) -> None:
-        """Kill the worker and release its bundle."""
+        """Kill the worker and release its bundle (once; a second call does nothing)."""
+        if member.stopped:
+            return
+        member.stopped = True
         if member.actor is not None:
             ray.kill(member.actor, no_restart=True)
         remove_placement_group(member.group)
@@ -115,11 +133,12 @@ class WorkerPool:
                 logger.debug("stopping %r: %s", member, exc)
         self.all.clear()
 
-
-def placement_error(wanted: int, placed: int, device: str, timeout_s: float) -> PlacementError:
-    bundle = worker_bundle(device)
-    total = int(min(ray.cluster_resources().get(k, 0) // v for k, v in bundle.items()))
-    return PlacementError(
-        f"could not place {wanted} workers ({bundle} each) within {timeout_s:.0f} s: {placed} were "
-        f"placed and the cluster has room for {total} in all. Lower --workers (or MIN in "
-        "--workers MIN:MAX), free or add capacity, or raise --placement-timeout")
+    def placement_error(self, wanted: int, timeout_s: float, ready: int) -> PlacementError:
+        """The error for ``wanted`` workers not placed within ``timeout_s`` (``ready`` are)."""
+        placed = ready + self.placed_but_starting()
+        bundle = worker_bundle(self.device)
+        total = int(min(ray.cluster_resources().get(k, 0) // v for k, v in bundle.items()))
+        return PlacementError(
+            f"could not place {wanted} workers ({bundle} each) within {timeout_s:.0f} s: {placed} were "
+            f"placed and the cluster has room for {total} in all. Lower --workers (or MIN in "
+            "--workers MIN:MAX), free or add capacity, or raise --placement-timeout")

@@ -1,0 +1,122 @@
+"""What the coordinator needs from a training mode, and the records they exchange.
+
+A training mode is how a run trains: synchronous data parallelism (``modes.sync``) today,
+asynchronous parameter servers next. It is chosen once from the configuration
+(``modes.make_mode``); the coordinator drives any mode through the same calls and never
+branches on which one it has. A call that loses workers raises ``MembersLost``; the
+coordinator turns it into a ``Failure``, asks membership what to do, and hands the
+decision back to the mode (``reform`` or ``restore``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+
+class MembersLost(Exception):
+    """Workers died or hung during a mode's call (a step, a re-formation, a save).
+
+    Not an error of the run: the coordinator recovers from it. ``group`` is the list of
+    members the call was made on, in rank order.
+    """
+
+    def __init__(self, group: Sequence[Any], lost: Sequence[Any], cause: str, detect_s: float = 0.0) -> None:
+        super().__init__(cause)
+        self.group, self.lost, self.cause, self.detect_s = list(group), list(lost), cause, detect_s
+
+    @property
+    def survivors(self) -> list[Any]:
+        return [m for m in self.group if m not in self.lost]
+
+    @property
+    def lost_ranks(self) -> list[int]:
+        return sorted(self.group.index(m) for m in self.lost if m in self.group)
+
+
+@dataclass(slots=True)
+class Failure:
+    """One failure being recovered from; a second failure while recovering keeps the
+    first one's ``step`` and ``in_flight`` (the state the run must get back to)."""
+
+    step: int
+    """Committed steps when it happened: the state every member held before it."""
+    in_flight: bool
+    """Whether step ``step`` was being trained (it may have committed on some members)."""
+    survivors: list[Any]
+    """The rest of the group that was running or forming, in rank order."""
+    lost: list[Any]
+    lost_ranks: list[int]
+    cause: str
+    detect_s: float = 0.0
+    during: str = "step"
+    """What the run was doing: the coordinator state it happened in."""
+    attempts: int = 1
+    """Failures in this recovery (2 or more: workers were lost while re-forming)."""
+    waited: bool = False
+    """Whether the run has waited below MIN in this recovery."""
+
+
+class Recovery(enum.Enum):
+    """What a re-formation made of the interrupted run."""
+
+    COMMITTED = "committed"
+    """Nothing committed was lost: the interrupted step (if one was in flight) had
+    committed, the run continues after it."""
+    RERUN = "rerun"
+    """The step in flight had not committed: it is re-run on the same samples."""
+    ROLLED_BACK = "rolled_back"
+    """The state is from an earlier step (a ZeRO snapshot): the steps since are replayed."""
+    STATE_LOST = "state_lost"
+    """No copy of some state survived: only the durable checkpoint can restore the run."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryResult:
+    outcome: Recovery
+    step: int = 0
+    """The next step to run (the state step the new generation holds)."""
+    reason: str = ""
+    """Why, for STATE_LOST (which workers took the last copy with them)."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """Mode-specific fields for the membership_changed event (ZeRO: ``restored_step``)."""
+
+
+def classify(failure: Failure, state_step: int) -> Recovery:
+    """COMMITTED, RERUN or ROLLED_BACK for a new generation that holds ``state_step``."""
+    if state_step == failure.step + failure.in_flight:
+        return Recovery.COMMITTED
+    if failure.in_flight and state_step == failure.step:
+        return Recovery.RERUN
+    return Recovery.ROLLED_BACK
+
+
+class TrainingMode(Protocol):
+    """How a run trains. Every call that involves workers may raise ``MembersLost``."""
+
+    generation: int
+    """The current generation (reported in events)."""
+
+    def start(self, members: Sequence[Any], resume: Any | None) -> int:
+        """Start ``members`` from the checkpoint ``resume`` or from rank 0's fresh model;
+        write the initial weights; return the first step to run."""
+
+    def advance(self, step: int) -> int:
+        """Train from step ``step``; return the committed steps afterwards."""
+
+    def resize(self, members: Sequence[Any]) -> None:
+        """Between steps: continue on ``members`` (the current ones, plus joiners)."""
+
+    def reform(self, members: Sequence[Any], failure: Failure) -> RecoveryResult:
+        """After ``failure``: continue on ``members`` from the newest state that survived."""
+
+    def restore(self, members: Sequence[Any], state: Any) -> None:
+        """Restart ``members`` from the durable checkpoint ``state``."""
+
+    def save(self, store: Any, step: int) -> Path:
+        """Write a durable checkpoint of the state after ``step`` committed steps."""
+
+    def finish(self) -> None:
+        """Write the final weights (and the task's sample) once the last step committed."""

@@ -1,0 +1,173 @@
+"""Synchronous data parallelism: every member trains a slice of each step's global batch.
+
+For step ``s`` the mode takes the sampler's global batch, splits it into contiguous
+slices over the current ranks, and the step counts when every member reports it
+committed (DESIGN invariants 2, 5). A member lost in a step raises ``MembersLost``; once
+the coordinator has decided who continues, the layout (``.layouts``) carries the state
+over to the next generation and says which step comes next (invariant 4). The mode
+never touches a tensor: state moves between workers, checkpoints and the output as
+opaque objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ...checkpoint import CheckpointStore, TrainingState
+from ...config import ClusterConfig, TrainConfig
+from ...data import ElasticSampler, check_resumable, split
+from ...errors import CollectiveError, TaskError
+from ...faults import FaultPlan
+from ...messages import StepResult
+from ...metrics import RunRecorder
+from ..base import Failure, MembersLost, Recovery, RecoveryResult
+from ..calls import Calls
+from .group import Generations
+from .layouts import make_layout
+
+logger = logging.getLogger(__name__)
+
+STEP_PHASES = ("forward", "allreduce", "optimizer", "snapshot")
+
+
+def _collective_error(result: StepResult) -> str | None:
+    return f"collective error ({result.error})" if isinstance(result.error, CollectiveError) else None
+
+
+class SyncMode:
+    """Synchronous SGD over one collective group per generation (``TrainingMode``)."""
+
+    def __init__(self, train: TrainConfig, cluster: ClusterConfig, recorder: RunRecorder, faults: FaultPlan) -> None:
+        self.train, self.recorder, self.faults = train, recorder, faults
+        self.gens = Generations(Calls(deadline_s=cluster.step_timeout_s, grace_s=cluster.abort_grace_s))
+        self.layout = make_layout(train.zero, self.gens, self._sampler_state)
+        self.sampler: ElasticSampler | None = None
+        self._attempt_started: dict[int, float] = {}  # step -> first attempt's start
+        self._last: dict[Any, StepResult] = {}  # the results of the last failed attempt
+
+    @property
+    def generation(self) -> int:
+        return self.gens.generation
+
+    @property
+    def members(self) -> list[Any]:
+        return self.gens.members
+
+    # -- start and end -------------------------------------------------------------------
+    def start(self, members: list[Any], resume: TrainingState | None) -> int:
+        self._make_sampler(members)
+        if resume is not None:
+            check_resumable(resume.sampler, self.train, dataset_len=self.sampler.dataset_len)
+        logger.info("%d workers; model has %d parameters; dataset has %d samples, %d steps per epoch",
+                    len(members), members[0].info.num_params, self.sampler.dataset_len,
+                    self.sampler.steps_per_epoch)
+        start = time.perf_counter()
+        self.gens.form(members)
+        self.recorder.event("group_formed", generation=self.generation, world_size=len(members),
+                            form_s=round(time.perf_counter() - start, 4))
+        if resume is not None:
+            self.layout.restore(members, resume)
+            self.recorder.event("resumed", step=resume.step, saved_world_size=resume.world_size,
+                                world_size=len(members))
+        else:
+            self.gens.call_all("broadcast_state", 0)
+            self.layout.started(0)
+        self.recorder.weights("initial", self._from_rank0("model_state"))
+        return resume.step if resume is not None else 0
+
+    def _make_sampler(self, members: list[Any]) -> None:
+        lengths = {m.info.dataset_len for m in members}
+        if len(lengths) != 1:
+            raise TaskError(f"workers built datasets of different lengths {sorted(lengths)}: the dataset "
+                            "factory must build the same dataset on every worker")
+        self.sampler = ElasticSampler(lengths.pop(), global_batch=self.train.global_batch, seed=self.train.seed)
+
+    def _sampler_state(self) -> dict[str, int]:
+        return {"seed": self.sampler.seed, "global_batch": self.sampler.global_batch,
+                "dataset_len": self.sampler.dataset_len}
+
+    def _from_rank0(self, method: str) -> Any:
+        rank0 = self.members[0]
+        return self.gens.run([rank0], {getattr(rank0.actor, method).remote(): rank0})[rank0]
+
+    def finish(self) -> None:
+        self.recorder.weights("final", self._from_rank0("model_state"))
+        self.recorder.summary.sample = self._from_rank0("sample")
+
+    # -- the step --------------------------------------------------------------------------
+    def advance(self, step: int) -> int:
+        """Run step ``step`` on every member; the committed steps afterwards (``step + 1``)."""
+        members = self.members
+        self._attempt_started.setdefault(step, time.perf_counter())
+        faults = self.faults.take_step(step, len(members), STEP_PHASES)
+        slices = split(self.sampler.batch(step), len(members))
+        calls = {m.actor.step.remote(step, indices, faults.get(rank)): m
+                 for rank, (m, indices) in enumerate(zip(members, slices))}
+        outcome = self.gens.calls.gather(calls, self.generation, failed=_collective_error)
+        self.faults.put_back(f for rank, f in faults.items() if members[rank] in outcome.results)
+        results = outcome.results
+        if not outcome.lost and not outcome.errors and all(r.committed for r in results.values()):
+            self.layout.stepped(step, results)
+            self._record(step, list(results.values()))
+            return step + 1
+        task_errors = [r.error for r in results.values() if r.error is not None
+                       and not isinstance(r.error, CollectiveError)]
+        if not outcome.lost and (task_errors or outcome.errors):
+            raise (task_errors or list(outcome.errors.values()))[0]  # not recoverable: the task's own error
+        self.layout.stepped(step, results)
+        self._last = results
+        raise MembersLost(members, outcome.lost, outcome.cause or "the step did not commit", outcome.detect_s or 0.0)
+
+    def _record(self, step: int, results: list[StepResult]) -> None:
+        seconds = time.perf_counter() - self._attempt_started.pop(step)
+        samples = sum(r.samples for r in results)
+        loss = sum(r.loss_sum for r in results) / samples
+        timings = {k: round(max(r.timings.get(k, 0.0) for r in results), 6) for k in results[0].timings}
+        # every sample of the step was trained (the gradients of a rank lost after the vote
+        # were in the all-reduce), even when fewer results came back
+        self.recorder.step(step=step, loss=loss, samples=self.train.global_batch, step_s=seconds,
+                           world_size=len(self.members), generation=self.generation, timings=timings)
+
+    # -- membership changes ----------------------------------------------------------------
+    def resize(self, members: list[Any]) -> None:
+        self.layout.resize(members)
+
+    def reform(self, members: list[Any], failure: Failure) -> RecoveryResult:
+        faults = self.faults.take_reform(failure.step, len(members)) if failure.in_flight else {}
+        try:
+            result = self.layout.reform(members, failure, faults)
+        except MembersLost as lost:
+            self.faults.put_back(f for rank, f in faults.items() if members[rank] not in lost.lost)
+            raise
+        self.faults.put_back(faults.values())  # none fired: every rank joined
+        if result.outcome is Recovery.COMMITTED and failure.in_flight:
+            results = [r for r in self._last.values() if r.committed] or [r for r in self._last.values()
+                                                                           if r.samples]
+            self._record(failure.step, results)
+        if result.outcome is not Recovery.RERUN:
+            self._attempt_started.clear()  # a step run again after a rollback is timed afresh
+        return result
+
+    def restore(self, members: list[Any], state: TrainingState) -> None:
+        self._attempt_started.clear()
+        self.layout.restore(members, state)
+
+    def save(self, store: CheckpointStore, step: int) -> Path:
+        fault = self.faults.take(step - 1, 0, ("checkpoint",))
+        savers = self.layout.savers()
+        sampler = self._sampler_state()
+        calls = {m.actor.training_state.remote(step, sampler, fault if rank == 0 else None): m
+                 for rank, m in enumerate(savers)}
+        try:
+            parts = self.gens.run(self.members, calls)
+        except MembersLost as lost:
+            if savers[0] not in lost.lost:
+                self.faults.put_back([fault])
+            raise
+        self.faults.put_back([fault])  # rank 0 came back: it did not fire
+        return store.save(self.layout.merge([parts[m] for m in savers]))
