@@ -244,17 +244,17 @@ class Coordinator:
     # -- failures --------------------------------------------------------------------------
     def _lost(self, lost: MembersLost) -> Transition:
         """Workers were lost in the current state: the failure to recover from."""
-        again = self.state in (RunState.REFORMING, RunState.RESTORING)
-        first = self.failure if again else None
-        self.failure = Failure(step=first.step if first else self.step,
-                               in_flight=first.in_flight if first else self.state is RunState.RUNNING,
-                               survivors=lost.survivors, lost=lost.lost, lost_ranks=lost.lost_ranks,
-                               cause=lost.cause, detect_s=lost.detect_s, during=self.state.value,
-                               attempts=first.attempts + 1 if first else 1)
-        if again:
+        if self.state in (RunState.REFORMING, RunState.RESTORING):  # one more failure of this recovery
+            self.failure.survivors = lost.survivors
+            self.failure.lost += lost.lost
+            self.failure.attempts += 1
             self.recorder.event("reform_interrupted", cause=lost.cause, during=self.state.value,
-                                lost=len(lost.lost), lost_ranks=lost.lost_ranks)
+                                generation=self.mode.generation, lost=len(lost.lost), lost_ranks=lost.lost_ranks,
+                                detect_s=round(lost.detect_s, 4))
         else:
+            self.failure = Failure(step=self.step, in_flight=self.state is RunState.RUNNING,
+                                   survivors=lost.survivors, lost=lost.lost, lost_ranks=lost.lost_ranks,
+                                   cause=lost.cause, detect_s=lost.detect_s, during=self.state.value)
             self._recovery_started = time.monotonic()
         self.membership.lose(lost.lost)
         self._checkpoint_exists = self.store is not None and self.store.latest() is not None
@@ -283,4 +283,4 @@ class Coordinator:
                             generation=self.mode.generation, world_size=len(self.decision.members),
                             lost=len(f.lost), lost_ranks=f.lost_ranks, detect_s=round(f.detect_s, 4),
                             reform_s=round(time.monotonic() - self._recovery_started, 4),
-                            steps_rerun=f.step + f.in_flight - result.step)
+                            steps_rerun=f.step + f.in_flight - result.step, attempts=f.attempts)

@@ -171,7 +171,7 @@ class FaultPlan:
         if not sizes:
             return {"checkpoint": f"no checkpoint was saved after step {f.step} in this run",
                     "reform": f"no group re-formed after a failure in step {f.step}",
-                    "step": f"step {f.step} was not run in this run (it resumed after it)"}[what]
+                    "step": f"step {f.step} was never run in this run"}[what]
         if f.rank >= max(sizes):
             where = "the generation re-formed after it" if what == "reform" else f"step {f.step}"
             return f"{where} had {' or '.join(map(str, sizes))} workers: there was no rank {f.rank}"

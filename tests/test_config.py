@@ -50,3 +50,52 @@ def test_fault_specs_and_worker_ranges_parse():
     assert _worker_range("2:5") == (2, 5) and _worker_range("3") == (3, 3)
     with pytest.raises(ConfigError, match="MIN:MAX"):
         ClusterConfig(workers=2, min_workers=3)
+
+
+@pytest.mark.parametrize("specs, match", [
+    (["kill:step=2:rank=3"], r"kill:step=2:rank=3:phase=forward can never fire: the run has at most 3 workers, "
+                             r"ranks 0\.\.2 \(--workers\)"),
+    (["hang:step=6:rank=0"], r"can never fire: the run trains steps 0\.\.5 \(--steps 6\)"),
+    (["join:step=9"], r"join:step=9 can never fire: .*--steps 6"),
+    (["kill:step=1:rank=1:phase=checkpoint"], "applies to rank 0"),
+    (["kill:step=1:rank=0:phase=checkpoint"], "without --checkpoint-dir"),
+    (["kill:step=0:rank=0:phase=reform"], r"re-forms after another fault in step 0: add a kill or hang at step=0"),
+    (["kill:step=1:rank=0:phase=snapshot"], "needs --zero 1 or 2"),
+    (["join:step=1", "join:step=2"], r"2 joins, but --workers 2:3 leaves room for 1.*raise MAX or lower MIN"),
+])
+def test_faults_that_can_never_fire_are_refused_naming_the_setting(specs, match):
+    from elastic_dp.faults import parse_faults
+
+    with pytest.raises(ConfigError, match=match):
+        parse_faults(specs, TrainConfig(steps=6), ClusterConfig(workers=3, min_workers=2), CheckpointConfig())
+
+
+def test_faults_that_can_fire_are_accepted():
+    from elastic_dp.faults import parse_faults
+
+    specs = ["kill:step=2:rank=1", "kill:step=2:rank=0:phase=reform", "kill:step=3:rank=0:phase=checkpoint",
+             "hang:step=5:rank=2:phase=allreduce", "join:step=1"]
+    faults = parse_faults(specs, TrainConfig(steps=6), ClusterConfig(workers=3, min_workers=2),
+                          CheckpointConfig(dir="ckpt", every=2))
+    assert [str(f) for f in faults] == ["kill:step=2:rank=1:phase=forward", *specs[1:]]
+    with pytest.raises(ConfigError, match="no checkpoint is saved after step 2: --checkpoint-every 2"):
+        parse_faults(["kill:step=2:rank=0:phase=checkpoint"], TrainConfig(steps=6),
+                     ClusterConfig(workers=3), CheckpointConfig(dir="ckpt", every=2))
+
+
+def test_a_fault_that_did_not_fire_is_handed_out_again_or_reported_with_the_reason():
+    from elastic_dp.faults import STEP_PHASES, Fault, FaultPlan
+
+    optimizer = Fault("kill", 2, 0, "optimizer")
+    plan = FaultPlan([Fault("kill", 1, 2), optimizer, Fault("kill", 3, 0, "checkpoint"),
+                      Fault("kill", 4, 1, "reform"), Fault("kill", 9, 0)])
+    assert plan.take_step(1, 2, STEP_PHASES) == {}  # step 1 runs on 2 ranks: no rank 2
+    assert plan.take_step(2, 2, STEP_PHASES) == {0: optimizer}
+    plan.put_back([optimizer])  # rank 0 came back: the step failed before its optimizer phase
+    assert plan.take_step(2, 3, STEP_PHASES) == {0: optimizer}  # the re-run gets it again
+    assert plan.take_reform(4, 1) == {}
+    assert dict((str(f), why) for f, why in plan.unfired()) == {
+        "kill:step=1:rank=2:phase=forward": "step 1 had 2 workers: there was no rank 2",
+        "kill:step=3:rank=0:phase=checkpoint": "no checkpoint was saved after step 3 in this run",
+        "kill:step=4:rank=1:phase=reform": "the generation re-formed after it had 1 workers: there was no rank 1",
+        "kill:step=9:rank=0:phase=forward": "step 9 was never run in this run"}

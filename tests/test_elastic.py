@@ -160,3 +160,29 @@ def test_all_workers_lost_restarts_from_the_latest_checkpoint(ray_cluster, tmp_p
     restored = [e for e in events if e["kind"] == "restored_from_checkpoint"]
     assert len(restored) == 1 and restored[0]["step"] == 2 and restored[0]["steps_rerun"] == 2
     assert [m["step"] for m in metrics] == [0, 1, 2, 2, 3, 4, 5]  # steps 2 and 3 re-run after the restore
+
+
+def test_a_worker_lost_while_the_group_reforms_is_one_more_failure(ray_cluster, tmp_path):
+    # rank 1 dies in step 2; while generation 1 forms over the survivors, its rank 0 dies
+    # as it joins: the rendezvous is aborted, the run decides again and re-forms once more.
+    summary, diff, events, metrics = run_against_replay(
+        tmp_path, 3, ["kill:step=2:rank=1", "kill:step=2:rank=0:phase=reform"], min_workers=1)
+    assert diff < TOL
+    interrupted = [e for e in events if e["kind"] == "reform_interrupted"]
+    assert len(interrupted) == 1 and interrupted[0]["lost_ranks"] == [0]
+    change = next(e for e in events if e["kind"] == "membership_changed")
+    assert change["attempts"] == 2 and change["lost"] == 2 and change["lost_ranks"] == [1]
+    assert change["steps_rerun"] == 1
+    assert [m["step"] for m in metrics] == list(range(6))
+    assert not any(e["kind"] == "fault_not_fired" for e in events)
+
+
+def test_faults_that_never_fired_are_reported_with_the_reason(ray_cluster, tmp_path):
+    # 2 workers until the join at step 3: step 1 has no rank 2
+    summary, diff, events, _ = run_against_replay(tmp_path, 3, ["kill:step=1:rank=2", "join:step=3"],
+                                                  min_workers=2, steps=4)
+    assert diff < TOL
+    unfired = [e for e in events if e["kind"] == "fault_not_fired"]
+    assert unfired == [dict(unfired[0], fault="kill:step=1:rank=2:phase=forward",
+                            reason="step 1 had 2 workers: there was no rank 2")]
+    assert "fault_not_fired: fault=kill:step=1:rank=2:phase=forward" in summary.render()

@@ -76,3 +76,18 @@ def test_a_non_elementwise_optimizer_is_refused_before_training(ray_cluster, tmp
         Trainer(task, train=dataclasses.replace(TINY_GPT_TASK.defaults, zero=2),
                 cluster=ClusterConfig(workers=2), out_dir=str(tmp_path / "out"), progress=False).fit()
     assert not (tmp_path / "out").exists()
+
+
+def test_a_worker_lost_while_the_group_reforms_under_zero(ray_cluster, tmp_path):
+    """Rank 1 dies in its backward at step 2; the survivors export their chunks and rank 1's
+    comes from its neighbour's snapshot; while generation 1 forms, its rank 0 dies as it
+    joins. The exported chunks are still in the object store: the next attempt re-cuts
+    them for the one worker left (and replacements join later)."""
+    summary, diff, events, metrics = _run(
+        tmp_path, 3, ["kill:step=2:rank=1:phase=allreduce", "kill:step=2:rank=0:phase=reform"], zero=2,
+        min_workers=1)
+    assert diff < TOL
+    assert [e["lost_ranks"] for e in events if e["kind"] == "reform_interrupted"] == [[0]]
+    change = next(e for e in events if e["kind"] == "membership_changed")
+    assert change["attempts"] == 2 and change["restored_step"] == 2 and change["steps_rerun"] == 1
+    assert summary.steps == 6 and [m["step"] for m in metrics] == list(range(6))

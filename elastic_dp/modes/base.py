@@ -38,21 +38,25 @@ class MembersLost(Exception):
 
 @dataclass(slots=True)
 class Failure:
-    """One failure being recovered from; a second failure while recovering keeps the
-    first one's ``step`` and ``in_flight`` (the state the run must get back to)."""
+    """The failure being recovered from. Workers lost while re-forming are failures of the
+    same recovery: they update ``survivors``, ``lost`` and ``attempts``; the rest stays the
+    first failure's (``step`` and ``in_flight`` say which state the run must get back to)."""
 
     step: int
     """Committed steps when it happened: the state every member held before it."""
     in_flight: bool
     """Whether step ``step`` was being trained (it may have committed on some members)."""
     survivors: list[Any]
-    """The rest of the group that was running or forming, in rank order."""
+    """The rest of the group that was running or forming last, in rank order."""
     lost: list[Any]
+    """Every member lost in this recovery."""
     lost_ranks: list[int]
+    """The first failure's lost ranks, in the generation that was training."""
     cause: str
+    """The first failure signal, in words."""
     detect_s: float = 0.0
     during: str = "step"
-    """What the run was doing: the coordinator state it happened in."""
+    """What the run was doing: the coordinator state the first failure happened in."""
     attempts: int = 1
     """Failures in this recovery (2 or more: workers were lost while re-forming)."""
     waited: bool = False

@@ -1,0 +1,259 @@
+"""The coordinator's state machine, driven with a fake training mode and a fake worker
+pool (no Ray, no tensors): each test asserts the sequence of states and the reasons of
+the decisions taken on the way."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from elastic_dp import CheckpointConfig, MembershipError, TrainConfig
+from elastic_dp.coordinator import Coordinator, RunState
+from elastic_dp.faults import Fault, FaultPlan
+from elastic_dp.membership import Membership
+from elastic_dp.metrics import RunRecorder
+from elastic_dp.modes.base import MembersLost, Recovery, RecoveryResult, classify
+
+
+@dataclasses.dataclass(eq=False)
+class FakeMember:
+    id: int
+    ready_time: float = 0.0
+
+    def __repr__(self) -> str:
+        return f"w{self.id}"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakePool:
+    """Workers become ready on the next poll while fewer than ``capacity`` are alive."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.pending, self.alive, self.stopped = capacity, [], [], []
+        self.slots_go_with_workers = False  # a stopped worker's slot is gone too (a lost node)
+        self._ids = iter(range(1000))
+
+    def start(self, count: int) -> None:
+        self.pending += [FakeMember(next(self._ids)) for _ in range(count)]
+
+    def poll(self) -> list:
+        ready = []
+        while self.pending and len(self.alive) < self.capacity:
+            member = self.pending.pop(0)
+            self.alive.append(member)
+            ready.append(member)
+        return ready
+
+    def wait_ready(self, count: int, timeout_s: float) -> list:
+        return self.poll()
+
+    def placed_but_starting(self) -> int:
+        return 0
+
+    def stop(self, member) -> None:
+        self.stopped.append(member)
+        if member in self.alive:
+            self.alive.remove(member)
+            self.capacity -= self.slots_go_with_workers
+
+    def stop_all(self) -> None:
+        for member in list(self.alive):
+            self.stop(member)
+
+    def placement_error(self, wanted, timeout_s, ready):
+        raise AssertionError("the fake pool places everyone")
+
+
+class FakeMode:
+    """Trains nothing. ``losses[step]``: ranks lost in that step (once); ``reform_losses``:
+    ranks lost in successive re-formations; ``state_lost``: re-formations that find no copy
+    of the state (as ZeRO does when a shard and its snapshot are gone)."""
+
+    def __init__(self, losses=None, reform_losses=(), state_lost=0) -> None:
+        self.losses, self.reform_losses, self.state_lost = dict(losses or {}), list(reform_losses), state_lost
+        self.generation, self.members, self.calls = -1, [], []
+
+    def _form(self, members) -> None:
+        self.generation += 1
+        self.members = list(members)
+
+    def start(self, members, resume) -> int:
+        self._form(members)
+        return resume.step if resume else 0
+
+    def advance(self, step: int) -> int:
+        if step in self.losses:
+            lost = [self.members[r] for r in self.losses.pop(step)]
+            raise MembersLost(self.members, lost, f"{lost} died")
+        return step + 1
+
+    def resize(self, members) -> None:
+        self.calls.append(("resize", len(members)))
+        self._form(members)
+
+    def reform(self, members, failure) -> RecoveryResult:
+        self.calls.append(("reform", len(members)))
+        if self.reform_losses:
+            lost = [members[r] for r in self.reform_losses.pop(0)]
+            self.generation += 1
+            raise MembersLost(members, lost, f"{lost} died while forming")
+        if self.state_lost:
+            self.state_lost -= 1
+            return RecoveryResult(Recovery.STATE_LOST, reason="a shard and its snapshot were lost")
+        self._form(members)
+        return RecoveryResult(classify(failure, failure.step), failure.step)
+
+    def restore(self, members, state) -> None:
+        self.calls.append(("restore", state.step))
+        self._form(members)
+
+    def save(self, store, step: int) -> Path:
+        store.saved.append(step)
+        return Path(f"step-{step}")
+
+    def finish(self) -> None:
+        self.calls.append(("finish", len(self.members)))
+
+
+@dataclasses.dataclass
+class FakeState:
+    step: int
+    sampler: dict = dataclasses.field(default_factory=lambda: {"global_batch": 32, "seed": 0})
+
+
+class FakeStore:
+    def __init__(self, saved=()) -> None:
+        self.saved = list(saved)
+
+    def check_writable(self) -> None:
+        pass
+
+    def latest(self):
+        return self.saved[-1] if self.saved else None
+
+    def load(self) -> FakeState:
+        return FakeState(self.saved[-1])
+
+
+def _run(mode, *, workers=3, min_workers=2, capacity=None, steps=6, faults=(), store=None, every=0,
+         wait_timeout_s=300.0):
+    clock = FakeClock()
+    pool = FakePool(capacity if capacity is not None else workers)
+    joins = sum(f.kind == "join" for f in faults)
+    membership = Membership(pool, min_workers=min_workers, max_workers=workers, held_back=joins,
+                            wait_timeout_s=wait_timeout_s, clock=clock)
+    coordinator = Coordinator(mode, membership, train=TrainConfig(steps=steps), faults=FaultPlan(faults),
+                              recorder=RunRecorder(None, total_steps=steps, progress=False), store=store,
+                              checkpoint=CheckpointConfig(dir="unused", every=every), sleep=clock.sleep)
+    return coordinator, pool, clock
+
+
+def _states(coordinator) -> list[str]:
+    return [t.state.name for t in coordinator.history]
+
+
+def _reason(coordinator, state: RunState) -> str:
+    return next(t.reason for t in coordinator.history if t.state is state)
+
+
+def test_a_kill_reforms_over_the_survivors_and_the_replacement_joins_at_the_next_boundary():
+    mode = FakeMode(losses={2: [1]})
+    coordinator, pool, _ = _run(mode)
+    summary = coordinator.run()
+    assert _states(coordinator) == ["STARTING", "RUNNING", "RECOVERING", "REFORMING", "RUNNING", "RESIZING",
+                                    "RUNNING", "FINISHING", "FINISHED"]
+    assert _reason(coordinator, RunState.RECOVERING) == "[w1] died"
+    assert _reason(coordinator, RunState.REFORMING) == "2 survivor(s), 0 joiner(s)"
+    assert "rerun: step 2 is next" in [t.reason for t in coordinator.history]
+    assert _reason(coordinator, RunState.RESIZING) == "1 worker(s) joining"  # the replacement, requested
+    assert pool.stopped[0].id == 1 and mode.calls[:2] == [("reform", 2), ("resize", 3)]
+    change = next(e for e in summary.events if e["kind"] == "membership_changed")
+    assert change["lost_ranks"] == [1] and change["steps_rerun"] == 1 and change["attempts"] == 1
+
+
+def test_every_worker_lost_restores_from_the_checkpoint():
+    store = FakeStore(saved=[2])
+    mode = FakeMode(losses={3: [0, 1]})
+    coordinator, _, _ = _run(mode, workers=2, min_workers=1, store=store, every=2)
+    summary = coordinator.run()
+    # nobody survived: wait (one poll) for the replacements, then restart them from step 2
+    assert _states(coordinator) == ["STARTING", "RUNNING", "SAVING", "RUNNING", "RECOVERING", "WAITING",
+                                    "RECOVERING", "RESTORING", "RUNNING", "SAVING", "RUNNING", "SAVING", "FINISHING",
+                                    "FINISHED"]
+    assert _reason(coordinator, RunState.WAITING).startswith("0 of the 1 workers needed are available")
+    assert _reason(coordinator, RunState.RESTORING) == "no worker survived; restarting from the latest checkpoint"
+    assert ("restore", 2) in mode.calls
+    restored = next(e for e in summary.events if e["kind"] == "restored_from_checkpoint")
+    assert restored["step"] == 2 and restored["steps_rerun"] == 2
+    assert store.saved == [2, 2, 4, 6]  # the save at step 2 is taken again after the restore
+
+
+def test_a_lost_shard_and_its_snapshot_restore_from_the_checkpoint():
+    store = FakeStore(saved=[2])
+    mode = FakeMode(losses={3: [1, 2]}, state_lost=1)
+    coordinator, _, _ = _run(mode, workers=3, min_workers=1, store=store)
+    coordinator.run()
+    states = _states(coordinator)
+    assert states[:6] == ["STARTING", "RUNNING", "RECOVERING", "REFORMING", "RESTORING", "RUNNING"]
+    assert _reason(coordinator, RunState.RESTORING) == "a shard and its snapshot were lost"
+
+
+def test_the_same_without_a_checkpoint_fails_naming_the_settings():
+    mode = FakeMode(losses={3: [1, 2]}, state_lost=1)
+    coordinator, _, _ = _run(mode, workers=3, min_workers=1)
+    with pytest.raises(MembershipError, match="snapshot were lost, and there is no durable checkpoint: "
+                                              "pass --checkpoint-dir and --checkpoint-every"):
+        coordinator.run()
+    assert _states(coordinator)[-3:] == ["RECOVERING", "REFORMING", "FAILED"]
+
+
+def test_below_min_waits_for_capacity_then_fails():
+    mode = FakeMode(losses={2: [1]})
+    coordinator, pool, clock = _run(mode, workers=2, min_workers=2, wait_timeout_s=3.0)
+    pool.slots_go_with_workers = True  # no replacement is ever placed
+    with pytest.raises(MembershipError, match=r"only 1 workers available after waiting 3 s.*--min-wait-timeout"):
+        coordinator.run()
+    states = _states(coordinator)
+    assert states[:3] == ["STARTING", "RUNNING", "RECOVERING"] and states[-1] == "FAILED"
+    assert set(states[2:-1]) == {"RECOVERING", "WAITING"} and states.count("WAITING") == 15  # 3 s / 0.2 s
+    assert "1 of the 2 workers needed are available" in _reason(coordinator, RunState.WAITING)
+    assert clock.now == pytest.approx(3.0)
+
+
+def test_a_join_is_admitted_at_its_step_boundary():
+    mode = FakeMode()
+    coordinator, _, _ = _run(mode, workers=3, min_workers=2, faults=[Fault("join", 3)])
+    summary = coordinator.run()
+    assert _states(coordinator) == ["STARTING", "RUNNING", "RESIZING", "RUNNING", "FINISHING", "FINISHED"]
+    assert _reason(coordinator, RunState.RESIZING) == "1 worker(s) joining"
+    assert mode.calls == [("resize", 3), ("finish", 3)]
+    change = next(e for e in summary.events if e["kind"] == "membership_changed")
+    assert change["joined"] == 1 and change["world_size"] == 3
+
+
+def test_a_failure_while_reforming_is_one_more_failure_of_the_same_recovery():
+    mode = FakeMode(losses={2: [1]}, reform_losses=[[0]])
+    coordinator, pool, _ = _run(mode, workers=3, min_workers=1, capacity=3)
+    summary = coordinator.run()
+    assert _states(coordinator) == ["STARTING", "RUNNING", "RECOVERING", "REFORMING", "RECOVERING", "REFORMING",
+                                    "RUNNING", "RESIZING", "RUNNING", "FINISHING", "FINISHED"]
+    reasons = [t.reason for t in coordinator.history]
+    assert reasons[2] == "[w1] died" and reasons[4] == "[w0] died while forming"
+    assert [m.id for m in pool.stopped[:2]] == [1, 0]
+    interrupted = next(e for e in summary.events if e["kind"] == "reform_interrupted")
+    assert interrupted["lost_ranks"] == [0] and interrupted["during"] == "reforming"
+    change = next(e for e in summary.events if e["kind"] == "membership_changed")
+    assert change["attempts"] == 2 and change["lost"] == 2 and change["lost_ranks"] == [1]
+    assert change["steps_rerun"] == 1 and coordinator.step == 6
