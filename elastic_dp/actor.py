@@ -20,7 +20,7 @@ from .faults import Fault, trigger
 from .messages import StepResult, WorkerInfo
 from .task import Task
 from .worker import Replica
-from .zero import ShardState
+from .shards import ShardState
 
 logger = logging.getLogger(__name__)
 

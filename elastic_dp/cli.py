@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds a worker may take to leave an aborted step before it counts as hung")
     train.add_argument("--inject", action="append", default=[], metavar="SPEC",
                        help="fault injection, repeatable: kill:step=S:rank=R[:phase=forward|allreduce|"
-                            "optimizer|snapshot|checkpoint], hang:step=S:rank=R, join:step=S")
+                            "optimizer|snapshot|checkpoint|reform], hang:step=S:rank=R, join:step=S")
     train.add_argument("--checkpoint-dir", default=None)
     train.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
     train.add_argument("--checkpoint-keep", type=int, default=3)

@@ -25,16 +25,16 @@ Peer redundancy (DESIGN invariant 6): every ``snapshot_every`` committed steps e
 copies its chunk into host memory and sends it to rank ``r+1``; each rank keeps the two
 newest snapshots of its own chunk and of rank ``r-1``'s. After a failure the coordinator
 asks the survivors what they hold (``holdings()``) and picks the newest step at which
-every old rank's chunk is held somewhere (``policy.shard_sources``). Survivors then
-export those chunks (``export()``), and the new generation's ranks each cut their new
-chunk, and a copy of their left neighbour's, out of them (``load_shards()``).
+every old rank's chunk is held somewhere (``modes.sync.sharded.shard_sources``). Survivors
+then export those chunks (``export()``), and the new generation's ranks each cut their new
+chunk, and a copy of their left neighbour's, out of them (``import_shards()``; the chunk
+arithmetic is in ``elastic_dp.shards``).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,7 @@ from .config import TrainConfig
 from .errors import CollectiveError, ConfigError
 from .faults import Fault, trigger
 from .reducer import GradientReducer, make_buckets
+from .shards import ShardState, Snapshot, cut, keep, needed_sources, pack, unpack
 from .strategy import BucketedGradients, broadcast_tensors, inside, nbytes
 
 # Optimizers whose update of an element depends only on that element's parameter, gradient
@@ -51,8 +52,6 @@ from .strategy import BucketedGradients, broadcast_tensors, inside, nbytes
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta,
                torch.optim.Rprop)
-
-SNAPSHOTS_KEPT = 2
 
 
 def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
@@ -62,28 +61,6 @@ def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
         raise ConfigError(f"--zero {stage} shards optimizer state element by element, and "
                           f"{type(optimizer).__module__}.{type(optimizer).__name__} is not an element-wise "
                           f"optimizer elastic_dp knows ({names}): use one of those or run with --zero 0")
-
-
-@dataclass(slots=True)
-class ShardState:
-    """One rank's chunk of the training state at a step, on the CPU: what resharding moves."""
-
-    step: int
-    world_size: int
-    rank: int
-    master: list[torch.Tensor]
-    """Per bucket, the fp32 master values of the chunk (padding included)."""
-    state: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    """Per optimizer-state key, per bucket: the chunk, or a 0-dim tensor (e.g. Adam's step)."""
-
-
-@dataclass(slots=True)
-class _Snapshot:
-    step: int
-    flat: torch.Tensor
-    """Master and state chunks packed into one fp32 vector, in host memory."""
-    keys: tuple[tuple[str, bool], ...]
-    """(state key, is 0-dim) in packing order."""
 
 
 class Sharded(BucketedGradients):
@@ -100,8 +77,8 @@ class Sharded(BucketedGradients):
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.base_groups = optimizer.param_groups
         self.generation: int | None = None  # of the layout below; None: not built yet
-        self.own: list[_Snapshot] = []
-        self.peer: list[_Snapshot] = []
+        self.own: list[Snapshot] = []
+        self.peer: list[Snapshot] = []
 
     def _current(self) -> None:
         """Re-cut the layout for the group's generation, if it changed."""
@@ -119,6 +96,7 @@ class Sharded(BucketedGradients):
         self.buckets = make_buckets(self.params, bucket_bytes, config.reduce_fp32, group_of=group_of,
                                     pad_to=self.world_size)
         self.chunks = [b.padded // self.world_size for b in self.buckets]
+        self.numels = [b.numel for b in self.buckets]
         self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
 
         # parameters become views into one flat buffer per bucket (gathered in place)
@@ -147,8 +125,8 @@ class Sharded(BucketedGradients):
         accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold more (AdamW)
         self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
         self.live_step = 0
-        self.own: list[_Snapshot] = []
-        self.peer: list[_Snapshot] = []
+        self.own: list[Snapshot] = []
+        self.peer: list[Snapshot] = []
 
     @property
     def param_groups(self) -> list[dict]:
@@ -228,8 +206,8 @@ class Sharded(BucketedGradients):
         """At state step ``step`` (committed steps), snapshot to the right neighbour when due."""
         if self.world_size == 1 or step % self.config.snapshot_every:
             return
-        own = self._pack(self.export("live", step))
-        self._keep(self.own, own)
+        own = pack(self.export("live", step))
+        keep(self.own, own)
         trigger(fault, "snapshot")
         send = own.flat.to(self.masters[0].device) if self.masters else own.flat  # NCCL sends from the GPU
         received = torch.empty_like(send)
@@ -238,11 +216,7 @@ class Sharded(BucketedGradients):
                                 received, (self.rank - 1) % self.world_size)
         except Exception as exc:
             raise self._collective_error("peer snapshot", exc) from None
-        self._keep(self.peer, _Snapshot(step, received.cpu(), own.keys))
-
-    @staticmethod
-    def _keep(snapshots: list[_Snapshot], snapshot: _Snapshot) -> None:
-        snapshots[:] = [s for s in snapshots if s.step != snapshot.step][-(SNAPSHOTS_KEPT - 1):] + [snapshot]
+        keep(self.peer, Snapshot(step, received.cpu(), own.keys))
 
     def holdings(self) -> dict[str, object]:
         """What this rank can export: its live chunk's step and its snapshots' steps."""
@@ -271,75 +245,12 @@ class Sharded(BucketedGradients):
         if snap is None:
             raise ValueError(f"no {kind} snapshot of step {step} (have {[s.step for s in snaps]})")
         rank = self.rank if kind == "own" else (self.rank - 1) % self.world_size
-        return self._unpack(snap, rank)
-
-    def _pack(self, shard: ShardState) -> _Snapshot:
-        keys = tuple(sorted((k, v[0].dim() == 0) for k, v in shard.state.items()))
-        parts = []
-        for b, master in enumerate(shard.master):
-            parts.append(master.reshape(-1))
-            parts.extend(shard.state[k][b].reshape(-1).float() for k, _ in keys)
-        flat = torch.cat(parts) if parts else torch.zeros(0)
-        return _Snapshot(shard.step, flat, keys)
-
-    def _unpack(self, snap: _Snapshot, rank: int) -> ShardState:
-        shard = ShardState(step=snap.step, world_size=self.world_size, rank=rank, master=[])
-        offset = 0
-
-        def take(n: int) -> torch.Tensor:
-            nonlocal offset
-            offset += n
-            return snap.flat[offset - n:offset].clone()
-
-        for chunk in self.chunks:
-            shard.master.append(take(chunk))
-            for key, scalar in snap.keys:
-                shard.state.setdefault(key, []).append(take(1).reshape(()) if scalar else take(chunk))
-        return shard
+        return unpack(snap, self.chunks, self.world_size, rank)
 
     # -- resharding ----------------------------------------------------------------------
-    def _old_chunks(self, old_world_size: int) -> list[int]:
-        return [-(-b.numel // old_world_size) for b in self.buckets]
-
-    def _sources(self, rank: int, old_world_size: int) -> list[int]:
-        found = set()
-        for chunk, old in zip(self.chunks, self._old_chunks(old_world_size)):
-            lo, hi = rank * chunk, (rank + 1) * chunk
-            found.update(i for i in range(old_world_size) if i * old < hi and (i + 1) * old > lo)
-        return sorted(found) or [0]
-
     def needed_sources(self, old_world_size: int) -> list[int]:
         """Old ranks whose chunks overlap this rank's new chunk or its left neighbour's."""
-        left = (self.rank - 1) % self.world_size
-        return sorted(set(self._sources(self.rank, old_world_size)) | set(self._sources(left, old_world_size)))
-
-    def cut(self, rank: int, fetch: Callable[[int], ShardState], old_world_size: int, step: int) -> ShardState:
-        """Rank ``rank``'s new chunk, cut out of the old generation's chunks (``fetch(old_rank)``)."""
-        template = fetch(self._sources(rank, old_world_size)[0])
-        out = ShardState(step=step, world_size=self.world_size, rank=rank, master=[])
-        for key, values in template.state.items():  # 0-dim state (a step count) is the same everywhere
-            out.state[key] = [v.clone() if v.dim() == 0 else None for v in values]
-        for b, (chunk, old) in enumerate(zip(self.chunks, self._old_chunks(old_world_size))):
-            lo, hi = rank * chunk, (rank + 1) * chunk
-            pieces = {"master": torch.zeros(chunk)}
-            for key, values in template.state.items():
-                if values[b].dim() > 0:
-                    pieces[key] = torch.zeros(chunk, dtype=values[b].dtype)
-            for i in range(old_world_size):
-                a, e = max(lo, i * old), min(hi, (i + 1) * old)
-                if a >= e:
-                    continue
-                src = fetch(i)
-                if src.step != step or src.master[b].numel() != old:
-                    raise ValueError(f"old rank {i}'s chunk is at step {src.step} with {src.master[b].numel()} "
-                                     f"elements in bucket {b}, expected step {step} and {old}")
-                for key, piece in pieces.items():
-                    values = src.master if key == "master" else src.state[key]
-                    piece[a - lo:e - lo] = values[b][a - i * old:e - i * old]
-            out.master.append(pieces.pop("master"))
-            for key, piece in pieces.items():
-                out.state[key][b] = piece
-        return out
+        return needed_sources(self.rank, self.numels, self.world_size, old_world_size)
 
     def import_shards(self, fetch: Callable[[list[int]], list[ShardState]], old_world_size: int, step: int) -> None:
         """Become this generation's rank from the old generation's chunks at ``step``;
@@ -357,13 +268,13 @@ class Sharded(BucketedGradients):
         its chunk at ``step`` and, as snapshots, a copy of it and of its left neighbour's.
         """
         self._current()
-        own = self.cut(self.rank, fetch, old_world_size, step)
+        own = cut(self.rank, self.numels, self.world_size, fetch, old_world_size, step)
         self._set_live(own)
         self._gather_params()
-        self.own, self.peer = [self._pack(own)], []
+        self.own, self.peer = [pack(own)], []
         if self.world_size > 1:
-            left = self.cut((self.rank - 1) % self.world_size, fetch, old_world_size, step)
-            self.peer = [self._pack(left)]
+            left = cut((self.rank - 1) % self.world_size, self.numels, self.world_size, fetch, old_world_size, step)
+            self.peer = [pack(left)]
 
     @torch.no_grad()
     def _set_live(self, shard: ShardState) -> None:
@@ -388,13 +299,13 @@ class Sharded(BucketedGradients):
         shard = ShardState(step=step, world_size=self.world_size, rank=self.rank,
                            master=[self._own_params(b).detach().float().cpu() for b in range(len(self.buckets))])
         self._set_live(shard)
-        self.own, self.peer = [self._pack(shard)], []
+        self.own, self.peer = [pack(shard)], []
         if self.world_size > 1:
             left = (self.rank - 1) % self.world_size
             peer = ShardState(step=step, world_size=self.world_size, rank=left,
                               master=[buf[left * c:(left + 1) * c].detach().float().cpu()
                                       for buf, c in zip(self.param_buffers, self.chunks)])
-            self.peer = [self._pack(peer)]
+            self.peer = [pack(peer)]
 
     # -- state: initial sync, checkpoint parts, loading ---------------------------------------
     def sync_from(self, src: int) -> None:

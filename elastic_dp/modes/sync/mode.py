@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from ...checkpoint import CheckpointStore, TrainingState
 from ...config import ClusterConfig, TrainConfig
 from ...data import ElasticSampler, check_resumable, split

@@ -1,0 +1,125 @@
+"""ZeRO chunks as data: what a peer snapshot holds and what resharding moves and re-cuts.
+
+Plain CPU tensor bookkeeping, no collectives (``elastic_dp.zero`` does those). Bucket
+``b`` has ``numels[b]`` elements; at world size ``N`` its buffer is padded to a multiple
+of ``N`` and rank ``r`` owns elements ``[r * c, (r + 1) * c)`` with ``c = ceil(numel / N)``.
+The bucket partition does not depend on ``N``, so moving from ``N`` to ``M`` ranks is a
+re-cut of the same flat vectors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+SNAPSHOTS_KEPT = 2
+
+
+@dataclass(slots=True)
+class ShardState:
+    """One rank's chunk of the training state at a step, on the CPU: what resharding moves."""
+
+    step: int
+    world_size: int
+    rank: int
+    master: list[torch.Tensor]
+    """Per bucket, the fp32 master values of the chunk (padding included)."""
+    state: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """Per optimizer-state key, per bucket: the chunk, or a 0-dim tensor (e.g. Adam's step)."""
+
+
+@dataclass(slots=True)
+class Snapshot:
+    step: int
+    flat: torch.Tensor
+    """Master and state chunks packed into one fp32 vector, in host memory."""
+    keys: tuple[tuple[str, bool], ...]
+    """(state key, is 0-dim) in packing order."""
+
+
+def keep(snapshots: list[Snapshot], snapshot: Snapshot) -> None:
+    """Add ``snapshot`` to ``snapshots``, keeping the ``SNAPSHOTS_KEPT`` newest."""
+    snapshots[:] = [s for s in snapshots if s.step != snapshot.step][-(SNAPSHOTS_KEPT - 1):] + [snapshot]
+
+
+def pack(shard: ShardState) -> Snapshot:
+    """A chunk as one flat fp32 vector (what a peer snapshot sends)."""
+    keys = tuple(sorted((k, v[0].dim() == 0) for k, v in shard.state.items()))
+    parts = []
+    for b, master in enumerate(shard.master):
+        parts.append(master.reshape(-1))
+        parts.extend(shard.state[k][b].reshape(-1).float() for k, _ in keys)
+    flat = torch.cat(parts) if parts else torch.zeros(0)
+    return Snapshot(shard.step, flat, keys)
+
+
+def unpack(snap: Snapshot, chunks: list[int], world_size: int, rank: int) -> ShardState:
+    """Inverse of ``pack`` for rank ``rank``'s chunk of sizes ``chunks`` (per bucket)."""
+    shard = ShardState(step=snap.step, world_size=world_size, rank=rank, master=[])
+    offset = 0
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal offset
+        offset += n
+        return snap.flat[offset - n:offset].clone()
+
+    for chunk in chunks:
+        shard.master.append(take(chunk))
+        for key, scalar in snap.keys:
+            shard.state.setdefault(key, []).append(take(1).reshape(()) if scalar else take(chunk))
+    return shard
+
+
+def chunk_sizes(numels: list[int], world_size: int) -> list[int]:
+    """Per bucket, the elements each of ``world_size`` ranks owns."""
+    return [-(-n // world_size) for n in numels]
+
+
+def sources(rank: int, numels: list[int], world_size: int, old_world_size: int) -> list[int]:
+    """Old ranks whose chunks overlap new rank ``rank``'s chunk in some bucket."""
+    found = set()
+    for chunk, old in zip(chunk_sizes(numels, world_size), chunk_sizes(numels, old_world_size)):
+        lo, hi = rank * chunk, (rank + 1) * chunk
+        found.update(i for i in range(old_world_size) if i * old < hi and (i + 1) * old > lo)
+    return sorted(found) or [0]
+
+
+def needed_sources(rank: int, numels: list[int], world_size: int, old_world_size: int) -> list[int]:
+    """Old ranks whose chunks overlap new rank ``rank``'s chunk or its left neighbour's."""
+    left = (rank - 1) % world_size
+    return sorted(set(sources(rank, numels, world_size, old_world_size))
+                  | set(sources(left, numels, world_size, old_world_size)))
+
+
+def cut(rank: int, numels: list[int], world_size: int, fetch: Callable[[int], ShardState], old_world_size: int,
+        step: int) -> ShardState:
+    """New rank ``rank``'s chunk at ``world_size``, cut out of the old generation's chunks
+    (``fetch(old_rank)``, all at ``step``)."""
+    template = fetch(sources(rank, numels, world_size, old_world_size)[0])
+    out = ShardState(step=step, world_size=world_size, rank=rank, master=[])
+    for key, values in template.state.items():  # 0-dim state (a step count) is the same everywhere
+        out.state[key] = [v.clone() if v.dim() == 0 else None for v in values]
+    chunks = zip(chunk_sizes(numels, world_size), chunk_sizes(numels, old_world_size))
+    for b, (chunk, old) in enumerate(chunks):
+        lo, hi = rank * chunk, (rank + 1) * chunk
+        pieces = {"master": torch.zeros(chunk)}
+        for key, values in template.state.items():
+            if values[b].dim() > 0:
+                pieces[key] = torch.zeros(chunk, dtype=values[b].dtype)
+        for i in range(old_world_size):
+            a, e = max(lo, i * old), min(hi, (i + 1) * old)
+            if a >= e:
+                continue
+            src = fetch(i)
+            if src.step != step or src.master[b].numel() != old:
+                raise ValueError(f"old rank {i}'s chunk is at step {src.step} with {src.master[b].numel()} "
+                                 f"elements in bucket {b}, expected step {step} and {old}")
+            for key, piece in pieces.items():
+                values = src.master if key == "master" else src.state[key]
+                piece[a - lo:e - lo] = values[b][a - i * old:e - i * old]
+        out.master.append(pieces.pop("master"))
+        for key, piece in pieces.items():
+            out.state[key][b] = piece
+    return out
