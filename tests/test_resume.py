@@ -40,6 +40,8 @@ def test_resume_at_other_worker_count_matches_uninterrupted_run(ray_cluster, tmp
     resumed_event = next(e for e in events if e["kind"] == "resumed")
     assert resumed_event["step"] == 4 and resumed_event["saved_world_size"] == 3
     assert resumed_event["world_size"] == 2
+    metrics = [json.loads(line) for line in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["generation"] for m in metrics] == [0, 0]  # resumed into generation 0, formed once
     manifest = json.loads((tmp_path / "ckpt" / "step-00000006" / "manifest.json").read_text())
     assert manifest["step"] == 6 and manifest["world_size"] == 2
 

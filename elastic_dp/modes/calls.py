@@ -39,13 +39,13 @@ class CallOutcome:
 
 
 def gather(calls: dict[object, Any], *, deadline_s: float, grace_s: float,
-           abort: Callable[[list[Any]], None], failed: Callable[[Any], str | None] = lambda result: None,
-           ) -> CallOutcome:
+           abort: Callable[[list[Any]], None], failed: Callable[[Any, Any], str | None] = lambda m, r: None,
+           what: str = "call") -> CallOutcome:
     """Wait for the object refs in ``calls`` (ref -> member) under a deadline.
 
     ``abort(members)`` is called once, on the first failure signal, with the members whose
-    calls are still running. ``failed(result)`` names a failure a member reported in its
-    result (None: none).
+    calls are still running. ``failed(member, result)`` describes a failure a member
+    reported in its result (None: none). ``what`` names the call in the deadline's cause.
     """
     start = time.monotonic()
     deadline = start + deadline_s
@@ -67,7 +67,7 @@ def gather(calls: dict[object, Any], *, deadline_s: float, grace_s: float,
         if not done:
             if aborted:
                 break  # the grace period is over: whoever has not answered is hung
-            signal(f"deadline of {deadline_s:.1f} s passed (hung worker)")
+            signal(f"{what} deadline of {deadline_s:.1f} s passed (hung worker)")
             continue
         for ref in done:
             member = pending.pop(ref)
@@ -82,9 +82,9 @@ def gather(calls: dict[object, Any], *, deadline_s: float, grace_s: float,
                 signal(f"{member!r} raised {type(exc.cause).__name__}")
                 continue
             outcome.results[member] = result
-            reported = failed(result)
+            reported = failed(member, result)
             if reported:
-                signal(f"{reported} on {member!r}")
+                signal(reported)
     for member in pending.values():
         logger.warning("%r did not answer within the grace period after the abort: treating it as hung", member)
         outcome.lost.append(member)
@@ -98,13 +98,14 @@ class Calls:
         self.deadline_s, self.grace_s = deadline_s, grace_s
 
     def gather(self, calls: dict[object, Any], generation: int,
-               failed: Callable[[Any], str | None] = lambda result: None) -> CallOutcome:
+               failed: Callable[[Any, Any], str | None] = lambda m, r: None, what: str = "call") -> CallOutcome:
         """``gather`` with an abort of ``generation``'s group on the members still running."""
         def abort(members: list[Any]) -> None:
             for m in members:
                 m.actor.abort_group.remote(generation)  # control thread; a hung worker never runs it
 
-        return gather(calls, deadline_s=self.deadline_s, grace_s=self.grace_s, abort=abort, failed=failed)
+        return gather(calls, deadline_s=self.deadline_s, grace_s=self.grace_s, abort=abort, failed=failed,
+                      what=what)
 
     def run(self, group: list[Any], calls: dict[object, Any], generation: int) -> dict[Any, Any]:
         """Every member's result, or ``raise_for``'s exception."""

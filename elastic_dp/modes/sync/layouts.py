@@ -37,6 +37,9 @@ class StateLayout(Protocol):
     def resize(self, members: list[Any]) -> None:
         """Between steps: form the next generation over ``members`` (current ones + joiners)."""
 
+    def load(self, state: TrainingState) -> None:
+        """Load ``state`` into every member of the current generation."""
+
     def restore(self, members: list[Any], state: TrainingState) -> None:
         """Form the next generation over ``members`` and load ``state`` into it."""
 
@@ -96,13 +99,17 @@ class Replicated:
         self.gens.form(members, faults)
         self.at = {m: step for m in members}
 
-    def restore(self, members: list[Any], state: TrainingState) -> None:
+    def load(self, state: TrainingState) -> None:
         self.at = {}  # members that loaded the checkpoint hold its state; the others, no known one
-        self.gens.form(members)
-        ref = ray.put(state)
+        members, ref = self.gens.members, ray.put(state)
         loaded = self.gens.calls.gather({m.actor.load_state.remote(ref): m for m in members}, self.gens.generation)
         self.at.update({m: state.step for m in loaded.results})
         raise_for(members, loaded)
+
+    def restore(self, members: list[Any], state: TrainingState) -> None:
+        self.at = {}
+        self.gens.form(members)
+        self.load(state)
 
     def savers(self) -> list[Any]:
         return self.gens.members[:1]  # rank 0 holds everything

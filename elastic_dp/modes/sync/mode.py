@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 STEP_PHASES = ("forward", "allreduce", "optimizer", "snapshot")
 
 
-def _collective_error(result: StepResult) -> str | None:
-    return f"collective error ({result.error})" if isinstance(result.error, CollectiveError) else None
+def _collective_error(member: Any, result: StepResult) -> str | None:
+    return f"collective error on {member!r}: {result.error}" if isinstance(result.error, CollectiveError) else None
 
 
 class SyncMode:
@@ -69,7 +69,7 @@ class SyncMode:
         self.recorder.event("group_formed", generation=self.generation, world_size=len(members),
                             form_s=round(time.perf_counter() - start, 4))
         if resume is not None:
-            self.layout.restore(members, resume)
+            self.layout.load(resume)
             self.recorder.event("resumed", step=resume.step, saved_world_size=resume.world_size,
                                 world_size=len(members))
         else:
@@ -106,7 +106,7 @@ class SyncMode:
         slices = split(self.sampler.batch(step), len(members))
         calls = {m.actor.step.remote(step, indices, faults.get(rank)): m
                  for rank, (m, indices) in enumerate(zip(members, slices))}
-        outcome = self.gens.calls.gather(calls, self.generation, failed=_collective_error)
+        outcome = self.gens.calls.gather(calls, self.generation, failed=_collective_error, what="step")
         self.faults.put_back(f for rank, f in faults.items() if members[rank] in outcome.results)
         results = outcome.results
         if not outcome.lost and not outcome.errors and all(r.committed for r in results.values()):

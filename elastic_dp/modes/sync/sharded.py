@@ -130,11 +130,15 @@ class Sharded:
         self.gens.call_all("import_shards", src.refs, src.world_size, src.step)
         self.exported = None
 
+    def load(self, state: TrainingState) -> None:
+        self.exported, self.restoring = None, True
+        self.gens.call_all("load_state", ray.put(state))  # a collective: every rank re-cuts its chunk
+        self.restoring = False
+
     def restore(self, members: list[Any], state: TrainingState) -> None:
         self.exported, self.restoring = None, True
         self.gens.form(members)
-        self.gens.call_all("load_state", ray.put(state))
-        self.restoring = False
+        self.load(state)
 
     def savers(self) -> list[Any]:
         return self.gens.members  # every rank holds a part
