@@ -81,8 +81,9 @@ class FakeMode:
     ranks lost in successive re-formations; ``state_lost``: re-formations that find no copy
     of the state (as ZeRO does when a shard and its snapshot are gone)."""
 
-    def __init__(self, losses=None, reform_losses=(), state_lost=0) -> None:
+    def __init__(self, losses=None, reform_losses=(), state_lost=0, resize_losses=()) -> None:
         self.losses, self.reform_losses, self.state_lost = dict(losses or {}), list(reform_losses), state_lost
+        self.resize_losses = list(resize_losses)
         self.generation, self.members, self.calls = -1, [], []
 
     def _form(self, members) -> None:
@@ -101,6 +102,9 @@ class FakeMode:
 
     def resize(self, members) -> None:
         self.calls.append(("resize", len(members)))
+        if self.resize_losses:
+            lost = [members[r] for r in self.resize_losses.pop(0)]
+            raise MembersLost(members, lost, f"{lost} died while joining")
         self._form(members)
 
     def reform(self, members, failure) -> RecoveryResult:
@@ -257,3 +261,17 @@ def test_a_failure_while_reforming_is_one_more_failure_of_the_same_recovery():
     change = next(e for e in summary.events if e["kind"] == "membership_changed")
     assert change["attempts"] == 2 and change["lost"] == 2 and change["lost_ranks"] == [1]
     assert change["steps_rerun"] == 1 and coordinator.step == 6
+
+
+def test_a_worker_lost_while_joiners_are_admitted_loses_no_step():
+    mode = FakeMode(resize_losses=[[2]])  # the joiner dies as the group grows at step 3
+    coordinator, _, _ = _run(mode, workers=3, min_workers=2, faults=[Fault("join", 3)])
+    summary = coordinator.run()
+    # ... and its replacement joins at the next boundary
+    assert _states(coordinator) == ["STARTING", "RUNNING", "RESIZING", "RECOVERING", "REFORMING", "RUNNING",
+                                    "RESIZING", "RUNNING", "FINISHING", "FINISHED"]
+    assert _reason(coordinator, RunState.RECOVERING) == "[w2] died while joining"
+    assert "committed: step 3 is next" in [t.reason for t in coordinator.history]
+    reformed, joined = [e for e in summary.events if e["kind"] == "membership_changed"]
+    assert reformed["steps_rerun"] == 0 and reformed["world_size"] == 2 and reformed["lost_ranks"] == [2]
+    assert joined["joined"] == 1 and joined["world_size"] == 3 and coordinator.step == 6

@@ -25,7 +25,8 @@ class MembersLost(Exception):
 
     def __init__(self, group: Sequence[Any], lost: Sequence[Any], cause: str, detect_s: float = 0.0) -> None:
         super().__init__(cause)
-        self.group, self.lost, self.cause, self.detect_s = list(group), list(lost), cause, detect_s
+        self.group, self.lost = list(group), list(dict.fromkeys(lost))  # a member may have had two calls
+        self.cause, self.detect_s = cause, detect_s
 
     @property
     def survivors(self) -> list[Any]:

@@ -3,7 +3,7 @@
 A layout is chosen once from the ZeRO stage (``make_layout``). The mode asks it to carry
 the state over every change of members — a re-formation after a failure, a resize that
 admits joiners, a restart from the durable checkpoint — and to collect the checkpoint's
-parts. ``Replicated`` (stage 0) is here; ``Sharded`` (stages 1 and 2) is in
+parts. ``ReplicatedLayout`` (stage 0) is here; ``ShardedLayout`` (stages 1 and 2) is in
 ``.sharded``; a fully sharded layout (ZeRO-3) would be one more class behind the same
 interface.
 """
@@ -50,7 +50,7 @@ class StateLayout(Protocol):
         """One world-size-independent state out of the savers' parts."""
 
 
-class Replicated:
+class ReplicatedLayout:
     """ZeRO stage 0: every member holds the whole state.
 
     After a failure each survivor holds the state before the failed step, or after it if
@@ -121,6 +121,6 @@ class Replicated:
 def make_layout(zero: int, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> StateLayout:
     """The layout of ZeRO stage ``zero``."""
     if zero == 0:
-        return Replicated(generations, sampler_state)
-    from .sharded import Sharded
-    return Sharded(generations, sampler_state)
+        return ReplicatedLayout(generations, sampler_state)
+    from .sharded import ShardedLayout
+    return ShardedLayout(generations, sampler_state)

@@ -71,7 +71,7 @@ class _Exported:
     """Per old rank, its chunk (a ``ShardState``)."""
 
 
-class Sharded:
+class ShardedLayout:
     """ZeRO stages 1 and 2: every member holds one chunk; re-formation re-cuts them."""
 
     def __init__(self, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> None:
