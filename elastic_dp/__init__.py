@@ -7,8 +7,8 @@ Public names: ``Trainer``, ``Task``, the config dataclasses, ``ElasticSampler``,
 from .api import Trainer
 from .config import CheckpointConfig, ClusterConfig, TrainConfig
 from .data import ElasticSampler, split
-from .errors import (CheckpointError, CollectiveError, ConfigError, ElasticDPError, MembershipError,
-                     PlacementError, TaskError, WorkerError)
+from .errors import (CheckpointError, ClusterError, CollectiveError, ConfigError, ElasticDPError,
+                     MembershipError, NonFiniteError, PlacementError, TaskError, WorkerError)
 from .faults import Fault
 from .metrics import RunSummary
 from .task import Task, load_task
@@ -17,5 +17,5 @@ __all__ = [
     "Trainer", "Task", "load_task", "TrainConfig", "ClusterConfig", "CheckpointConfig",
     "ElasticSampler", "split", "RunSummary",
     "ElasticDPError", "ConfigError", "TaskError", "PlacementError", "CheckpointError", "WorkerError",
-    "CollectiveError", "MembershipError", "Fault",
+    "CollectiveError", "MembershipError", "ClusterError", "NonFiniteError", "Fault",
 ]

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import ray
 
 from .checkpoint import CheckpointStore
 from .config import CheckpointConfig, ClusterConfig, TrainConfig, check_batch_fits
 from .coordinator import Coordinator
+from .errors import ClusterError
 from .faults import Fault, FaultPlan, parse_faults
 from .membership import Membership
 from .membership.pool import WorkerPool
@@ -81,6 +83,7 @@ def _ensure_ray(cluster: ClusterConfig) -> bool:
         return False
     address = cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
+        check_reachable(address, "--address" if cluster.address else "RAY_ADDRESS")
         ray.init(address=address, log_to_driver=True)
         return False
     # Embedded local Ray, sized so the requested workers fit even on a small laptop.
@@ -89,3 +92,20 @@ def _ensure_ray(cluster: ClusterConfig) -> bool:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
              configure_logging=False, log_to_driver=True)
     return True
+
+
+def check_reachable(address: str, setting: str, timeout_s: float = 10.0) -> None:
+    """Fail fast, naming ``setting``, when nothing answers at a Ray ``address`` (``host:port``
+    or ``ray://host:port``): ``ray.init`` would retry for minutes. ``auto`` and ``local``
+    are Ray's to resolve."""
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local", or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ClusterError(f"no Ray cluster answers at {address} ({exc.strerror or exc}): pass the address of a "
+                           f"running cluster's head (--address or RAY_ADDRESS; this one came from {setting}), "
+                           "or leave both unset to start an embedded local Ray") from None
+

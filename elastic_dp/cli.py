@@ -3,6 +3,7 @@
     elastic-dp train JOB --workers N --steps S [--global-batch B] [--micro-batch M]
         [--seed X] [--device auto|cpu|cuda] [--checkpoint-dir DIR --checkpoint-every K]
         [--resume] [--out DIR] [--zero 0|1|2 --snapshot-every K]
+        [--on-nonfinite skip|fail --max-nonfinite-steps N]
     elastic-dp plan --params 7.5e9 --workers 64 --zero 1 [--gpu-memory 80GB]
         [--precision bf16|fp32] [--optimizer adam|adamw|sgd-momentum|sgd] [--json]
 
@@ -29,7 +30,8 @@ logger = logging.getLogger("elastic_dp.cli")
 # flag -> TrainConfig field; absent flags keep the job's defaults
 _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": int,
                 "warmup_steps": int, "lr_reference_batch": int, "clip_grad_norm": float,
-                "precision": str, "bucket_mb": float, "zero": int, "snapshot_every": int}
+                "precision": str, "bucket_mb": float, "zero": int, "snapshot_every": int,
+                "on_nonfinite": str, "max_nonfinite_steps": int}
 
 
 def _worker_range(text: str) -> tuple[int, int]:
@@ -49,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--workers", type=_worker_range, default=(2, 2), metavar="N|MIN:MAX",
                        help="worker actors: N, or an elastic range MIN:MAX (default 2)")
     for name, kind in _TRAIN_FLAGS.items():
-        extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2]}}.get(name, {})
+        extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2]},
+                 "on_nonfinite": {"choices": ["skip", "fail"]}}.get(name, {})
         train.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
                            help=f"override the job's {name}", **extra)
     train.add_argument("--no-reduce-fp32", dest="reduce_fp32", action="store_false", default=None,

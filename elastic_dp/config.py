@@ -50,6 +50,12 @@ class TrainConfig:
     """With ZeRO, every how many committed steps each worker copies its shard to its
     neighbour's host memory (``--snapshot-every``). A worker lost k steps after the
     last snapshot costs a rollback and replay of those k steps."""
+    on_nonfinite: Literal["skip", "fail"] = "skip"
+    """A step whose loss or gradient is not finite makes no update on any rank; ``skip``
+    goes on with the next step (the skipped one counts as trained, a no-op), ``fail`` ends
+    the run naming the step and the rank (``--on-nonfinite``)."""
+    max_nonfinite_steps: int = 5
+    """With ``skip``: fail after this many consecutive skipped steps (``--max-nonfinite-steps``)."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"steps must be >= 0, got {self.steps} (--steps)")
@@ -70,6 +76,10 @@ class TrainConfig:
         _require(self.zero in (0, 1, 2), f"zero must be stage 0, 1 or 2, got {self.zero!r} (--zero)")
         _require(self.snapshot_every >= 1,
                  f"snapshot_every must be >= 1, got {self.snapshot_every} (--snapshot-every)")
+        _require(self.on_nonfinite in ("skip", "fail"),
+                 f"on_nonfinite must be 'skip' or 'fail', got {self.on_nonfinite!r} (--on-nonfinite)")
+        _require(self.max_nonfinite_steps >= 1,
+                 f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps} (--max-nonfinite-steps)")
 
     def lr_factor(self, step: int) -> float:
         """Multiplier on every param group's base learning rate at ``step`` (0-based)."""

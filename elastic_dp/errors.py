@@ -20,12 +20,21 @@ class TaskError(ElasticDPError):
     """The task (job module, model, dataset, loss or optimizer factory) is unusable."""
 
 
+class ClusterError(ElasticDPError):
+    """The Ray cluster cannot be reached; the message names the address and the setting."""
+
+
 class PlacementError(ElasticDPError):
     """The cluster cannot place the requested workers within the placement timeout."""
 
 
 class MembershipError(ElasticDPError):
     """The run cannot keep enough workers alive; the message says what to change."""
+
+
+class NonFiniteError(ElasticDPError):
+    """Steps had a non-finite loss or gradient (no update was applied); the message names
+    the step, the ranks and the setting (``--on-nonfinite``, ``--max-nonfinite-steps``)."""
 
 
 class CheckpointError(ElasticDPError):

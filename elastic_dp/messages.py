@@ -19,6 +19,11 @@ class StepResult:
     """Sum over this worker's samples of the per-sample mean loss."""
     samples: int = 0
     grad_norm: float | None = None
+    loss_finite: bool = True
+    """Every loss this worker computed in the step was finite."""
+    nonfinite: bool = False
+    """Some rank saw a non-finite loss or gradient: no rank applied the update (the step
+    committed as a no-op)."""
     timings: dict[str, float] = field(default_factory=dict)
     error: BaseException | None = None
 

@@ -5,7 +5,9 @@ With an output directory ``DIR`` a run writes::
     DIR/initial.safetensors   model state before the first step of this run
     DIR/final.safetensors     model state after the last step
     DIR/metrics.jsonl         one line per committed step: step, time (of the commit),
-                              loss, samples, step_s, world_size, generation (and worker timings)
+                              loss, samples, step_s, world_size, generation (and worker timings);
+                              a step skipped for a non-finite loss or gradient has loss null
+                              and nonfinite true
     DIR/events.jsonl          membership and checkpoint events, timestamped
 
 Progress is a tqdm bar when stderr is a terminal, otherwise a log line every few steps.
@@ -107,23 +109,28 @@ class RunRecorder:
         self._append("events.jsonl", record)
         logger.info("event %s: %s", kind, fields)
 
-    def step(self, *, step: int, loss: float, samples: int, step_s: float, world_size: int,
-             generation: int, timings: dict[str, float] | None = None) -> None:
+    def step(self, *, step: int, loss: float | None, samples: int, step_s: float, world_size: int,
+             generation: int, timings: dict[str, float] | None = None, nonfinite: bool = False) -> None:
+        """A committed step; ``nonfinite``: skipped as a no-op (its loss is recorded as null)."""
         record = {"step": step, "time": time.time(), "loss": loss, "samples": samples, "step_s": step_s,
                   "world_size": world_size, "generation": generation, **(timings or {})}
+        if nonfinite:
+            record["nonfinite"] = True
         self._append("metrics.jsonl", record)
         s = self.summary
         s.steps += 1
         s.samples += samples
         self._committed[step] = samples
-        s.first_loss = loss if s.first_loss is None else s.first_loss
-        s.final_loss = loss
+        if loss is not None:
+            s.first_loss = loss if s.first_loss is None else s.first_loss
+            s.final_loss = loss
+        shown = "skipped (non-finite)" if loss is None else f"{loss:.4f}"
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(loss=f"{loss:.4f}", workers=world_size, gen=generation)
-        elif (step + 1) % self._log_every == 0 or step + 1 == self.total_steps:
-            logger.info("gen %d step %d/%d: loss %.4f, %.3f s/step, %d workers",
-                        generation, step + 1, self.total_steps, loss, step_s, world_size)
+            self._bar.set_postfix(loss=shown, workers=world_size, gen=generation)
+        elif (step + 1) % self._log_every == 0 or step + 1 == self.total_steps or loss is None:
+            logger.info("gen %d step %d/%d: loss %s, %.3f s/step, %d workers",
+                        generation, step + 1, self.total_steps, shown, step_s, world_size)
 
     def rewind(self, to_step: int) -> None:
         """The run went back to ``to_step`` (a rollback or a checkpoint): steps from there on

@@ -42,8 +42,15 @@ class Strategy(Protocol):
     def param_groups(self) -> list[dict]:
         """The optimizer param groups that are stepped (the learning rate is set on these)."""
 
+    def grads_finite(self) -> bool:
+        """After the reduction: this rank's part of the global gradient is finite (every
+        rank checks its own part; the commit vote combines them)."""
+
     def optimizer_step(self, step: int) -> None:
         """Apply the update of committed step ``step`` (only after the commit vote passed)."""
+
+    def skip_update(self, step: int) -> None:
+        """Committed step ``step`` makes no update (a non-finite loss or gradient)."""
 
     def after_commit(self, step: int, fault=None) -> None:
         """After the update, at ``step`` committed steps: peer snapshots when due."""
@@ -128,8 +135,18 @@ class Replicated(BucketedGradients):
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
+    def grads_finite(self) -> bool:
+        # the reduced buffers are the same on every rank: each checks its 1/N of them
+        rank, world = self.group.rank, max(self.group.world_size, 1)
+        parts = [b.buffer[rank * b.buffer.numel() // world:(rank + 1) * b.buffer.numel() // world]
+                 for b in self.reducer.buckets]
+        return bool(torch.stack([torch.isfinite(p).all() for p in parts]).all()) if parts else True
+
     def optimizer_step(self, step: int) -> None:
         self.optimizer.step()
+
+    def skip_update(self, step: int) -> None:
+        pass  # nothing moved: parameters and optimizer state stay as they are
 
     def after_commit(self, step: int, fault=None) -> None:
         pass  # every worker holds the whole state: nothing to snapshot

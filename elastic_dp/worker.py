@@ -7,12 +7,16 @@ worker while its training thread is blocked in a collective.
 A step records errors instead of raising them: a worker whose forward failed still takes
 part in the step's collectives (with zero gradients), then every rank votes; the update
 is applied only when every vote is clean (record, gate, commit). No rank is left waiting
-in a collective because a peer raised, and no worker exposes a half-applied step.
+in a collective because a peer raised, and no worker exposes a half-applied step. The
+vote also carries whether every loss and gradient is finite: when one is not, every rank
+skips the update alike (the step counts, as a no-op), and the coordinator decides
+whether the run goes on (``--on-nonfinite``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import traceback
 from typing import Any
@@ -111,7 +115,9 @@ class Replica:
             if i == len(chunks) - 1:
                 self.strategy.before_last_backward()
             (loss.reshape(()) * (len(chunk) / self.config.global_batch)).backward()
-            result.loss_sum += float(loss.detach()) * len(chunk)
+            value = float(loss.detach())
+            result.loss_finite = result.loss_finite and math.isfinite(value)
+            result.loss_sum += value * len(chunk)
             result.samples += len(chunk)
 
     def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
@@ -130,33 +136,21 @@ class Replica:
         except Exception as exc:  # recorded; the vote below tells every rank
             local_error = exc
         t1 = time.perf_counter()
-        try:
-            if local_error is not None:
-                self.strategy.before_last_backward()  # keep collectives in lockstep
-            trigger(fault, "allreduce")
-            self.strategy.reduce_gradients()
-            vote = torch.tensor([0.0 if local_error is None else 1.0], device=self.device)
-            self.group.all_reduce(vote)
-        except Exception as exc:  # the group itself failed: no vote is possible
-            self.strategy.abandon()
-            result.error = local_error and _portable(local_error, result.rank, step)
-            result.error = result.error or CollectiveError(
-                f"gen {result.generation} rank {result.rank} step {step}: collective failed: {exc}",
-                rank=result.rank, step=step)
-            return result
+        vote = self._reduce_and_vote(step, result, local_error, fault)
+        if vote is None:
+            return result  # the group failed: result.error says how
         t2 = time.perf_counter()
-        if local_error is not None or vote.item() > 0:
+        if local_error is not None or vote[0] > 0:
             result.error = _portable(local_error, result.rank, step) if local_error else None
             self.strategy.zero_grad()
             return result
-        if self.config.clip_grad_norm is not None:
-            result.grad_norm = self.strategy.clip_grad_norm(self.config.clip_grad_norm)
-        trigger(fault, "optimizer")
-        factor = self.config.lr_factor(step)
-        for group, base in zip(self.strategy.param_groups, self.base_lrs):
-            group["lr"] = base * factor
         try:
-            self.strategy.optimizer_step(step)
+            if vote[1] > 0:  # a loss or gradient is not finite somewhere: every rank skips the update
+                result.nonfinite = True
+                self.strategy.zero_grad()
+                self.strategy.skip_update(step)
+            else:
+                self._update(step, result, fault)
             t3 = time.perf_counter()
             self.strategy.after_commit(step + 1, fault)
         except CollectiveError as exc:  # ZeRO's parameter gather or snapshot; the chunk is updated
@@ -167,3 +161,34 @@ class Replica:
         result.timings = {"compute_s": t1 - t0, "reduce_wait_s": t2 - t1, "optimizer_s": t3 - t2,
                           "snapshot_s": t4 - t3}
         return result
+
+    def _reduce_and_vote(self, step: int, result: StepResult, local_error: BaseException | None,
+                         fault: Fault | None) -> torch.Tensor | None:
+        """Complete the gradient reduction and the commit vote: [ranks with an error, ranks
+        that saw a non-finite loss or gradient]. None when the group failed."""
+        try:
+            if local_error is not None:
+                self.strategy.before_last_backward()  # keep collectives in lockstep
+            trigger(fault, "allreduce")
+            self.strategy.reduce_gradients()
+            nonfinite = local_error is None and not (result.loss_finite and self.strategy.grads_finite())
+            vote = torch.tensor([float(local_error is not None), float(nonfinite)], device=self.device)
+            self.group.all_reduce(vote)
+            return vote.tolist()
+        except Exception as exc:  # the group itself failed: no vote is possible
+            self.strategy.abandon()
+            result.error = local_error and _portable(local_error, result.rank, step)
+            result.error = result.error or CollectiveError(
+                f"gen {result.generation} rank {result.rank} step {step}: collective failed: {exc}",
+                rank=result.rank, step=step)
+            return None
+
+    def _update(self, step: int, result: StepResult, fault: Fault | None) -> None:
+        """Apply the committed step's update: clip, learning rate, optimizer."""
+        if self.config.clip_grad_norm is not None:
+            result.grad_norm = self.strategy.clip_grad_norm(self.config.clip_grad_norm)
+        trigger(fault, "optimizer")
+        factor = self.config.lr_factor(step)
+        for group, base in zip(self.strategy.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+        self.strategy.optimizer_step(step)

@@ -158,6 +158,13 @@ class Sharded(BucketedGradients):
             g.mul_(coef.to(g.dtype))
         return float(total)
 
+    def grads_finite(self) -> bool:
+        chunks = [self._grad_chunk(b) for b in range(len(self.buckets))]
+        return bool(torch.stack([torch.isfinite(c).all() for c in chunks]).all()) if chunks else True
+
+    def skip_update(self, step: int) -> None:
+        self.live_step = step + 1  # the chunk is unchanged, and now the state of step + 1
+
     @torch.no_grad()
     def optimizer_step(self, step: int) -> None:
         """Update the chunk for committed step ``step``, then all-gather the parameters."""

@@ -1,7 +1,8 @@
 """Trusted references: plain single-process PyTorch replaying the sampler's batches.
 
 Written independently of elastic_dp's worker: one full-batch forward per step, no
-micro-batches, no collectives. Only the sampler (whose rule is documented in
+micro-batches, no collectives; a step whose loss or gradient is not finite makes no
+update, as documented. Only the sampler (whose rule is documented in
 elastic_dp.data) and the learning-rate rule of TrainConfig are shared.
 """
 
@@ -29,6 +30,9 @@ def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None =
         with autocast:
             loss = task.loss(model, batch)
         loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not (torch.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)):
+            continue  # a step with a non-finite loss or gradient is a no-op (docs/sync.md)
         if config.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
         for group, lr in zip(optimizer.param_groups, base):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from elastic_dp import Task, TrainConfig
+from elastic_dp import ElasticSampler, Task, TrainConfig
 from jobs import gpt
 
 
@@ -44,6 +44,21 @@ def sgd_two_groups(model: nn.Module) -> torch.optim.Optimizer:
 
 MLP_TASK = Task(model=mlp, dataset=Regression, loss=mse, optimizer=sgd_two_groups,
                 defaults=TrainConfig(steps=8, global_batch=10, micro_batch=2, seed=3))
+
+# the first sample of step 3 (so rank 0's, whatever the worker count)
+POISONED = int(ElasticSampler(96, global_batch=10, seed=3).batch(3)[0])
+
+
+class PoisonedRegression(Regression):
+    """``Regression`` with a NaN in sample ``POISONED``: step 3's loss is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x[POISONED, 0] = float("nan")
+
+
+POISONED_TASK = Task(model=mlp, dataset=PoisonedRegression, loss=mse, optimizer=sgd_two_groups,
+                     defaults=MLP_TASK.defaults)
 
 
 def tiny_gpt() -> nn.Module:

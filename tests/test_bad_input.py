@@ -95,3 +95,28 @@ def test_loss_that_is_not_a_scalar(ray_cluster, tmp_path):
         _trainer(BAD_LOSS_TASK, checkpoint={"dir": str(tmp_path / "ckpt")}, out=tmp_path / "out").fit()
     assert list((tmp_path / "ckpt").iterdir()) == []
     assert not (tmp_path / "out" / "final.safetensors").exists()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # a port that was just free: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("how", ["--address", "RAY_ADDRESS"])
+def test_a_cluster_that_does_not_answer_is_reported_not_waited_on(how):
+    import os
+    import time
+
+    address = f"127.0.0.1:{_closed_port()}"
+    args = ["--address", address] if how == "--address" else []
+    env = dict(os.environ, RAY_ADDRESS=address) if how == "RAY_ADDRESS" else os.environ.copy()
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "elastic_dp.cli", "train", "jobs.gpt", *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 2
+    assert f"no Ray cluster answers at {address}" in proc.stderr
+    assert "--address or RAY_ADDRESS" in proc.stderr and f"this one came from {how}" in proc.stderr

@@ -25,6 +25,7 @@ from ...messages import StepResult
 from ...metrics import RunRecorder
 from ..base import Failure, MembersLost, Recovery, RecoveryResult
 from ..calls import Calls
+from ..guard import NonFiniteGuard
 from .group import Generations
 from .layouts import make_layout
 
@@ -44,6 +45,7 @@ class SyncMode:
         self.train, self.recorder, self.faults = train, recorder, faults
         self.gens = Generations(Calls(deadline_s=cluster.step_timeout_s, grace_s=cluster.abort_grace_s))
         self.layout = make_layout(train.zero, self.gens, self._sampler_state)
+        self.guard = NonFiniteGuard(train.on_nonfinite, train.max_nonfinite_steps, recorder)
         self.sampler: ElasticSampler | None = None
         self._attempt_started: dict[int, float] = {}  # step -> first attempt's start
         self._last: dict[Any, StepResult] = {}  # the results of the last failed attempt
@@ -124,12 +126,15 @@ class SyncMode:
     def _record(self, step: int, results: list[StepResult]) -> None:
         seconds = time.perf_counter() - self._attempt_started.pop(step)
         samples = sum(r.samples for r in results)
-        loss = sum(r.loss_sum for r in results) / samples
+        skipped = any(r.nonfinite for r in results)
+        loss = None if skipped else sum(r.loss_sum for r in results) / samples
         timings = {k: round(max(r.timings.get(k, 0.0) for r in results), 6) for k in results[0].timings}
         # every sample of the step was trained (the gradients of a rank lost after the vote
         # were in the all-reduce), even when fewer results came back
         self.recorder.step(step=step, loss=loss, samples=self.train.global_batch, step_s=seconds,
-                           world_size=len(self.members), generation=self.generation, timings=timings)
+                           world_size=len(self.members), generation=self.generation, timings=timings,
+                           nonfinite=skipped)
+        self.guard.check(step, results)
 
     # -- membership changes ----------------------------------------------------------------
     def resize(self, members: list[Any]) -> None:
