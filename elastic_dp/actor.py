@@ -1,8 +1,8 @@
 """``WorkerActor``: the Ray actor around a ``Replica``.
 
-It is a threaded actor (``max_concurrency=2``): one thread runs the step, the other
-stays free for control calls (liveness, and the elastic layer's abort) while the step
-is blocked in a collective.
+It is a threaded actor (``max_concurrency=3``): one thread runs the step (or another
+long call), the others stay free for control calls — heartbeats, and the elastic layer's
+abort — while the step is blocked in a collective.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .checkpoint import TrainingState
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .faults import Fault, trigger
-from .messages import StepResult, WorkerInfo
+from .messages import Heartbeat, StepResult, WorkerInfo
 from .task import Task
 from .worker import Replica
 from .shards import ShardState
@@ -53,6 +53,10 @@ class WorkerActor:
 
     def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
         return self.replica.step(step, indices, fault)
+
+    def heartbeat(self) -> Heartbeat:
+        """Control thread: this worker answers, and how far its training thread has come."""
+        return self.replica.progress.beat() if self.replica is not None else Heartbeat(0, "idle", 0.0)
 
     def abort_group(self, generation: int | None = None) -> None:
         """Control thread: release a call blocked in a collective or in the rendezvous of
@@ -103,4 +107,4 @@ class WorkerActor:
 
 def remote_worker_class():
     """The Ray actor class (created lazily so importing elastic_dp does not need Ray up)."""
-    return ray.remote(max_concurrency=2)(WorkerActor)
+    return ray.remote(max_concurrency=3)(WorkerActor)

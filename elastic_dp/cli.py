@@ -60,7 +60,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     train.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or embedded local Ray)")
     train.add_argument("--placement-timeout", type=float, default=60.0, help="seconds to wait for worker slots")
-    train.add_argument("--step-timeout", type=float, default=600.0, help="deadline of one step, seconds")
+    train.add_argument("--step-timeout", type=float, default=600.0,
+                       help="deadline of one step, seconds: the last backstop behind hang detection")
+    train.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                       help="seconds a worker may leave a heartbeat unanswered before it counts as frozen")
+    train.add_argument("--stall-floor", type=float, default=5.0,
+                       help="a worker that makes no progress while its peers wait for it is hung after "
+                            "max(this, --stall-factor x median step time) seconds")
+    train.add_argument("--stall-factor", type=float, default=4.0, help="see --stall-floor")
     train.add_argument("--collective-timeout", type=float, default=300.0, help="timeout of one collective, seconds")
     train.add_argument("--min-wait-timeout", type=float, default=300.0,
                        help="below MIN workers, seconds to wait for capacity before failing")
@@ -99,7 +106,8 @@ def _train(args: argparse.Namespace) -> int:
     cluster = ClusterConfig(workers=high, min_workers=low, device=args.device, address=args.address,
                             placement_timeout_s=args.placement_timeout, step_timeout_s=args.step_timeout,
                             collective_timeout_s=args.collective_timeout, min_wait_timeout_s=args.min_wait_timeout,
-                            abort_grace_s=args.abort_grace)
+                            abort_grace_s=args.abort_grace, heartbeat_timeout_s=args.heartbeat_timeout,
+                            stall_floor_s=args.stall_floor, stall_factor=args.stall_factor)
     checkpoint = CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
                                   resume=args.resume, keep=args.checkpoint_keep)
     summary = Trainer(task, train=train, cluster=cluster, checkpoint=checkpoint,

@@ -113,7 +113,16 @@ class ClusterConfig:
     placement_timeout_s: float = 60.0
     """How long to wait for the cluster to place every worker (``--placement-timeout``)."""
     step_timeout_s: float = 600.0
-    """Deadline for one step on every worker (``--step-timeout``)."""
+    """Deadline for one step (or one call of a re-formation) on every worker: the last
+    backstop behind the hang detection below (``--step-timeout``)."""
+    heartbeat_timeout_s: float = 5.0
+    """A worker whose control thread does not answer a heartbeat for this long is a frozen
+    process, and is replaced (``--heartbeat-timeout``)."""
+    stall_floor_s: float = 5.0
+    """A worker whose training thread makes no progress while its peers wait for it is
+    hung after ``max(stall_floor_s, stall_factor × median step time)`` (``--stall-floor``)."""
+    stall_factor: float = 4.0
+    """See ``stall_floor_s`` (``--stall-factor``)."""
     collective_timeout_s: float = 300.0
     """Timeout of each collective in the process group (``--collective-timeout``)."""
     abort_grace_s: float = 10.0
@@ -130,8 +139,11 @@ class ClusterConfig:
                  f"device must be auto, cpu or cuda, got {self.device!r} (--device)")
         if self.min_workers is None:
             self.min_workers = self.workers
-        for name in ("placement_timeout_s", "step_timeout_s", "collective_timeout_s", "abort_grace_s"):
-            _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        for name, flag in (("placement_timeout_s", "--placement-timeout"), ("step_timeout_s", "--step-timeout"),
+                           ("collective_timeout_s", "--collective-timeout"), ("abort_grace_s", "--abort-grace"),
+                           ("heartbeat_timeout_s", "--heartbeat-timeout"), ("stall_floor_s", "--stall-floor"),
+                           ("stall_factor", "--stall-factor")):
+            _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)} ({flag})")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -36,3 +37,34 @@ class WorkerInfo:
     num_params: int
     ready_time: float
     """Wall-clock time at which the worker finished building its task (ready to join)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """A worker's answer to a heartbeat, from its control thread."""
+
+    count: int
+    """Progress of the training thread: a tick per micro-batch's forward and backward."""
+    phase: str
+    """``idle``, ``compute`` (forward/backward), ``reduce`` (waiting for the gradient
+    reduction and the vote) or ``update``."""
+    phase_s: float
+    """Seconds since the phase began."""
+
+
+class Progress:
+    """The training thread's progress, read by the control thread (``beat``)."""
+
+    def __init__(self) -> None:
+        self.count, self.phase, self._since = 0, "idle", time.monotonic()
+
+    def enter(self, phase: str) -> None:
+        self.count += 1
+        self.phase, self._since = phase, time.monotonic()
+
+    def tick(self) -> None:
+        self.count += 1
+
+    def beat(self) -> Heartbeat:
+        return Heartbeat(self.count, self.phase, time.monotonic() - self._since)
+

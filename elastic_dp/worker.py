@@ -1,7 +1,7 @@
 """The worker: one model replica, its data, its optimizer, and the step.
 
 ``Replica`` holds the data-plane logic and knows nothing of Ray; ``WorkerActor`` wraps
-it as a threaded Ray actor (``max_concurrency=2``) so that a control call can reach the
+it as a threaded Ray actor (``max_concurrency=3``) so that a control call can reach the
 worker while its training thread is blocked in a collective.
 
 A step records errors instead of raising them: a worker whose forward failed still takes
@@ -30,7 +30,7 @@ from .config import TrainConfig
 from .data import micro_batches
 from .errors import CollectiveError, ElasticDPError, TaskError, WorkerError
 from .faults import Fault, trigger
-from .messages import StepResult, WorkerInfo
+from .messages import Progress, StepResult, WorkerInfo
 from .strategy import Strategy, make_strategy
 from .task import Task
 
@@ -68,6 +68,7 @@ class Replica:
         self.optimizer = task.optimizer(self.model)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device)
+        self.progress = Progress()
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(dataset_len=len(self.dataset),
@@ -104,6 +105,7 @@ class Replica:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=self.config.precision == "bf16")
         for i, chunk in enumerate(chunks):
+            self.progress.tick()
             trigger(fault, "forward")
             batch = _to_device(self.task.collate([self.dataset[int(j)] for j in chunk]), self.device)
             with autocast:
@@ -119,16 +121,24 @@ class Replica:
             result.loss_finite = result.loss_finite and math.isfinite(value)
             result.loss_sum += value * len(chunk)
             result.samples += len(chunk)
+            self.progress.tick()
 
     def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
         """Train one step on this worker's slice ``indices`` of the global batch.
 
         ``fault`` (fault injection) is carried out in its phase of this step.
         """
+        try:
+            return self._step(step, indices, fault)
+        finally:
+            self.progress.enter("idle")
+
+    def _step(self, step: int, indices: np.ndarray, fault: Fault | None) -> StepResult:
         result = StepResult(step=step, rank=self.group.rank, generation=self.group.generation,
                             committed=False)
         self.model.train()
         self.strategy.zero_grad()
+        self.progress.enter("compute")
         t0 = time.perf_counter()
         local_error: BaseException | None = None
         try:
@@ -136,10 +146,12 @@ class Replica:
         except Exception as exc:  # recorded; the vote below tells every rank
             local_error = exc
         t1 = time.perf_counter()
+        self.progress.enter("reduce")
         vote = self._reduce_and_vote(step, result, local_error, fault)
         if vote is None:
             return result  # the group failed: result.error says how
         t2 = time.perf_counter()
+        self.progress.enter("update")
         if local_error is not None or vote[0] > 0:
             result.error = _portable(local_error, result.rank, step) if local_error else None
             self.strategy.zero_grad()

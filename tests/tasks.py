@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import threading
+import time
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -59,6 +64,41 @@ class PoisonedRegression(Regression):
 
 POISONED_TASK = Task(model=mlp, dataset=PoisonedRegression, loss=mse, optimizer=sgd_two_groups,
                      defaults=MLP_TASK.defaults)
+
+
+class IndexedRegression(Regression):
+    """``Regression`` whose samples carry their index: ``(x, y, index)``."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return (*super().__getitem__(i), i)
+
+
+@dataclasses.dataclass(frozen=True)
+class PacedLoss:
+    """The MLP's loss on ``IndexedRegression``, after sleeping ``seconds`` per call, or
+    ``slow_seconds`` when the batch holds a sample of ``slow``. With ``block``: the first
+    call that meets that sample blocks forever (the marker file records that one did), its
+    process still answering."""
+
+    seconds: float = 0.0
+    slow: frozenset[int] = frozenset()
+    slow_seconds: float = 0.0
+    block: int | None = None
+    marker: str | None = None
+
+    def __call__(self, model: nn.Module, batch) -> torch.Tensor:
+        x, y, index = batch
+        held = set(index.tolist())
+        if self.block in held and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            threading.Event().wait()
+        time.sleep(self.slow_seconds if held & self.slow else self.seconds)
+        return mse(model, (x, y))
+
+
+def paced_task(loss: PacedLoss, **defaults) -> Task:
+    return Task(model=mlp, dataset=IndexedRegression, loss=loss, optimizer=sgd_two_groups,
+                defaults=dataclasses.replace(MLP_TASK.defaults, **defaults))
 
 
 def tiny_gpt() -> nn.Module:

@@ -84,7 +84,7 @@ class WorkerPool:
                     continue
                 gpu = 1 if self.device == "cuda" else 0
                 member.actor = self._cls.options(
-                    num_cpus=1, num_gpus=gpu, max_restarts=0, max_concurrency=2,
+                    num_cpus=1, num_gpus=gpu, max_restarts=0, max_concurrency=3,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=member.group,
                                                                          placement_group_bundle_index=0),
                 ).remote(device=self.device, num_threads=1, collective_timeout_s=self.cluster.collective_timeout_s)

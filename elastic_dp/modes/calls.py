@@ -2,8 +2,9 @@
 
 Signals, whichever comes first: Ray reports a worker's actor dead (its call raises
 ``RayActorError``); a survivor reports a failed collective (``failed(result)`` says so —
-gloo sees a dead peer's socket close within tens of ms) or raises; the deadline passes
-(a hung worker is reported by nothing else). On the first signal every worker still in
+gloo sees a dead peer's socket close within tens of ms) or raises; the watchdog finds a
+worker hung (``.watchdog``: missed heartbeats, or no progress while its peers wait); the
+deadline passes (the last backstop). On the first signal every worker still in
 the call is told to abort its group from its control thread, which releases a rank
 blocked in a collective or in the rendezvous of a forming group; a worker that does not
 come back within the grace period is hung, and is reported lost along with the dead ones.
@@ -19,6 +20,7 @@ from typing import Any, Callable
 import ray
 
 from .base import MembersLost
+from .watchdog import HangBounds, Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +42,13 @@ class CallOutcome:
 
 def gather(calls: dict[object, Any], *, deadline_s: float, grace_s: float,
            abort: Callable[[list[Any]], None], failed: Callable[[Any, Any], str | None] = lambda m, r: None,
-           what: str = "call") -> CallOutcome:
+           what: str = "call", watchdog: Watchdog | None = None) -> CallOutcome:
     """Wait for the object refs in ``calls`` (ref -> member) under a deadline.
 
     ``abort(members)`` is called once, on the first failure signal, with the members whose
     calls are still running. ``failed(member, result)`` describes a failure a member
     reported in its result (None: none). ``what`` names the call in the deadline's cause.
+    ``watchdog`` finds hung members before the deadline (they are lost at once).
     """
     start = time.monotonic()
     deadline = start + deadline_s
@@ -63,13 +66,24 @@ def gather(calls: dict[object, Any], *, deadline_s: float, grace_s: float,
             deadline = time.monotonic() + grace_s
 
     while pending:
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        wait_s = max(0.0, deadline - time.monotonic())
+        done, _ = ray.wait(list(pending), num_returns=1,
+                           timeout=min(wait_s, watchdog.due_in()) if watchdog else wait_s)
+        for member, why in watchdog.check(set(pending.values())) if watchdog else ():
+            for ref in [r for r, m in pending.items() if m is member]:
+                del pending[ref]
+            outcome.lost.append(member)
+            signal(why)
         if not done:
+            if time.monotonic() < deadline:
+                continue
             if aborted:
                 break  # the grace period is over: whoever has not answered is hung
             signal(f"{what} deadline of {deadline_s:.1f} s passed (hung worker)")
             continue
         for ref in done:
+            if ref not in pending:
+                continue  # its member was found hung meanwhile
             member = pending.pop(ref)
             try:
                 result = ray.get(ref)
@@ -92,10 +106,16 @@ def gather(calls: dict[object, Any], *, deadline_s: float, grace_s: float,
 
 
 class Calls:
-    """Runs one actor method on a group of members; lost members raise ``MembersLost``."""
+    """Runs one actor method on a group of members; lost members raise ``MembersLost``.
 
-    def __init__(self, *, deadline_s: float, grace_s: float) -> None:
+    Every call is watched (``Watchdog``) with ``bounds``; ``typical_step_s`` (the run's
+    median step time so far, None before the first) scales the bound on stalled progress.
+    """
+
+    def __init__(self, *, deadline_s: float, grace_s: float, bounds: HangBounds | None = None) -> None:
         self.deadline_s, self.grace_s = deadline_s, grace_s
+        self.bounds = bounds or HangBounds()
+        self.typical_step_s: float | None = None
 
     def gather(self, calls: dict[object, Any], generation: int,
                failed: Callable[[Any, Any], str | None] = lambda m, r: None, what: str = "call") -> CallOutcome:
@@ -105,7 +125,7 @@ class Calls:
                 m.actor.abort_group.remote(generation)  # control thread; a hung worker never runs it
 
         return gather(calls, deadline_s=self.deadline_s, grace_s=self.grace_s, abort=abort, failed=failed,
-                      what=what)
+                      what=what, watchdog=Watchdog(self.bounds, self.typical_step_s))
 
     def run(self, group: list[Any], calls: dict[object, Any], generation: int) -> dict[Any, Any]:
         """Every member's result, or ``raise_for``'s exception."""

@@ -12,7 +12,9 @@ opaque objects.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from ...metrics import RunRecorder
 from ..base import Failure, MembersLost, Recovery, RecoveryResult
 from ..calls import Calls
 from ..guard import NonFiniteGuard
+from ..watchdog import HangBounds
 from .group import Generations
 from .layouts import make_layout
 
@@ -43,7 +46,11 @@ class SyncMode:
 
     def __init__(self, train: TrainConfig, cluster: ClusterConfig, recorder: RunRecorder, faults: FaultPlan) -> None:
         self.train, self.recorder, self.faults = train, recorder, faults
-        self.gens = Generations(Calls(deadline_s=cluster.step_timeout_s, grace_s=cluster.abort_grace_s))
+        bounds = HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s, stall_floor_s=cluster.stall_floor_s,
+                            stall_factor=cluster.stall_factor)
+        self.gens = Generations(Calls(deadline_s=cluster.step_timeout_s, grace_s=cluster.abort_grace_s,
+                                      bounds=bounds))
+        self._step_times: deque[float] = deque(maxlen=50)  # the last committed steps, for the hang bound
         self.layout = make_layout(train.zero, self.gens, self._sampler_state)
         self.guard = NonFiniteGuard(train.on_nonfinite, train.max_nonfinite_steps, recorder)
         self.sampler: ElasticSampler | None = None
@@ -134,6 +141,8 @@ class SyncMode:
         self.recorder.step(step=step, loss=loss, samples=self.train.global_batch, step_s=seconds,
                            world_size=len(self.members), generation=self.generation, timings=timings,
                            nonfinite=skipped)
+        self._step_times.append(seconds)
+        self.gens.calls.typical_step_s = statistics.median(self._step_times)
         self.guard.check(step, results)
 
     # -- membership changes ----------------------------------------------------------------
