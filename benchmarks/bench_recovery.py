@@ -16,7 +16,10 @@ SIGKILLed at the start of step ``--crash-step``. Measured for each:
 elastic_dp re-forms its group in place over the survivor (and a replacement when ready);
 Ray Train restarts every worker from the latest checkpoint.
 
-    .venv/bin/python -m benchmarks.bench_recovery --steps 30 --every 8 --crash-step 20
+Hang detection (elastic_dp only, default settings): how long until a SIGSTOPped worker,
+and a worker whose training thread blocks forever in its forward, are found.
+
+    .venv/bin/python -m benchmarks.bench_recovery --steps 30 --every 8 --crash-step 20 [--only crash|hang]
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import ray
 
-from benchmarks.peers import ray_train_loop
+from benchmarks.peers import BlockOnce, ray_train_loop
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
 from jobs.gpt import TASK
 
@@ -67,6 +70,26 @@ def bench_elastic_dp(args: argparse.Namespace, work: Path) -> dict:
     return figures
 
 
+def bench_hangs(args: argparse.Namespace, work: Path) -> dict:
+    """Detection of a hung worker with the default settings (step deadline 600 s): rank 1
+    SIGSTOPped at step ``--crash-step`` (a frozen process), and a training thread that
+    blocks forever in one worker's forward (it keeps answering heartbeats)."""
+    config = dataclasses.replace(TASK.defaults, steps=args.steps, micro_batch=None, warmup_steps=0)
+    figures = {}
+    cases = {"frozen_process": (TASK, [f"hang:step={args.crash_step}:rank=1"]),
+             "stalled_thread": (dataclasses.replace(TASK, loss=BlockOnce(TASK.loss, args.crash_step,
+                                                                         str(work / "blocked"))), [])}
+    for name, (task, inject) in cases.items():
+        out = work / f"edp-{name}"
+        Trainer(task, train=config, cluster=ClusterConfig(workers=2, min_workers=1), out_dir=str(out),
+                progress=False, inject=inject).fit()
+        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+        change = next(e for e in events if e["kind"] == "membership_changed")
+        figures[name] = {"detect_s": change["detect_s"], "reform_s": change["reform_s"],
+                         "cause": change["cause"]}
+    return figures
+
+
 def bench_ray_train(args: argparse.Namespace, work: Path) -> dict:
     from ray.train import CheckpointConfig as RTCheckpointConfig
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -91,18 +114,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--crash-step", type=int, default=20)
+    parser.add_argument("--only", choices=["all", "crash", "hang"], default="all",
+                        help="crash: the kill against Ray Train; hang: hang detection (elastic_dp only)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="edp-recovery-", dir="/tmp"))
     ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=str(work / "ray"),
              log_to_driver=False)
+    result = {"steps": args.steps, "checkpoint_every": args.every, "crash_step": args.crash_step}
     try:
-        result = {"steps": args.steps, "checkpoint_every": args.every, "crash_step": args.crash_step,
-                  "elastic_dp": bench_elastic_dp(args, work), "ray_train_v2": bench_ray_train(args, work)}
+        if args.only in ("all", "crash"):
+            result.update(elastic_dp=bench_elastic_dp(args, work), ray_train_v2=bench_ray_train(args, work))
+            for key in ("to_next_commit_s", "to_crash_step_commit_s"):
+                result[f"ratio_{key}"] = result["ray_train_v2"][key] / result["elastic_dp"][key]
+        if args.only in ("all", "hang"):
+            result["hangs"] = bench_hangs(args, work)
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
-    for key in ("to_next_commit_s", "to_crash_step_commit_s"):
-        result[f"ratio_{key}"] = result["ray_train_v2"][key] / result["elastic_dp"][key]
     print(json.dumps(result, indent=1))
 
 

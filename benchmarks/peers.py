@@ -8,7 +8,9 @@ pickled by value, which fails for these).
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import threading
 import tempfile
 import time
 from collections.abc import Iterator
@@ -159,3 +161,24 @@ def ray_train_loop(config: dict) -> None:
                                 "step": step + 1}, os.path.join(d, "state.pt"))
                 ray.train.report({"step": step},
                                  checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+
+
+class BlockOnce:
+    """A loss that blocks its worker's training thread forever at its ``call``-th call, in
+    one worker only (the first to create ``marker``); the process keeps answering. For the
+    recovery benchmark's stalled-thread case."""
+
+    def __init__(self, loss, call: int, marker: str) -> None:
+        self.loss, self.call, self.marker, self.calls = loss, call, marker, 0
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        if self.calls == self.call:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass  # another worker blocks
+            else:
+                threading.Event().wait()
+        return self.loss(model, batch)
+

@@ -56,7 +56,7 @@ class WorkerActor:
 
     def heartbeat(self) -> Heartbeat:
         """Control thread: this worker answers, and how far its training thread has come."""
-        return self.replica.progress.beat() if self.replica is not None else Heartbeat(0, "idle", 0.0)
+        return self.replica.progress.beat() if self.replica is not None else Heartbeat(0, "idle", 0.0, 0.0)
 
     def abort_group(self, generation: int | None = None) -> None:
         """Control thread: release a call blocked in a collective or in the rendezvous of

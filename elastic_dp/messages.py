@@ -50,21 +50,26 @@ class Heartbeat:
     reduction and the vote) or ``update``."""
     phase_s: float
     """Seconds since the phase began."""
+    still_s: float
+    """Seconds since ``count`` last moved."""
 
 
 class Progress:
     """The training thread's progress, read by the control thread (``beat``)."""
 
     def __init__(self) -> None:
-        self.count, self.phase, self._since = 0, "idle", time.monotonic()
+        self.count, self.phase = 0, "idle"
+        self._since = self._moved = time.monotonic()
 
     def enter(self, phase: str) -> None:
-        self.count += 1
-        self.phase, self._since = phase, time.monotonic()
+        self.tick()
+        self.phase, self._since = phase, self._moved
 
     def tick(self) -> None:
         self.count += 1
+        self._moved = time.monotonic()
 
     def beat(self) -> Heartbeat:
-        return Heartbeat(self.count, self.phase, time.monotonic() - self._since)
+        now = time.monotonic()
+        return Heartbeat(self.count, self.phase, now - self._since, now - self._moved)
 

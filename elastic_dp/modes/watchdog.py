@@ -51,7 +51,6 @@ class Watchdog:
         self.bounds, self.typical_step_s, self.clock = bounds, typical_step_s, clock
         self._pings: dict[Any, tuple[object, float]] = {}  # member -> (heartbeat ref, sent at)
         self._beats: dict[Any, tuple[Heartbeat, float]] = {}  # member -> (last answer, received at)
-        self._moved: dict[Any, tuple[int, float]] = {}  # member -> (progress count, first seen at)
         self._next = clock() + bounds.heartbeat_interval_s
 
     @property
@@ -72,6 +71,11 @@ class Watchdog:
             return []
         self._next = now + self.bounds.heartbeat_interval_s
         pending = list(pending)
+        for member in pending:
+            if member not in self._pings:  # one heartbeat out per member at a time
+                self._pings[member] = (member.actor.heartbeat.remote(), now)
+        # a healthy control thread answers in milliseconds: judge on this round's answers
+        ray.wait([ref for ref, _ in self._pings.values()], num_returns=len(self._pings), timeout=0.05)
         self._collect(now)
         hung = []
         for member in pending:
@@ -80,8 +84,6 @@ class Watchdog:
                 if silent >= self.bounds.heartbeat_timeout_s:
                     hung.append((member, f"{member!r} did not answer heartbeats for {silent:.1f} s (a frozen "
                                          f"process; --heartbeat-timeout {self.bounds.heartbeat_timeout_s:g})"))
-            else:
-                self._pings[member] = (member.actor.heartbeat.remote(), now)
         return hung + self._stalled([m for m in pending if all(m is not h for h, _ in hung)], now)
 
     def _collect(self, now: float) -> None:
@@ -96,8 +98,6 @@ class Watchdog:
             except ray.exceptions.RayError:
                 continue  # a dead worker: its call reports it
             self._beats[member] = (beat, now)
-            if member not in self._moved or self._moved[member][0] != beat.count:
-                self._moved[member] = (beat.count, now)
 
     def _stalled(self, pending: list[Any], now: float) -> list[tuple[Any, str]]:
         bound = self.stall_bound_s
@@ -107,9 +107,12 @@ class Watchdog:
             return []
         stalled = []
         for member in pending:
-            beat, _ = self._beats.get(member, (None, 0.0))
-            if beat is not None and beat.phase == "compute" and now - self._moved[member][1] >= bound:
-                stalled.append((member, f"{member!r} made no progress for {now - self._moved[member][1]:.1f} s "
-                                        f"while its peers waited {max(waited):.1f} s for it (a hung training "
-                                        f"thread; bound {bound:.1f} s: --stall-floor, --stall-factor)"))
+            beat, at = self._beats.get(member, (None, 0.0))
+            if beat is None or beat.phase != "compute" or at != now:
+                continue  # judged only on an answer to this round's heartbeat
+            still = beat.still_s
+            if still >= bound:
+                stalled.append((member, f"{member!r} made no progress for {still:.1f} s while its peers waited "
+                                        f"{max(waited):.1f} s for it (a hung training thread; bound {bound:.1f} s: "
+                                        "--stall-floor, --stall-factor)"))
         return stalled
