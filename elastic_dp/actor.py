@@ -7,6 +7,7 @@ abort — while the step is blocked in a collective.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -40,7 +41,7 @@ class WorkerActor:
     def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
         """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
         self.replica = Replica(task, config, self.device, self.group)
-        return self.replica.info()
+        return dataclasses.replace(self.replica.info(), node_id=ray.get_runtime_context().get_node_id())
 
     def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int,
                         fault: Fault | None = None) -> None:

@@ -37,6 +37,8 @@ class WorkerInfo:
     num_params: int
     ready_time: float
     """Wall-clock time at which the worker finished building its task (ready to join)."""
+    node_id: str = ""
+    """The Ray node the worker runs on."""
 
 
 @dataclass(frozen=True, slots=True)

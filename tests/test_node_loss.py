@@ -1,5 +1,7 @@
-"""Losing a node: a two-node Ray cluster on this machine, the node of rank 1 removed
-mid-run. The survivor re-forms in place and the run ends at the uninterrupted parameters."""
+"""Losing a node: a two-node Ray cluster on this machine, the second node removed mid-run.
+The survivors re-form in place and the run ends at the uninterrupted parameters. Under
+ZeRO the ranks alternate between the nodes, so every lost chunk has its peer snapshot on
+the surviving node: no checkpoint is restored."""
 
 from __future__ import annotations
 
@@ -9,20 +11,37 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 2e-5  # as in test_sync_equivalence
 
 
-def test_losing_a_node_reforms_over_the_survivor(tmp_path):
+def _run(out: Path, scenario: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "tests.scripts.node_loss", str(tmp_path / "out")],
+    proc = subprocess.run([sys.executable, "-m", "tests.scripts.node_loss", str(out), scenario],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["diff"] < TOL
-    assert report["steps"] == list(range(40))
     changes = [e for e in report["events"] if e["kind"] == "membership_changed"]
     assert changes, f"no membership change; the node was removed after step {report['removed_after_steps']}"
-    change = changes[0]
-    assert change["lost"] == 1 and change["world_size"] == 1
+    return report | {"change": changes[0]}
+
+
+def test_losing_a_node_reforms_over_the_survivor(tmp_path):
+    report = _run(tmp_path / "out", "replicated")
+    assert report["diff"] < TOL
+    assert report["steps"] == list(range(40))
+    assert report["change"]["lost"] == 1 and report["change"]["world_size"] == 1
     assert report["world_sizes"][0] == 2 and report["world_sizes"][-1] == 1
+
+
+def test_losing_a_node_under_zero_restores_every_chunk_from_peer_snapshots(tmp_path):
+    report = _run(tmp_path / "out", "zero")
+    assert report["diff"] < TOL
+    change = report["change"]
+    assert change["lost"] == 2 and change["world_size"] == 2 and sorted(change["lost_ranks"]) in ([0, 2], [1, 3])
+    assert "restored_step" in change
+    assert not any(e["kind"] == "restored_from_checkpoint" for e in report["events"])
+    assert report["world_sizes"][0] == 4 and report["world_sizes"][-1] == 2
+    assert sorted(set(report["steps"])) == list(range(30))

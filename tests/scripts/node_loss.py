@@ -1,6 +1,10 @@
 """Run in its own process by tests/test_node_loss.py: a two-node Ray cluster on this
-machine (ray.cluster_utils.Cluster), one worker per node; the second node is removed
-while training runs. Prints one JSON line with what the test checks."""
+machine (ray.cluster_utils.Cluster); the second node is removed while training runs.
+Prints one JSON line with what the test checks.
+
+    python -m tests.scripts.node_loss OUT replicated   one worker per node, stage 0
+    python -m tests.scripts.node_loss OUT zero         two workers per node, ZeRO-2
+"""
 
 from __future__ import annotations
 
@@ -15,21 +19,27 @@ import ray
 from ray.cluster_utils import Cluster
 from safetensors.torch import load_file
 
-from elastic_dp import ClusterConfig, Trainer
+from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
 from tests.reference import max_abs_diff, replay
-from tests.tasks import TINY_GPT_TASK
+from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
 
-# micro-batches of 1 make each step ~10x slower, so the node (removed after step 5) is gone
-# well before the end; more steps instead would let AdamW amplify float32 reduction noise
-# past the tolerance (measured: 2e-3 after 200 uninterrupted steps)
-STEPS = 40
+# replicated: micro-batches of 1 make each step ~10x slower, so the node (removed after
+# step 5) is gone well before the end; more steps instead would let AdamW amplify float32
+# reduction noise past the tolerance (measured: 2e-3 after 200 uninterrupted steps).
+# zero: the SGD task, paced by a sleep in its loss, for the same reason.
+SCENARIOS = {
+    "replicated": dict(task=TINY_GPT_TASK, steps=40, micro_batch=1, per_node=1, zero=0),
+    "zero": dict(task=paced_task(PacedLoss(seconds=0.03)), steps=30, micro_batch=1, per_node=2, zero=2),
+}
 
 
-def main(out: Path) -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    second = cluster.add_node(num_cpus=1)
+def main(out: Path, scenario: str) -> None:
+    s = SCENARIOS[scenario]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": s["per_node"], "include_dashboard": False})
+    second = cluster.add_node(num_cpus=s["per_node"])
     ray.init(address=cluster.address, log_to_driver=False)
-    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=STEPS, micro_batch=1)
+    task = s["task"]
+    config = dataclasses.replace(task.defaults, steps=s["steps"], micro_batch=s["micro_batch"], zero=s["zero"])
     removed_at = []
 
     def remove_second_node():
@@ -41,14 +51,17 @@ def main(out: Path) -> None:
 
     thread = threading.Thread(target=remove_second_node)
     thread.start()
-    try:
-        Trainer(TINY_GPT_TASK, train=config, cluster=ClusterConfig(workers=2, min_workers=1),
-                out_dir=str(out), progress=False).fit()
+    workers = 2 * s["per_node"]
+    try:  # a checkpoint to fall back to, so that a fallback would show (and not fail the run)
+        Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=s["per_node"]),
+                checkpoint=CheckpointConfig(dir=str(out / "ckpt"), every=4), out_dir=str(out),
+                progress=False).fit()
     finally:
         thread.join()
         ray.shutdown()
         cluster.shutdown()
-    expected = replay(TINY_GPT_TASK, config, str(out / "initial.safetensors"))
+    unpaced = dataclasses.replace(task, loss=PacedLoss()) if scenario == "zero" else task
+    expected = replay(unpaced, config, str(out / "initial.safetensors"))
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     print(json.dumps({"diff": max_abs_diff(load_file(out / "final.safetensors"), expected),
@@ -57,4 +70,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "replicated")

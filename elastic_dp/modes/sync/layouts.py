@@ -25,6 +25,9 @@ from .group import Generations
 class StateLayout(Protocol):
     """The synchronous mode's state, seen from the coordinator (no tensors)."""
 
+    def rank_order(self, members: list[Any]) -> list[Any]:
+        """The rank order for a generation over ``members`` (given in the policy's order)."""
+
     def started(self, step: int) -> None:
         """Every member of the current generation holds the state after ``step`` steps."""
 
@@ -66,6 +69,9 @@ class ReplicatedLayout:
         self.sampler_state = sampler_state
         self.at: dict[Any, int] = {}
         """The state step each member holds (members without state are absent)."""
+
+    def rank_order(self, members: list[Any]) -> list[Any]:
+        return list(members)  # any order: every member holds everything
 
     def started(self, step: int) -> None:
         self.at = {m: step for m in self.gens.members}

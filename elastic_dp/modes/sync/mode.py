@@ -67,6 +67,7 @@ class SyncMode:
 
     # -- start and end -------------------------------------------------------------------
     def start(self, members: list[Any], resume: TrainingState | None) -> int:
+        members = self.layout.rank_order(members)
         self._make_sampler(members)
         if resume is not None:
             check_resumable(resume.sampler, self.train, dataset_len=self.sampler.dataset_len)
@@ -147,9 +148,10 @@ class SyncMode:
 
     # -- membership changes ----------------------------------------------------------------
     def resize(self, members: list[Any]) -> None:
-        self.layout.resize(members)
+        self.layout.resize(self.layout.rank_order(members))
 
     def reform(self, members: list[Any], failure: Failure) -> RecoveryResult:
+        members = self.layout.rank_order(members)
         faults = self.faults.take_reform(failure.step, len(members)) if failure.in_flight else {}
         try:
             result = self.layout.reform(members, failure, faults)
@@ -167,7 +169,7 @@ class SyncMode:
 
     def restore(self, members: list[Any], state: TrainingState) -> None:
         self._attempt_started.clear()
-        self.layout.restore(members, state)
+        self.layout.restore(self.layout.rank_order(members), state)
 
     def save(self, store: CheckpointStore, step: int) -> Path:
         fault = self.faults.take(step - 1, 0, ("checkpoint",))
