@@ -39,9 +39,14 @@ def test_losing_a_node_reforms_over_the_survivor(tmp_path):
 def test_losing_a_node_under_zero_restores_every_chunk_from_peer_snapshots(tmp_path):
     report = _run(tmp_path / "out", "zero")
     assert report["diff"] < TOL
-    change = report["change"]
-    assert change["lost"] == 2 and change["world_size"] == 2 and sorted(change["lost_ranks"]) in ([0, 2], [1, 3])
-    assert "restored_step" in change
-    assert not any(e["kind"] == "restored_from_checkpoint" for e in report["events"])
-    assert report["world_sizes"][0] == 4 and report["world_sizes"][-1] == 2
-    assert sorted(set(report["steps"])) == list(range(30))
+    assert not any(e["kind"] == "restored_from_checkpoint" for e in report["events"]), "a chunk was lost"
+    changes = [e for e in report["events"] if e["kind"] == "membership_changed"]
+    lost = next(e for e in changes if e["lost"])
+    joins = changes[:changes.index(lost)]  # the second node's two workers, together or one by one
+    assert sum(e["joined"] for e in joins) == 2 and joins[-1]["world_size"] == 4
+    assert lost["lost"] == 2 and lost["world_size"] == 2
+    if lost["attempts"] == 1:  # else Ray reported the second death only once the group re-formed
+        assert lost["lost_ranks"] in ([0, 2], [1, 3])  # the node's two ranks were not neighbours
+    assert "restored_step" in lost
+    assert report["world_sizes"][0] == 2 and 4 in report["world_sizes"] and report["world_sizes"][-1] == 2
+    assert sorted(set(report["steps"])) == list(range(60))

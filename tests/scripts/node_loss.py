@@ -4,6 +4,10 @@ Prints one JSON line with what the test checks.
 
     python -m tests.scripts.node_loss OUT replicated   one worker per node, stage 0
     python -m tests.scripts.node_loss OUT zero         two workers per node, ZeRO-2
+
+In the zero scenario the second node joins after the run has started on the first
+node's two workers, so the workers become ready node by node (A A B B): only the rank
+order the sharded layout chooses keeps each peer snapshot on the other node.
 """
 
 from __future__ import annotations
@@ -29,37 +33,57 @@ from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
 # zero: the SGD task, paced by a sleep in its loss, for the same reason.
 SCENARIOS = {
     "replicated": dict(task=TINY_GPT_TASK, steps=40, micro_batch=1, per_node=1, zero=0),
-    "zero": dict(task=paced_task(PacedLoss(seconds=0.03)), steps=30, micro_batch=1, per_node=2, zero=2),
+    "zero": dict(task=paced_task(PacedLoss(seconds=0.05)), steps=60, micro_batch=1, per_node=2, zero=2),
 }
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(path: Path, ok, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok(_lines(path)) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def main(out: Path, scenario: str) -> None:
     s = SCENARIOS[scenario]
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": s["per_node"], "include_dashboard": False})
-    second = cluster.add_node(num_cpus=s["per_node"])
+    late = scenario == "zero"
+    second = None if late else cluster.add_node(num_cpus=s["per_node"])
     ray.init(address=cluster.address, log_to_driver=False)
     task = s["task"]
     config = dataclasses.replace(task.defaults, steps=s["steps"], micro_batch=s["micro_batch"], zero=s["zero"])
-    removed_at = []
+    removed_at, errors = [], []
 
-    def remove_second_node():
-        metrics = out / "metrics.jsonl"
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < 5:
-            time.sleep(0.01)
-        removed_at.append(len(metrics.read_text().splitlines()))
-        cluster.remove_node(second, allow_graceful=False)
+    def train():
+        try:  # a checkpoint to fall back to, so that a fallback would show (and not fail the run)
+            Trainer(task, train=config, cluster=ClusterConfig(workers=2 * s["per_node"], min_workers=s["per_node"]),
+                    checkpoint=CheckpointConfig(dir=str(out / "ckpt"), every=4), out_dir=str(out),
+                    progress=False).fit()
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
 
-    thread = threading.Thread(target=remove_second_node)
+    thread = threading.Thread(target=train)  # nodes are added and removed from the main thread only
     thread.start()
-    workers = 2 * s["per_node"]
-    try:  # a checkpoint to fall back to, so that a fallback would show (and not fail the run)
-        Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=s["per_node"]),
-                checkpoint=CheckpointConfig(dir=str(out / "ckpt"), every=4), out_dir=str(out),
-                progress=False).fit()
+    try:
+        metrics = out / "metrics.jsonl"
+        if late:  # the second node's workers join the running group, then it goes
+            _wait_for(metrics, lambda ms: len(ms) >= 2)
+            second = cluster.add_node(num_cpus=s["per_node"])
+            _wait_for(metrics, lambda ms: sum(m["world_size"] == 2 * s["per_node"] for m in ms) >= 3)
+        else:
+            _wait_for(metrics, lambda ms: len(ms) >= 5)
+        removed_at.append(len(_lines(metrics)))
+        cluster.remove_node(second, allow_graceful=False)
+        thread.join()
     finally:
         thread.join()
         ray.shutdown()
         cluster.shutdown()
+    if errors:
+        raise errors[0]
     unpaced = dataclasses.replace(task, loss=PacedLoss()) if scenario == "zero" else task
     expected = replay(unpaced, config, str(out / "initial.safetensors"))
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
