@@ -5,7 +5,7 @@ Public names: ``Trainer``, ``Task``, the config dataclasses, ``ElasticSampler``,
 """
 
 from .api import Trainer
-from .config import CheckpointConfig, ClusterConfig, TrainConfig
+from .config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig
 from .data import ElasticSampler, split
 from .errors import (CheckpointError, ClusterError, CollectiveError, ConfigError, ElasticDPError,
                      MembershipError, NonFiniteError, PlacementError, TaskError, WorkerError)
@@ -14,7 +14,7 @@ from .metrics import RunSummary
 from .task import Task, load_task
 
 __all__ = [
-    "Trainer", "Task", "load_task", "TrainConfig", "ClusterConfig", "CheckpointConfig",
+    "Trainer", "Task", "load_task", "TrainConfig", "ClusterConfig", "CheckpointConfig", "MetricsConfig",
     "ElasticSampler", "split", "RunSummary",
     "ElasticDPError", "ConfigError", "TaskError", "PlacementError", "CheckpointError", "WorkerError",
     "CollectiveError", "MembershipError", "ClusterError", "NonFiniteError", "Fault",

@@ -41,7 +41,9 @@ class WorkerActor:
     def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
         """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
         self.replica = Replica(task, config, self.device, self.group)
-        return dataclasses.replace(self.replica.info(), node_id=ray.get_runtime_context().get_node_id())
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        return dataclasses.replace(self.replica.info(), node_id=ray.get_runtime_context().get_node_id(),
+                                   device_name=name)
 
     def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int,
                         fault: Fault | None = None) -> None:

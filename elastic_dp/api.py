@@ -18,13 +18,13 @@ import socket
 import ray
 
 from .checkpoint import CheckpointStore
-from .config import CheckpointConfig, ClusterConfig, TrainConfig, check_batch_fits
+from .config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig, check_batch_fits
 from .coordinator import Coordinator
 from .errors import ClusterError
 from .faults import Fault, FaultPlan, parse_faults
 from .membership import Membership
 from .membership.pool import WorkerPool
-from .metrics import RunRecorder, RunSummary
+from .metrics import RunRecorder, RunSummary, Throughput
 from .modes import make_mode
 from .task import Task
 
@@ -41,24 +41,34 @@ class Trainer:
     def __init__(self, task: Task, *, train: TrainConfig | None = None,
                  cluster: ClusterConfig | None = None, checkpoint: CheckpointConfig | None = None,
                  out_dir: str | None = None, progress: bool | None = None,
-                 inject: list[str | Fault] = ()) -> None:
+                 inject: list[str | Fault] = (), metrics: MetricsConfig | None = None) -> None:
         self.task = task
         self.train = train or task.defaults
         self.cluster = cluster or ClusterConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
         self.out_dir = out_dir
+        self.metrics = metrics or MetricsConfig()
         check_batch_fits(self.train, self.cluster)
         self.progress = progress
         self.faults = parse_faults(inject, self.train, self.cluster, self.checkpoint)
 
     def fit(self) -> RunSummary:
         """Train to ``train.steps``; attaches to Ray, or starts an embedded local Ray."""
-        started = _ensure_ray(self.cluster)
+        recorder = RunRecorder(self.out_dir, total_steps=self.train.steps, progress=self.progress,
+                               tensorboard=self.metrics.tensorboard)  # refuses an unwritable one now
+        peak = self.metrics.peak_tflops
+        recorder.throughput = Throughput(self.task.tokens_per_sample, self.task.flops_per_sample,
+                                         peak * 1e12 if peak else None)
         try:
-            recorder = RunRecorder(self.out_dir, total_steps=self.train.steps, progress=self.progress)
+            started = _ensure_ray(self.cluster)
+        except BaseException:
+            recorder.close()
+            raise
+        try:
             return build_coordinator(self.task, self.train, self.cluster, self.checkpoint, recorder,
                                      self.faults).run()
         finally:
+            recorder.close()
             if started:
                 ray.shutdown()
 

@@ -4,6 +4,7 @@
         [--seed X] [--device auto|cpu|cuda] [--checkpoint-dir DIR --checkpoint-every K]
         [--resume] [--out DIR] [--zero 0|1|2 --snapshot-every K]
         [--on-nonfinite skip|fail --max-nonfinite-steps N]
+    elastic-dp report RUN_DIR [--out DIR]
     elastic-dp plan --params 7.5e9 --workers 64 --zero 1 [--gpu-memory 80GB]
         [--precision bf16|fp32] [--optimizer adam|adamw|sgd-momentum|sgd] [--json]
 
@@ -20,7 +21,7 @@ import logging
 import sys
 
 from .api import Trainer
-from .config import CheckpointConfig, ClusterConfig
+from .config import CheckpointConfig, ClusterConfig, MetricsConfig
 from .errors import ElasticDPError
 from .plan import MemoryPlan, parse_size, render
 from .task import load_task
@@ -81,9 +82,18 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-keep", type=int, default=3)
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     train.add_argument("--out", default=None, help="write initial/final weights, metrics.jsonl, events.jsonl here")
+    train.add_argument("--tensorboard", default=None, metavar="DIR",
+                       help="also write TensorBoard event files (scalars per step, membership changes) here")
+    train.add_argument("--peak-tflops", type=float, default=None,
+                       help="peak dense TFLOP/s of one worker's device, for model FLOPs utilisation "
+                            "(default: known GPUs' bf16 peak; none on CPUs)")
     train.add_argument("--progress", dest="progress", action="store_true", default=None,
                        help="force the progress bar (default: when stderr is a terminal)")
     train.add_argument("--no-progress", dest="progress", action="store_false")
+
+    report = sub.add_parser("report", help="plots and report.md from a run directory (--out of train)")
+    report.add_argument("run_dir", help="the directory a run wrote with --out (metrics.jsonl, events.jsonl)")
+    report.add_argument("--out", default=None, help="where to write the plots and report.md (default RUN_DIR/report)")
 
     plan = sub.add_parser("plan", help="per-worker memory and communication for a model size and ZeRO stage")
     plan.add_argument("--params", required=True, help="parameter count, e.g. 7.5e9 or 125M")
@@ -111,7 +121,8 @@ def _train(args: argparse.Namespace) -> int:
     checkpoint = CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
                                   resume=args.resume, keep=args.checkpoint_keep)
     summary = Trainer(task, train=train, cluster=cluster, checkpoint=checkpoint,
-                      out_dir=args.out, progress=args.progress, inject=args.inject).fit()
+                      out_dir=args.out, progress=args.progress, inject=args.inject,
+                      metrics=MetricsConfig(peak_tflops=args.peak_tflops, tensorboard=args.tensorboard)).fit()
     print(summary.render())
     return 0
 
@@ -124,11 +135,18 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from .report import write_report  # matplotlib only when a report is drawn
+    out = write_report(args.run_dir, args.out)
+    print(f"wrote {out / 'report.md'} and its plots")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return _plan(args) if args.command == "plan" else _train(args)
+        return {"plan": _plan, "report": _report, "train": _train}[args.command](args)
     except ElasticDPError as exc:
         print(f"elastic-dp: error: {exc}", file=sys.stderr)
         return 2

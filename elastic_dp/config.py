@@ -167,6 +167,21 @@ class CheckpointConfig:
                  "resume needs a checkpoint directory: pass --checkpoint-dir DIR with --resume")
 
 
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    """What a run reports besides metrics.jsonl and events.jsonl."""
+
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one worker's device, for model FLOPs utilisation
+    (``--peak-tflops``). None: from a table of known GPUs (bf16); no MFU on CPUs."""
+    tensorboard: str | None = None
+    """Write TensorBoard event files here (``--tensorboard``). None: none."""
+
+    def __post_init__(self) -> None:
+        _require(self.peak_tflops is None or self.peak_tflops > 0,
+                 f"peak_tflops must be positive, got {self.peak_tflops} (--peak-tflops)")
+
+
 def check_batch_fits(train: TrainConfig, cluster: ClusterConfig) -> None:
     """Every worker needs at least one sample of each global batch."""
     _require(train.global_batch >= cluster.workers,

@@ -187,7 +187,8 @@ class Coordinator:
         joined = [m for m in members if m not in self.membership.members]
         self.mode.resize(members)
         self.membership.admit(members)
-        self.recorder.event("membership_changed", cause=self.decision.reason, generation=self.mode.generation,
+        self.recorder.event("membership_changed", step=self.step, cause=self.decision.reason,
+                            generation=self.mode.generation,
                             world_size=len(members), joined=len(joined), lost=0,
                             reform_s=round(time.monotonic() - start, 4), steps_rerun=0,
                             ready_to_join_s=round(time.time() - min(m.ready_time for m in joined), 4))
@@ -223,7 +224,7 @@ class Coordinator:
             self.decision = MembershipDecision(Action.RESTORE, tuple(members), result.reason)
             return Transition(RunState.RESTORING, result.reason)
         self.membership.admit(members)
-        self._event_changed("membership_changed", result, **result.details)
+        self._event_changed("membership_changed", result, step=result.step, **result.details)
         self._go_to(result.step)
         return Transition(RunState.RUNNING, f"{result.outcome.value}: step {result.step} is next")
 

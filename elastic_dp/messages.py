@@ -20,6 +20,8 @@ class StepResult:
     """Sum over this worker's samples of the per-sample mean loss."""
     samples: int = 0
     grad_norm: float | None = None
+    lr: float | None = None
+    """The first param group's learning rate of the update (None: no update)."""
     loss_finite: bool = True
     """Every loss this worker computed in the step was finite."""
     nonfinite: bool = False
@@ -39,6 +41,8 @@ class WorkerInfo:
     """Wall-clock time at which the worker finished building its task (ready to join)."""
     node_id: str = ""
     """The Ray node the worker runs on."""
+    device_name: str = ""
+    """The GPU's name (``torch.cuda.get_device_name``); empty on a CPU."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,9 @@ With an output directory ``DIR`` a run writes::
     DIR/initial.safetensors   model state before the first step of this run
     DIR/final.safetensors     model state after the last step
     DIR/metrics.jsonl         one line per committed step: step, time (of the commit),
-                              loss, samples, step_s, world_size, generation (and worker timings);
+                              loss, samples, step_s, world_size, generation, worker timings,
+                              the coordinator's own time, samples_per_s (tokens_per_s, mfu
+                              when the task declares its tokens and FLOPs per sample);
                               a step skipped for a non-finite loss or gradient has loss null
                               and nonfinite true
     DIR/events.jsonl          membership and checkpoint events, timestamped
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import save_tensors
+from .exporters import TensorBoard
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ class RunSummary:
             detail = ", ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in ("time", "kind"))
             lines.append(f"    - {e['kind']}: {detail}")
         if self.out_dir:
-            lines.append(f"  output       {self.out_dir}")
+            lines.append(f"  output       {self.out_dir}  (plots: elastic-dp report {self.out_dir})")
         if self.sample:
             lines.append("  sample       " + self.sample.replace("\n", "\n               "))
         return "\n".join(lines)
@@ -69,10 +72,39 @@ def _short(value: Any, limit: int = 70) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
+# dense bf16 peak TFLOP/s of one device, for model FLOPs utilisation when --peak-tflops is not given
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0}
+
+
+def known_peak_tflops(device_name: str) -> float | None:
+    """The table's peak for a device name such as 'NVIDIA H100 80GB HBM3' (None: unknown)."""
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+
+
+@dataclass(slots=True)
+class Throughput:
+    """What turns a step's time into samples/s, tokens/s and model FLOPs utilisation."""
+
+    tokens_per_sample: int | None = None
+    flops_per_sample: float | None = None
+    peak_flops: float | None = None
+    """Per worker, FLOP/s."""
+
+    def figures(self, samples: int, step_s: float, world_size: int) -> dict[str, float]:
+        rate = samples / step_s if step_s > 0 else 0.0
+        out = {"samples_per_s": round(rate, 3)}
+        if self.tokens_per_sample:
+            out["tokens_per_s"] = round(rate * self.tokens_per_sample, 1)
+        if self.flops_per_sample and self.peak_flops:
+            out["mfu"] = round(rate * self.flops_per_sample / (world_size * self.peak_flops), 6)
+        return out
+
+
 class RunRecorder:
     """Writes a run's metrics and events and shows its progress."""
 
-    def __init__(self, out_dir: str | None, *, total_steps: int, progress: bool | None = None) -> None:
+    def __init__(self, out_dir: str | None, *, total_steps: int, progress: bool | None = None,
+                 tensorboard: str | None = None) -> None:
         self.out = Path(out_dir) if out_dir else None
         self._opened = False  # the output directory is touched only once there is output
         self.summary = RunSummary(out_dir=str(self.out) if self.out else None)
@@ -82,6 +114,8 @@ class RunRecorder:
         self._bar = None
         self._log_every = max(1, total_steps // 20)
         self._committed: dict[int, int] = {}  # step -> samples, of the steps recorded in this run
+        self.throughput = Throughput()
+        self.board = TensorBoard(tensorboard) if tensorboard else None
 
     def _open(self) -> bool:
         if self.out is not None and not self._opened:
@@ -107,16 +141,22 @@ class RunRecorder:
         record = {"time": time.time(), "kind": kind, **fields}
         self.summary.events.append(record)
         self._append("events.jsonl", record)
+        if self.board is not None:
+            self.board.event(record)
         logger.info("event %s: %s", kind, fields)
 
     def step(self, *, step: int, loss: float | None, samples: int, step_s: float, world_size: int,
-             generation: int, timings: dict[str, float] | None = None, nonfinite: bool = False) -> None:
+             generation: int, timings: dict[str, float] | None = None, nonfinite: bool = False,
+             lr: float | None = None, grad_norm: float | None = None) -> None:
         """A committed step; ``nonfinite``: skipped as a no-op (its loss is recorded as null)."""
         record = {"step": step, "time": time.time(), "loss": loss, "samples": samples, "step_s": step_s,
-                  "world_size": world_size, "generation": generation, **(timings or {})}
-        if nonfinite:
-            record["nonfinite"] = True
+                  "world_size": world_size, "generation": generation, **(timings or {}),
+                  **self.throughput.figures(samples, step_s, world_size)}
+        record.update({k: v for k, v in (("lr", lr), ("grad_norm", grad_norm), ("nonfinite", nonfinite or None))
+                       if v is not None})
         self._append("metrics.jsonl", record)
+        if self.board is not None:
+            self.board.step(record)
         s = self.summary
         s.steps += 1
         s.samples += samples
@@ -151,4 +191,11 @@ class RunRecorder:
         if self._bar is not None:
             self._bar.close()
         self.summary.seconds = time.perf_counter() - self._t0
+        self.close()
         return self.summary
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard files (a failed run keeps what it wrote)."""
+        if self.board is not None:
+            self.board.close()
+            self.board = None

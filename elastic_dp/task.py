@@ -44,6 +44,11 @@ class Task:
     sample: Callable[[torch.nn.Module], str] | None = None
     """Optional: a short text showing what the trained model does (the GPT job generates
     text). Run on rank 0 after the last step; shown in the run summary."""
+    tokens_per_sample: int | None = None
+    """Optional: tokens in one sample; the run then reports tokens/s."""
+    flops_per_sample: float | None = None
+    """Optional: training FLOPs of one sample, forward and backward; the run then reports
+    model FLOPs utilisation against the peak (``--peak-tflops``, or known GPUs')."""
 
 
 def load_task(job: str) -> Task:

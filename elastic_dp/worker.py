@@ -203,4 +203,5 @@ class Replica:
         factor = self.config.lr_factor(step)
         for group, base in zip(self.strategy.param_groups, self.base_lrs):
             group["lr"] = base * factor
+        result.lr = self.strategy.param_groups[0]["lr"]
         self.strategy.optimizer_step(step)

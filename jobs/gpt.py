@@ -129,8 +129,17 @@ def generate(model: nn.Module, prompt: bytes = b"def ", length: int = 160, seed:
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
 
+def training_flops_per_sample(model: GPT, context: int = CONTEXT) -> float:
+    """Forward and backward FLOPs of one window: 6 x parameters per token (the tied
+    embedding counted once, as the output matmul), plus attention's 12 x layers x dim x
+    context per token (PaLM, appendix B)."""
+    params = sum(p.numel() for p in model.parameters())
+    dim, layers = model.tok.embedding_dim, len(model.blocks)
+    return context * (6 * params + 12 * layers * dim * context)
+
+
 TASK = Task(model=build_model, dataset=build_dataset, loss=loss, optimizer=build_optimizer,
-            sample=generate,
+            sample=generate, tokens_per_sample=CONTEXT, flops_per_sample=training_flops_per_sample(GPT()),
             defaults=TrainConfig(steps=150, global_batch=32, micro_batch=16, warmup_steps=10,
                                  clip_grad_norm=1.0))
 

@@ -24,7 +24,7 @@ from ...data import ElasticSampler, check_resumable, split
 from ...errors import CollectiveError, TaskError
 from ...faults import FaultPlan
 from ...messages import StepResult
-from ...metrics import RunRecorder
+from ...metrics import RunRecorder, known_peak_tflops
 from ..base import Failure, MembersLost, Recovery, RecoveryResult
 from ..calls import Calls
 from ..guard import NonFiniteGuard
@@ -69,6 +69,9 @@ class SyncMode:
     def start(self, members: list[Any], resume: TrainingState | None) -> int:
         members = self.layout.rank_order(members)
         self._make_sampler(members)
+        if self.recorder.throughput.peak_flops is None:  # no --peak-tflops: a known GPU's
+            peak = known_peak_tflops(members[0].info.device_name)
+            self.recorder.throughput.peak_flops = peak * 1e12 if peak else None
         if resume is not None:
             check_resumable(resume.sampler, self.train, dataset_len=self.sampler.dataset_len)
         logger.info("%d workers; model has %d parameters; dataset has %d samples, %d steps per epoch",
@@ -137,11 +140,13 @@ class SyncMode:
         skipped = any(r.nonfinite for r in results)
         loss = None if skipped else sum(r.loss_sum for r in results) / samples
         timings = {k: round(max(r.timings.get(k, 0.0) for r in results), 6) for k in results[0].timings}
+        if results[0].timings:  # the rest of the step: dispatch, gather, and this coordinator's own work
+            timings["coordinator_s"] = round(max(0.0, seconds - max(sum(r.timings.values()) for r in results)), 6)
         # every sample of the step was trained (the gradients of a rank lost after the vote
         # were in the all-reduce), even when fewer results came back
         self.recorder.step(step=step, loss=loss, samples=self.train.global_batch, step_s=seconds,
                            world_size=len(self.members), generation=self.generation, timings=timings,
-                           nonfinite=skipped)
+                           nonfinite=skipped, lr=results[0].lr, grad_norm=results[0].grad_norm)
         self._step_times.append(seconds)
         self.gens.calls.typical_step_s = statistics.median(self._step_times)
         self.guard.check(step, results)

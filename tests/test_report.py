@@ -1,0 +1,120 @@
+"""What a run shows people: ``elastic-dp report`` plots and report.md, TensorBoard scalars,
+throughput and model FLOPs utilisation. One run with a kill and a join feeds the first
+two; the markers are checked in the plotted data (the figure's lines), not in the
+pixels, and the TensorBoard files are read back with TensorBoard's own reader."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from elastic_dp import ClusterConfig, ConfigError, MetricsConfig, Trainer
+from elastic_dp.metrics import Throughput, known_peak_tflops
+from elastic_dp.report import ReportError, plot_loss, read_run, write_report
+from tests.tasks import MLP_TASK
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run_dir(ray_cluster, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run")
+    config = dataclasses.replace(MLP_TASK.defaults, steps=8)
+    Trainer(MLP_TASK, train=config, cluster=ClusterConfig(workers=3, min_workers=1), out_dir=str(out),
+            progress=False, inject=["kill:step=2:rank=1", "join:step=5"],
+            metrics=MetricsConfig(tensorboard=str(out / "tb"))).fit()
+    return out
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_report_draws_every_plot_and_marks_each_change_at_its_step(run_dir, tmp_path):
+    out = write_report(run_dir, tmp_path / "report")
+    for name in ("loss.png", "throughput.png", "breakdown.png"):
+        with Image.open(out / name) as image:
+            image.verify()
+        with Image.open(out / name) as image:
+            assert image.format == "PNG" and image.size == (800, 450)
+    changes = [e for e in _events(run_dir) if e["kind"] == "membership_changed"]
+    kill = next(e for e in changes if e["lost"])
+    assert kill["step"] == 2  # rank 1 died in step 2; the next generation trained step 2 again
+    assert any(e["step"] == 5 and e["joined"] for e in changes)  # join:step=5
+    fig = plot_loss(read_run(run_dir))
+    marked = [line.get_xdata()[0] for line in fig.axes[0].lines if line.get_gid() == "change"]
+    assert sorted(marked) == sorted(e["step"] for e in changes)
+    loss_line = fig.axes[0].lines[0]
+    assert list(loss_line.get_xdata()) == list(range(8))
+    report = (out / "report.md").read_text()
+    assert "![loss](loss.png)" in report and "workers lost: 1" in report and "steps: 8" in report
+
+
+def test_a_truncated_last_line_is_left_out_and_said(run_dir, tmp_path):
+    copy = tmp_path / "copied"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report"))
+    text = (copy / "metrics.jsonl").read_text()
+    (copy / "metrics.jsonl").write_text(text[:-20])  # the last line cut mid-way, as by a crash
+    log = read_run(copy)
+    assert [m["step"] for m in log.metrics] == list(range(7))
+    out = write_report(copy)
+    assert "metrics.jsonl: the last line is truncated" in (out / "report.md").read_text()
+
+
+def test_a_directory_without_metrics_is_refused_naming_it(tmp_path):
+    with pytest.raises(ReportError, match="has no metrics.jsonl: pass the directory a run wrote with --out"):
+        read_run(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "elastic_dp.cli", "report", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"{tmp_path} has no metrics.jsonl" in proc.stderr
+    assert not (tmp_path / "report").exists()
+
+
+def test_tensorboard_scalars_read_back_with_tensorboards_reader(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / "tb"))
+    board.Reload()
+    metrics = _metrics(run_dir)
+    last = {m["step"]: m for m in metrics}  # a re-run step is written twice; its last value counts
+    loss = board.Scalars("train/loss")
+    assert sorted({e.step for e in loss}) == sorted(last)
+    assert all(abs(e.value - last[e.step]["loss"]) < 1e-6 for e in loss if e.wall_time == last[e.step]["time"])
+    sizes = {e.step: e.value for e in board.Scalars("cluster/world_size")}
+    assert all(sizes[s] == m["world_size"] for s, m in last.items())
+    for tag in ("train/lr", "throughput/samples_per_s", "time/step_s", "time/compute_s", "time/coordinator_s"):
+        assert len(board.Scalars(tag)) >= 8, tag
+    changes = [e for e in _events(run_dir) if e["kind"] == "membership_changed"]
+    marks = board.Scalars("cluster/membership_changes")
+    assert [e.step for e in marks] == [e["step"] for e in changes] and marks[-1].value == len(changes)
+    assert "tokens_per_s" not in metrics[0]  # the task declares no tokens per sample
+
+
+def test_throughput_tokens_and_model_flops_utilisation():
+    figures = Throughput(tokens_per_sample=64, flops_per_sample=3e8, peak_flops=1e12).figures(32, 0.5, 2)
+    assert figures == {"samples_per_s": 64.0, "tokens_per_s": 4096.0, "mfu": 64 * 3e8 / (2 * 1e12)}
+    assert Throughput().figures(32, 0.5, 2) == {"samples_per_s": 64.0}  # no tokens, FLOPs or peak declared
+    assert known_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and known_peak_tflops("") is None
+    from jobs.gpt import TASK, GPT, CONTEXT
+    params = sum(p.numel() for p in GPT().parameters())
+    assert TASK.tokens_per_sample == CONTEXT and TASK.flops_per_sample >= 6 * params * CONTEXT
+
+
+def test_an_unwritable_tensorboard_path_is_refused_before_anything_starts(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"TensorBoard directory .* cannot be written.*--tensorboard"):
+        Trainer(MLP_TASK, cluster=ClusterConfig(workers=2), out_dir=str(tmp_path / "out"), progress=False,
+                metrics=MetricsConfig(tensorboard=str(blocker / "tb"))).fit()
+    assert not (tmp_path / "out").exists()
