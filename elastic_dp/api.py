@@ -21,6 +21,7 @@ from .checkpoint import CheckpointStore
 from .config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig, check_batch_fits
 from .coordinator import Coordinator
 from .errors import ClusterError
+from .exporters import RayMetrics
 from .faults import Fault, FaultPlan, parse_faults
 from .membership import Membership
 from .membership.pool import WorkerPool
@@ -64,6 +65,9 @@ class Trainer:
         except BaseException:
             recorder.close()
             raise
+        if self.metrics.ray_metrics:
+            name = self.metrics.name or (os.path.basename(os.path.normpath(self.out_dir)) if self.out_dir else None)
+            recorder.exporters.append(RayMetrics(name or "elastic_dp"))
         try:
             return build_coordinator(self.task, self.train, self.cluster, self.checkpoint, recorder,
                                      self.faults).run()

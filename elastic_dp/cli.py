@@ -84,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default=None, help="write initial/final weights, metrics.jsonl, events.jsonl here")
     train.add_argument("--tensorboard", default=None, metavar="DIR",
                        help="also write TensorBoard event files (scalars per step, membership changes) here")
+    train.add_argument("--run-name", default=None,
+                       help="the run tag of its Ray (Prometheus) metrics (default: the --out directory's name)")
+    train.add_argument("--no-ray-metrics", dest="ray_metrics", action="store_false",
+                       help="do not export the run's figures as Ray metrics")
     train.add_argument("--peak-tflops", type=float, default=None,
                        help="peak dense TFLOP/s of one worker's device, for model FLOPs utilisation "
                             "(default: known GPUs' bf16 peak; none on CPUs)")
@@ -122,7 +126,8 @@ def _train(args: argparse.Namespace) -> int:
                                   resume=args.resume, keep=args.checkpoint_keep)
     summary = Trainer(task, train=train, cluster=cluster, checkpoint=checkpoint,
                       out_dir=args.out, progress=args.progress, inject=args.inject,
-                      metrics=MetricsConfig(peak_tflops=args.peak_tflops, tensorboard=args.tensorboard)).fit()
+                      metrics=MetricsConfig(peak_tflops=args.peak_tflops, tensorboard=args.tensorboard,
+                                            ray_metrics=args.ray_metrics, name=args.run_name)).fit()
     print(summary.render())
     return 0
 

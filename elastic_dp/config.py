@@ -176,6 +176,11 @@ class MetricsConfig:
     (``--peak-tflops``). None: from a table of known GPUs (bf16); no MFU on CPUs."""
     tensorboard: str | None = None
     """Write TensorBoard event files here (``--tensorboard``). None: none."""
+    ray_metrics: bool = True
+    """Export the figures as Ray metrics for Prometheus (``--no-ray-metrics`` turns it off)."""
+    name: str | None = None
+    """The run's name, the ``run`` tag of its Ray metrics (``--run-name``). None: the name
+    of the output directory, else ``elastic_dp``."""
 
     def __post_init__(self) -> None:
         _require(self.peak_tflops is None or self.peak_tflops > 0,

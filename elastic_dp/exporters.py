@@ -1,6 +1,6 @@
 """Where a run's figures go besides metrics.jsonl and events.jsonl (which stay the source
 of truth): TensorBoard event files, through TensorBoard's own writer (torch's
-``SummaryWriter``).
+``SummaryWriter``), and Ray metrics for Prometheus (``RayMetrics``, below).
 
 Per committed step: ``train/loss``, ``train/lr`` (the first param group's),
 ``train/grad_norm`` (with clipping), ``throughput/samples_per_s``, ``throughput/tokens_per_s``
@@ -76,3 +76,48 @@ class TensorBoard:
         if self._writer is not None:
             self._writer.flush()
             self._writer.close()
+
+
+GAUGES = ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "mfu", "world_size", "generation", "step_s",
+          "compute_s", "reduce_wait_s", "optimizer_s", "snapshot_s", "coordinator_s")
+COUNTERS = {"steps": "committed steps (a step trained again counts again)",
+            "failures": "failures recovered from (workers lost in a step, a save or a re-formation)",
+            "reformations": "groups formed after a failure or a join",
+            "restores": "restarts from the durable checkpoint",
+            "skipped_steps": "steps skipped for a non-finite loss or gradient"}
+
+
+class RayMetrics:
+    """The same figures as Ray metrics (``ray.util.metrics``), tagged ``run=<name>``: the
+    node's metrics agent serves them to Prometheus (the Ray dashboard's Grafana, a KubeRay
+    PodMonitor) as ``ray_elastic_dp_<figure>`` gauges and ``ray_elastic_dp_<count>_total``
+    counters. Needs Ray to be initialised."""
+
+    def __init__(self, run: str) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        self.tags = {"run": run}
+        self.gauges = {k: Gauge(f"elastic_dp_{k}", description=f"elastic_dp: {k} of the last committed step",
+                                tag_keys=("run",)) for k in GAUGES}
+        self.counters = {k: Counter(f"elastic_dp_{k}", description=f"elastic_dp: {text}", tag_keys=("run",))
+                         for k, text in COUNTERS.items()}
+
+    def step(self, record: dict[str, Any]) -> None:
+        for key, gauge in self.gauges.items():
+            if record.get(key) is not None:
+                gauge.set(float(record[key]), tags=self.tags)
+        self.counters["steps"].inc(1, tags=self.tags)
+        if record.get("nonfinite"):
+            self.counters["skipped_steps"].inc(1, tags=self.tags)
+
+    def event(self, record: dict[str, Any]) -> None:
+        kind = record["kind"]
+        if kind in CHANGES:
+            self.counters["reformations"].inc(1, tags=self.tags)
+        if kind == "restored_from_checkpoint":
+            self.counters["restores"].inc(1, tags=self.tags)
+        if (kind in CHANGES and record.get("lost")) or kind == "reform_interrupted":
+            self.counters["failures"].inc(1, tags=self.tags)
+
+    def close(self) -> None:
+        pass  # Ray's metrics agent keeps serving the last values while the driver lives

@@ -60,9 +60,11 @@ class RunSummary:
             detail = ", ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in ("time", "kind"))
             lines.append(f"    - {e['kind']}: {detail}")
         if self.out_dir:
-            lines.append(f"  output       {self.out_dir}  (plots: elastic-dp report {self.out_dir})")
+            lines.append(f"  output       {self.out_dir}")
         if self.sample:
             lines.append("  sample       " + self.sample.replace("\n", "\n               "))
+        if self.out_dir:
+            lines.append(f"  plots        elastic-dp report {self.out_dir}")
         return "\n".join(lines)
 
 
@@ -115,7 +117,7 @@ class RunRecorder:
         self._log_every = max(1, total_steps // 20)
         self._committed: dict[int, int] = {}  # step -> samples, of the steps recorded in this run
         self.throughput = Throughput()
-        self.board = TensorBoard(tensorboard) if tensorboard else None
+        self.exporters: list = [TensorBoard(tensorboard)] if tensorboard else []
 
     def _open(self) -> bool:
         if self.out is not None and not self._opened:
@@ -141,8 +143,8 @@ class RunRecorder:
         record = {"time": time.time(), "kind": kind, **fields}
         self.summary.events.append(record)
         self._append("events.jsonl", record)
-        if self.board is not None:
-            self.board.event(record)
+        for exporter in self.exporters:
+            exporter.event(record)
         logger.info("event %s: %s", kind, fields)
 
     def step(self, *, step: int, loss: float | None, samples: int, step_s: float, world_size: int,
@@ -155,8 +157,8 @@ class RunRecorder:
         record.update({k: v for k, v in (("lr", lr), ("grad_norm", grad_norm), ("nonfinite", nonfinite or None))
                        if v is not None})
         self._append("metrics.jsonl", record)
-        if self.board is not None:
-            self.board.step(record)
+        for exporter in self.exporters:
+            exporter.step(record)
         s = self.summary
         s.steps += 1
         s.samples += samples
@@ -195,7 +197,7 @@ class RunRecorder:
         return self.summary
 
     def close(self) -> None:
-        """Flush and close the TensorBoard files (a failed run keeps what it wrote)."""
-        if self.board is not None:
-            self.board.close()
-            self.board = None
+        """Flush and close the exporters (a failed run keeps what it wrote)."""
+        for exporter in self.exporters:
+            exporter.close()
+        self.exporters = []

@@ -118,3 +118,36 @@ def test_an_unwritable_tensorboard_path_is_refused_before_anything_starts(tmp_pa
         Trainer(MLP_TASK, cluster=ClusterConfig(workers=2), out_dir=str(tmp_path / "out"), progress=False,
                 metrics=MetricsConfig(tensorboard=str(blocker / "tb"))).fit()
     assert not (tmp_path / "out").exists()
+
+
+def _scrape(ray_cluster, run: str, ready, timeout_s: float = 40.0) -> dict[str, float]:
+    """The ``ray_elastic_dp_*`` samples tagged ``run=<run>`` on this node's metrics endpoint."""
+    import re
+    import time
+    import urllib.request
+
+    port = next(n["MetricsExportPort"] for n in ray_cluster.nodes() if n["Alive"])
+    deadline = time.monotonic() + timeout_s
+    while True:  # the agent exports every few seconds
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        found = {}
+        for line in text.splitlines():
+            m = re.match(r'ray_(elastic_dp_\w+)\{(.*)\} (\S+)$', line)
+            if m and f'run="{run}"' in m.group(2):
+                found[m.group(1)] = float(m.group(3))
+        if ready(found) or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
+
+
+def test_the_runs_figures_are_ray_metrics_that_prometheus_scrapes(ray_cluster, run_dir):
+    metrics, events = _metrics(run_dir), _events(run_dir)
+    # the run tag defaults to the --out directory's name; wait for an export after the last step
+    found = _scrape(ray_cluster, run_dir.name, lambda f: f.get("elastic_dp_steps_total") == len(metrics))
+    assert found["elastic_dp_world_size"] == metrics[-1]["world_size"]
+    assert found["elastic_dp_loss"] == pytest.approx(metrics[-1]["loss"])
+    assert found["elastic_dp_steps_total"] == len(metrics)
+    changes = [e for e in events if e["kind"] == "membership_changed"]
+    assert found["elastic_dp_reformations_total"] == len(changes)
+    assert found["elastic_dp_failures_total"] == sum(1 for e in changes if e["lost"]) == 1
+    assert found.get("elastic_dp_restores_total", 0.0) == 0.0
