@@ -178,6 +178,11 @@ def _markdown(log: RunLog, run_dir: str | Path, plots: list[str]) -> str:
              f"- world size: {min(x['world_size'] for x in m)}..{max(x['world_size'] for x in m)}; "
              f"membership changes and restores: {len(log.changes)}; workers lost: {lost}",
              f"- steps skipped for a non-finite loss or gradient: {sum(bool(x.get('nonfinite')) for x in m)}"]
+    for key, label, unit in (("tokens_per_s", "tokens/s", ""), ("mfu", "model FLOPs utilisation", "%")):
+        values = [x[key] for x in m if x.get(key) is not None]
+        if values:
+            median = statistics.median(values) * (100 if unit == "%" else 1)
+            lines.append(f"- {label}, median: {median:.1f}{unit}")
     lines += [f"- note: {n}" for n in log.notes]
     lines += ["", *(f"![{p.removesuffix('.png')}]({p})" for p in plots), ""]
     return "\n".join(lines)
