@@ -113,6 +113,19 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockedOnceMarked:
+    """``tiny_gpt``, except that once ``marker`` exists, building the model blocks forever:
+    a worker started after that never becomes ready."""
+
+    marker: str
+
+    def __call__(self) -> nn.Module:
+        if os.path.exists(self.marker):
+            threading.Event().wait()
+        return tiny_gpt()
+
+
 TINY_GPT_TASK = Task(model=tiny_gpt, dataset=tiny_corpus, loss=gpt.loss, optimizer=adamw,
                      defaults=TrainConfig(steps=6, global_batch=12, micro_batch=4, seed=5,
                                           warmup_steps=2, clip_grad_norm=1.0))

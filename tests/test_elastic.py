@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
 from tests.reference import max_abs_diff, replay
-from tests.tasks import TINY_GPT_TASK
+from tests.tasks import TINY_GPT_TASK, BlockedOnceMarked
 
 TOL = 2e-5
 
@@ -114,42 +114,35 @@ def _worker_processes_gone(timeout_s: float = 15.0) -> bool:
 
 
 def test_below_min_waits_for_capacity_then_fails_clearly(ray_cluster, tmp_path):
-    from ray.util.placement_group import placement_group, remove_placement_group
-
+    """A replacement is requested at once but never becomes ready: its model factory blocks
+    once the run has started (a marker file), as a worker would that cannot be placed or
+    built. (Holding the cluster's CPUs instead made the test depend on the order in which
+    Ray places pending placement groups.)"""
     from elastic_dp import MembershipError
 
-    total = int(ray_cluster.cluster_resources()["CPU"])
-    deadline = time.monotonic() + 30  # the previous test's workers may still be releasing CPUs
-    while ray_cluster.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
-        time.sleep(0.1)
-    free = int(ray_cluster.available_resources().get("CPU", 0))
-    assert free >= 3, f"the test needs 3 free CPUs, {free} are free"
-    # Leave room for exactly the 2 workers; once they are placed, queue a request for the
-    # next free CPU, so the CPU a dead worker frees goes to it (Ray places pending groups
-    # in order) and no replacement can be placed.
-    held = placement_group([{"CPU": 1}] * (free - 2))
-    ray_cluster.get(held.ready(), timeout=30)
-    queued = []
+    marker = tmp_path / "no-new-workers"
+    task = dataclasses.replace(TINY_GPT_TASK, model=BlockedOnceMarked(str(marker)))
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=40)
+    out = tmp_path / "out"
 
-    def queue_when_full():
-        deadline = time.monotonic() + 60
-        while ray_cluster.available_resources().get("CPU", 0) > 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        queued.append(placement_group([{"CPU": 1}]))
+    def mark_once_started():
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        marker.touch()
 
-    thread = threading.Thread(target=queue_when_full)
+    thread = threading.Thread(target=mark_once_started)
     thread.start()
     try:
         start = time.monotonic()
         with pytest.raises(MembershipError, match=r"only 1 workers available after waiting 3 s.*MIN in --workers MIN:MAX"):
-            run_against_replay(tmp_path, 2, ["kill:step=2:rank=1"], min_wait_timeout_s=3.0)
+            Trainer(task, train=config, cluster=ClusterConfig(workers=2, min_wait_timeout_s=3.0), out_dir=str(out),
+                    progress=False, inject=["kill:step=30:rank=1"]).fit()
         assert time.monotonic() - start >= 3.0
-        events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
         assert not any(e["kind"] == "membership_changed" for e in events)
     finally:
         thread.join()
-        for group in [*queued, held]:
-            remove_placement_group(group)
 
 
 def test_all_workers_lost_restarts_from_the_latest_checkpoint(ray_cluster, tmp_path):

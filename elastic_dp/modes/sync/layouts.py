@@ -97,7 +97,8 @@ class ReplicatedLayout:
         needs = [m for m in members if self.at.get(m) != step]
         if needs:
             meta, state = source.actor.share_state.remote(step, self.sampler_state())
-            self.gens.run([source], {meta: source})  # the source is alive until it shared
+            group = members if source in members else [source, *members]  # who survives if it dies
+            self.gens.run(group, {meta: source})  # the source is alive until it shared
             loaded = self.gens.calls.gather({m.actor.load_state.remote(state): m for m in needs},
                                             self.gens.generation)
             self.at.update({m: step for m in loaded.results})

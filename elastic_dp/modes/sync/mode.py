@@ -103,8 +103,8 @@ class SyncMode:
                 "dataset_len": self.sampler.dataset_len}
 
     def _from_rank0(self, method: str) -> Any:
-        rank0 = self.members[0]
-        return self.gens.run([rank0], {getattr(rank0.actor, method).remote(): rank0})[rank0]
+        rank0 = self.members[0]  # its loss is a failure of the whole group (the others survive)
+        return self.gens.run(self.members, {getattr(rank0.actor, method).remote(): rank0})[rank0]
 
     def finish(self) -> None:
         self.recorder.weights("final", self._from_rank0("model_state"))
