@@ -73,6 +73,14 @@ def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> N
         tmp.unlink(missing_ok=True)
 
 
+def probe_writable(directory: Path) -> None:
+    """Create ``directory`` and write and remove a file in it; OSError when that fails."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".probe-{uuid.uuid4().hex}"
+    probe.write_bytes(b"ok")
+    probe.unlink()
+
+
 # -- optimizer state <-> name-keyed tensors ----------------------------------------------
 def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict]:
     """Split ``optimizer``'s state into tensors keyed by parameter name and JSON metadata.
@@ -160,10 +168,7 @@ class CheckpointStore:
     def check_writable(self) -> None:
         """Fail now, before training, if checkpoints could not be written."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe-{uuid.uuid4().hex}"
-            probe.write_bytes(b"ok")
-            probe.unlink()
+            probe_writable(self.dir)
         except OSError as exc:
             raise CheckpointError(f"checkpoint directory {str(self.dir)!r} is not writable "
                                   f"({exc.strerror or exc}): pass a writable --checkpoint-dir") from None

@@ -14,10 +14,10 @@ non-finite steps, a resume, re-formations interrupted, faults that never fired).
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import probe_writable
 from .errors import ConfigError
 
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -35,10 +35,7 @@ class TensorBoard:
     def __init__(self, directory: str | Path) -> None:
         directory = Path(directory)
         try:  # refuse now, before any worker starts, rather than after the first step
-            directory.mkdir(parents=True, exist_ok=True)
-            probe = directory / f".probe-{uuid.uuid4().hex}"
-            probe.write_bytes(b"ok")
-            probe.unlink()
+            probe_writable(directory)
         except OSError as exc:
             raise ConfigError(f"the TensorBoard directory {str(directory)!r} cannot be written "
                               f"({exc.strerror or exc}): pass a writable --tensorboard DIR") from None

@@ -129,8 +129,6 @@ class FaultPlan:
 
     def take(self, step: int, rank: int, phases: tuple[str, ...]) -> Fault | None:
         """The first pending fault for ``rank`` at ``step`` in one of ``phases`` (handed out)."""
-        if "checkpoint" in phases:
-            self._sizes["checkpoint", step].add(1)
         for fault in self._pending:
             if fault.kind != "join" and fault.step == step and fault.rank == rank and fault.phase in phases:
                 self._pending.remove(fault)
@@ -142,6 +140,11 @@ class FaultPlan:
         self._sizes["step", step].add(world_size)
         taken = {rank: self.take(step, rank, phases) for rank in range(world_size)}
         return {rank: f for rank, f in taken.items() if f is not None}
+
+    def take_checkpoint(self, step: int) -> Fault | None:
+        """The fault for rank 0 while the checkpoint after ``step`` is saved."""
+        self._sizes["checkpoint", step].add(1)
+        return self.take(step, 0, ("checkpoint",))
 
     def take_reform(self, step: int, world_size: int) -> dict[int, Fault]:
         """The faults of the generation that re-forms after a failure in ``step``."""

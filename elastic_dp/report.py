@@ -25,9 +25,9 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from .errors import ElasticDPError
+from .exporters import CHANGES
 
 PHASES = ("compute_s", "reduce_wait_s", "optimizer_s", "snapshot_s", "coordinator_s")
-CHANGES = ("membership_changed", "restored_from_checkpoint")
 
 
 class ReportError(ElasticDPError):

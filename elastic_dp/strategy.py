@@ -140,7 +140,7 @@ class Replicated(BucketedGradients):
         rank, world = self.group.rank, max(self.group.world_size, 1)
         parts = [b.buffer[rank * b.buffer.numel() // world:(rank + 1) * b.buffer.numel() // world]
                  for b in self.reducer.buckets]
-        return bool(torch.stack([torch.isfinite(p).all() for p in parts]).all()) if parts else True
+        return all_finite(parts)
 
     def optimizer_step(self, step: int) -> None:
         self.optimizer.step()
@@ -178,6 +178,11 @@ class Replicated(BucketedGradients):
                    for k, v in state.optimizer_tensors.items()
                    if not k.endswith("/master")}  # fp32 masters are ZeRO's; stage 0 has none
         load_optimizer_state(self.optimizer, self.names, tensors, state.optimizer_meta)
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Every element of ``tensors`` is finite (one device sync, not one per tensor)."""
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
 
 
 def nbytes(tensors) -> int:

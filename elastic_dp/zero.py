@@ -45,7 +45,7 @@ from .errors import CollectiveError, ConfigError
 from .faults import Fault, trigger
 from .reducer import GradientReducer, make_buckets
 from .shards import ShardState, Snapshot, cut, keep, needed_sources, pack, unpack
-from .strategy import BucketedGradients, broadcast_tensors, inside, nbytes
+from .strategy import BucketedGradients, all_finite, broadcast_tensors, inside, nbytes
 
 # Optimizers whose update of an element depends only on that element's parameter, gradient
 # and state (and on scalars such as the step count): sharding them is exact.
@@ -159,8 +159,7 @@ class Sharded(BucketedGradients):
         return float(total)
 
     def grads_finite(self) -> bool:
-        chunks = [self._grad_chunk(b) for b in range(len(self.buckets))]
-        return bool(torch.stack([torch.isfinite(c).all() for c in chunks]).all()) if chunks else True
+        return all_finite([self._grad_chunk(b) for b in range(len(self.buckets))])
 
     def skip_update(self, step: int) -> None:
         self.live_step = step + 1  # the chunk is unchanged, and now the state of step + 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
 from tests.reference import max_abs_diff, replay
+from tests.procs import worker_pids
 from tests.tasks import TINY_GPT_TASK, BlockedOnceMarked
 
 TOL = 2e-5
@@ -100,14 +100,7 @@ def test_five_kills_and_joins_in_one_run(ray_cluster, tmp_path):
 def _worker_processes_gone(timeout_s: float = 15.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        alive = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if b"WorkerActor" in open(f"/proc/{pid}/cmdline", "rb").read():
-                    alive.append(pid)
-            except OSError:
-                pass
-        if not alive:
+        if not worker_pids():
             return True
         time.sleep(0.2)
     return False

@@ -15,6 +15,7 @@ import time
 from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, ElasticSampler, Trainer
+from tests.procs import worker_pids
 from tests.reference import max_abs_diff, replay
 from tests.tasks import PacedLoss, paced_task
 
@@ -32,17 +33,6 @@ def _run(task, out, **cluster):
     return summary, diff, [e for e in events if e["kind"] == "membership_changed"]
 
 
-def _worker_pids() -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if b"WorkerActor" in open(f"/proc/{pid}/cmdline", "rb").read():
-                found.append(int(pid))
-        except OSError:
-            pass
-    return sorted(found)
-
-
 def test_a_worker_stopped_from_outside_is_found_by_its_missed_heartbeats(ray_cluster, tmp_path):
     task = paced_task(PacedLoss(seconds=0.1), steps=10)
     stopped = []
@@ -51,7 +41,7 @@ def test_a_worker_stopped_from_outside_is_found_by_its_missed_heartbeats(ray_clu
         metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 120
         while time.monotonic() < deadline:
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                pid = _worker_pids()[0]
+                pid = worker_pids()[0]
                 os.kill(pid, signal.SIGSTOP)
                 stopped.append(pid)
                 return

@@ -74,9 +74,7 @@ class Watchdog:
         for member in pending:
             if member not in self._pings:  # one heartbeat out per member at a time
                 self._pings[member] = (member.actor.heartbeat.remote(), now)
-        # a healthy control thread answers in milliseconds: judge on this round's answers
-        ray.wait([ref for ref, _ in self._pings.values()], num_returns=len(self._pings), timeout=0.05)
-        self._collect(now)
+        self._collect(now, timeout_s=0.05)  # a healthy control thread answers in ms: judge this round's
         hung = []
         for member in pending:
             if member in self._pings:
@@ -86,9 +84,9 @@ class Watchdog:
                                          f"process; --heartbeat-timeout {self.bounds.heartbeat_timeout_s:g})"))
         return hung + self._stalled([m for m in pending if all(m is not h for h, _ in hung)], now)
 
-    def _collect(self, now: float) -> None:
+    def _collect(self, now: float, timeout_s: float) -> None:
         refs = [ref for ref, _ in self._pings.values()]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
         for member, (ref, _) in list(self._pings.items()):
             if ref not in ready:
                 continue

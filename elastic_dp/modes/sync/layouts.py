@@ -114,7 +114,6 @@ class ReplicatedLayout:
         raise_for(members, loaded)
 
     def restore(self, members: list[Any], state: TrainingState) -> None:
-        self.at = {}
         self.gens.form(members)
         self.load(state)
 

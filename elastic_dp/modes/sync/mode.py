@@ -22,7 +22,7 @@ from ...checkpoint import CheckpointStore, TrainingState
 from ...config import ClusterConfig, TrainConfig
 from ...data import ElasticSampler, check_resumable, split
 from ...errors import CollectiveError, TaskError
-from ...faults import FaultPlan
+from ...faults import STEP_PHASES, FaultPlan
 from ...messages import StepResult
 from ...metrics import RunRecorder, known_peak_tflops
 from ..base import Failure, MembersLost, Recovery, RecoveryResult
@@ -33,9 +33,6 @@ from .group import Generations
 from .layouts import make_layout
 
 logger = logging.getLogger(__name__)
-
-STEP_PHASES = ("forward", "allreduce", "optimizer", "snapshot")
-
 
 def _collective_error(member: Any, result: StepResult) -> str | None:
     return f"collective error on {member!r}: {result.error}" if isinstance(result.error, CollectiveError) else None
@@ -177,7 +174,7 @@ class SyncMode:
         self.layout.restore(self.layout.rank_order(members), state)
 
     def save(self, store: CheckpointStore, step: int) -> Path:
-        fault = self.faults.take(step - 1, 0, ("checkpoint",))
+        fault = self.faults.take_checkpoint(step - 1)
         savers = self.layout.savers()
         sampler = self._sampler_state()
         calls = {m.actor.training_state.remote(step, sampler, fault if rank == 0 else None): m
