@@ -14,7 +14,7 @@ import numpy as np
 import ray
 import torch
 
-from .checkpoint import TrainingState
+from .checkpoint import Checkpoint, Part, TrainingState, write_part
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .faults import Fault, trigger
@@ -22,6 +22,7 @@ from .messages import Heartbeat, StepResult, WorkerInfo
 from .task import Task
 from .worker import Replica
 from .shards import ShardState
+from .storage import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class WorkerActor:
         self.group = CollectiveGroup(backend="nccl" if device == "cuda" else "gloo",
                                      timeout_s=collective_timeout_s)
         self.replica: Replica | None = None
+        self._staged: dict[str, Part] = {}
+        """Checkpoint parts copied at a step boundary, waiting for their upload."""
 
     def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
         """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
@@ -69,8 +72,35 @@ class WorkerActor:
     def model_state(self) -> dict[str, torch.Tensor]:
         return self.replica.model_state()
 
-    def training_state(self, step: int, sampler: dict[str, int], fault: Fault | None = None) -> TrainingState:
+    # -- checkpoints: every rank writes its own part --------------------------------------
+    def stage_checkpoint(self, directory: str, step: int, sampler: dict[str, int],
+                         fault: Fault | None = None) -> int:
+        """Training thread, between steps: copy this rank's share of the checkpoint into
+        host memory (all a save stalls training for); ``upload_checkpoint`` writes it."""
         trigger(fault, "checkpoint")
+        part = self.replica.checkpoint_part(step, sampler)
+        self._staged[directory] = part
+        return sum(t.numel() * t.element_size() for f in part.files.values() for t in f.values())
+
+    @ray.method(concurrency_group="io")
+    def upload_checkpoint(self, storage: Storage, directory: str) -> dict:
+        """I/O thread, while training goes on: write the staged part into ``directory`` of
+        ``storage``; the manifest's entries for it (sizes, sha256, pieces)."""
+        part: Part = self._staged.pop(directory)
+        return write_part(storage, directory, part)
+
+    def write_checkpoint(self, storage: Storage, directory: str, step: int, sampler: dict[str, int],
+                         fault: Fault | None = None) -> dict:
+        """Both at once, on the training thread (``--sync-checkpoints``)."""
+        self.stage_checkpoint(directory, step, sampler, fault)
+        return write_part(storage, directory, self._staged.pop(directory))
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Read this rank's needs of ``checkpoint`` from its storage and load them (with ZeRO
+        a collective)."""
+        self.replica.load_checkpoint(checkpoint)
+
+    def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
         return self.replica.training_state(step, sampler)
 
     @ray.method(num_returns=2)
@@ -110,4 +140,4 @@ class WorkerActor:
 
 def remote_worker_class():
     """The Ray actor class (created lazily so importing elastic_dp does not need Ray up)."""
-    return ray.remote(max_concurrency=3)(WorkerActor)
+    return ray.remote(max_concurrency=3, concurrency_groups={"io": 1})(WorkerActor)

@@ -18,7 +18,8 @@ import socket
 import ray
 
 from .checkpoint import CheckpointStore
-from .config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig, check_batch_fits
+from .config import (CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig, check_batch_fits, run_name,
+                     run_settings)
 from .coordinator import Coordinator
 from .errors import ClusterError
 from .exporters import RayMetrics
@@ -27,6 +28,7 @@ from .membership import Membership
 from .membership.pool import WorkerPool
 from .metrics import RunRecorder, RunSummary, Throughput
 from .modes import make_mode
+from .storage import Storage
 from .task import Task
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,9 @@ class Trainer:
         check_batch_fits(self.train, self.cluster)
         self.progress = progress
         self.faults = parse_faults(inject, self.train, self.cluster, self.checkpoint)
+        self.settings = run_settings(job_name(task), self.train)
+        self.name = self.metrics.name or run_name(self.settings)
+        """The run's name: its checkpoints' prefix under ``checkpoint.storage`` and its metrics' tag."""
 
     def fit(self) -> RunSummary:
         """Train to ``train.steps``; attaches to Ray, or starts an embedded local Ray."""
@@ -66,11 +71,10 @@ class Trainer:
             recorder.close()
             raise
         if self.metrics.ray_metrics:
-            name = self.metrics.name or (os.path.basename(os.path.normpath(self.out_dir)) if self.out_dir else None)
-            recorder.exporters.append(RayMetrics(name or "elastic_dp"))
+            recorder.exporters.append(RayMetrics(self.name))
         try:
             return build_coordinator(self.task, self.train, self.cluster, self.checkpoint, recorder,
-                                     self.faults).run()
+                                     self.faults, name=self.name, settings=self.settings).run()
         finally:
             recorder.close()
             if started:
@@ -78,17 +82,33 @@ class Trainer:
 
 
 def build_coordinator(task: Task, train: TrainConfig, cluster: ClusterConfig, checkpoint: CheckpointConfig,
-                      recorder: RunRecorder, faults: list[Fault] = ()) -> Coordinator:
+                      recorder: RunRecorder, faults: list[Fault] = (), *, name: str | None = None,
+                      settings: dict | None = None) -> Coordinator:
     """The parts of one run on the connected Ray cluster: the worker pool and membership,
-    the training mode the configuration asks for, the checkpoint store, the coordinator."""
+    the training mode the configuration asks for, the checkpoint store, the coordinator.
+    ``name`` and ``settings`` identify the run (``config.run_settings``): its checkpoints
+    live under ``checkpoint.storage``/``name``."""
+    settings = settings or run_settings(job_name(task), train)
     plan = FaultPlan(faults)
     membership = Membership(WorkerPool(task, train, cluster), min_workers=cluster.min_workers,
                             max_workers=cluster.workers, held_back=sum(f.kind == "join" for f in faults),
                             wait_timeout_s=cluster.min_wait_timeout_s,
                             placement_timeout_s=cluster.placement_timeout_s)
-    store = CheckpointStore(checkpoint.dir, keep=checkpoint.keep) if checkpoint.dir else None
-    return Coordinator(make_mode(train, cluster, recorder, plan), membership, train=train, recorder=recorder,
-                       faults=plan, store=store, checkpoint=checkpoint)
+    store = None
+    if checkpoint.dir is not None:
+        store = CheckpointStore(Storage(checkpoint.dir, "--checkpoint-dir"), keep=checkpoint.keep)
+    elif checkpoint.storage is not None:
+        store = CheckpointStore(Storage(checkpoint.storage, "--storage").child(name or run_name(settings)),
+                                keep=checkpoint.keep)
+    mode = make_mode(train, cluster, recorder, plan)
+    mode.settings, mode.asynchronous_saves = settings, checkpoint.asynchronous
+    return Coordinator(mode, membership, train=train, recorder=recorder, faults=plan, store=store,
+                       checkpoint=checkpoint, settings=settings)
+
+
+def job_name(task: Task) -> str:
+    """The job a task belongs to: the module that defines its model factory (``jobs.gpt``)."""
+    return getattr(task.model, "__module__", None) or type(task.model).__module__
 
 
 def _ensure_ray(cluster: ClusterConfig) -> bool:

@@ -1,18 +1,29 @@
-"""Durable, world-size-independent checkpoints (DESIGN invariant 7).
+"""Durable, world-size-independent checkpoints (DESIGN invariant 7), written by every rank.
 
-Layout of one checkpoint, a directory named for the number of committed steps::
+Layout of one checkpoint in its storage (``elastic_dp.storage``: a local directory, a
+shared mount or an object store), a directory named for the committed steps and the
+attempt that wrote it::
 
-    CKPT_DIR/step-00000120/
-        model.safetensors       model.state_dict(), keys as in the model
-        optimizer.safetensors   optimizer tensors keyed "<param name>/<state key>", and "rng/torch"
-        manifest.json           step, sampler settings, optimizer param groups and
-                                non-tensor state, world size at save, sha256 of each file
+    step-00000120-1f3a9c2e/
+        model-00000.safetensors   rank 0's share of every model tensor (and rank 0's RNG)
+        optim-00000.safetensors   rank 0's share of the optimizer state
+        model-00001.safetensors   ...one pair per rank of the generation that saved it
+        manifest.json             written last: the checkpoint exists once it is there
 
-Tensors are stored without pickle (safetensors). Optimizer state is keyed by parameter
-*name*, not by position or rank, so a checkpoint saved by N workers loads at M. A
-checkpoint is written under a temporary name, every file and the directory are fsynced,
-and only then is it renamed into place: a crash leaves either the whole checkpoint or
-none. Loading checks every file against its checksum before using it.
+Every rank writes its own two files straight to the storage. Tensors are split into
+flat pieces: a replicated tensor (every model tensor; all optimizer state at ZeRO stage
+0) is cut into ``world_size`` contiguous ranges, one per rank, so no rank writes the
+whole model alone; with ZeRO each rank writes the chunk of the optimizer state it owns.
+The coordinator then writes ``manifest.json``: step, sampler, optimizer param groups,
+0-dim optimizer tensors (step counts) as numbers, and for every tensor its shape, dtype
+and pieces (file, offset, length), and each file's size and sha256. Object stores have no
+atomic rename, so the manifest commits the checkpoint: a directory without one is an
+abandoned save and is never read. No tensor passes through the driver.
+
+Loading is parallel too: each rank reads the files it needs (all model files; with ZeRO
+only the optimizer files that overlap its new chunk and its left neighbour's), checks
+each against its sha256, and assembles whole tensors keyed by parameter *name*, so a
+checkpoint saved at N workers and any ZeRO stage loads at M workers and any stage.
 """
 
 from __future__ import annotations
@@ -21,23 +32,23 @@ import hashlib
 import json
 import logging
 import math
-import os
-import shutil
 import time
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
 
 from .errors import CheckpointError
+from .storage import Storage
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _PREFIX = "step-"
+MANIFEST = "manifest.json"
 
 
 @dataclass(slots=True)
@@ -55,30 +66,10 @@ class TrainingState:
     """The torch RNG state of rank 0, restored on every worker on resume."""
 
 
-def _detached(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # clone: tied weights share storage, which safetensors refuses to save.
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
-
-
-def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
-    """Write a safetensors file atomically (temporary name, fsync, rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        save_file(_detached(tensors), str(tmp))
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def probe_writable(directory: Path) -> None:
-    """Create ``directory`` and write and remove a file in it; OSError when that fails."""
-    directory.mkdir(parents=True, exist_ok=True)
-    probe = directory / f".probe-{uuid.uuid4().hex}"
-    probe.write_bytes(b"ok")
-    probe.unlink()
+def save_tensors(storage: Storage, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` as the safetensors file ``name`` of ``storage``, whole or not at all."""
+    # clones: tied weights share storage, which safetensors refuses to save
+    storage.write(name, save_bytes({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}))
 
 
 # -- optimizer state <-> name-keyed tensors ----------------------------------------------
@@ -114,8 +105,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]
     index = {name: i for i, name in enumerate(n for group in ours for n in group)}
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
-        name, _, field = key.rpartition("/")
-        state.setdefault(index[name], {})[field] = value
+        name, _, field_ = key.rpartition("/")
+        state.setdefault(index[name], {})[field_] = value
     for name, fields in meta["scalars"].items():
         state.setdefault(index[name], {}).update(fields)
     groups = []
@@ -124,146 +115,259 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
+# -- one rank's part: flat pieces of tensors -----------------------------------------------
+@dataclass(slots=True)
+class Part:
+    """One rank's share of a checkpoint, copied into host memory (what a save stalls for)."""
+
+    rank: int
+    files: dict[str, dict[str, torch.Tensor]]
+    """File name -> tensors to write (flat pieces, keyed as in the index)."""
+    index: dict[str, dict]
+    """Key -> {"shape", "dtype", "pieces": [[file, start, numel]]} of the pieces written here."""
+    scalars: dict[str, list]
+    """0-dim optimizer tensors: key -> [value, dtype]."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Rank 0's optimizer param groups and non-tensor state (others: empty)."""
+
+
+def cut_part(state: TrainingState, rank: int, world_size: int) -> Part:
+    """Rank ``rank``'s pieces of its (possibly partial) training ``state``: its range of
+    every whole tensor, and the ZeRO slices it owns (``optimizer_meta["slices"]``)."""
+    model_file, optim_file = f"model-{rank:05d}.safetensors", f"optim-{rank:05d}.safetensors"
+    part = Part(rank=rank, files={model_file: {}, optim_file: {}}, index={}, scalars={})
+
+    def add(file: str, key: str, value: torch.Tensor, start: int, shape: list[int]) -> None:
+        if value.numel():
+            part.files[file][key] = value.detach().reshape(-1).to("cpu", copy=True).contiguous()
+            part.index[key] = {"shape": shape, "dtype": _dtype_name(value.dtype),
+                               "pieces": [[file, start, value.numel()]]}
+
+    def add_share(file: str, key: str, value: torch.Tensor) -> None:
+        n = value.numel()
+        lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+        add(file, key, value.reshape(-1)[lo:hi], lo, list(value.shape))
+
+    for name, value in state.model.items():
+        add_share(model_file, f"model/{name}", value)
+    slices = state.optimizer_meta.get("slices", {})
+    for name, value in state.optimizer_tensors.items():
+        if value.dim() == 0:
+            part.scalars[f"optim/{name}"] = [value.item(), _dtype_name(value.dtype)]
+        elif name in slices:
+            start, shape = slices[name]
+            add(optim_file, f"optim/{name}", value, start, shape)
+        else:
+            add_share(optim_file, f"optim/{name}", value)
+    if rank == 0:
+        add(model_file, "rng", state.rng, 0, list(state.rng.shape))
+        part.meta = {k: v for k, v in state.optimizer_meta.items() if k != "slices"}
+    part.files = {f: t for f, t in part.files.items() if t}
+    return part
+
+
+def write_part(storage: Storage, directory: str, part: Part) -> dict[str, Any]:
+    """Write ``part``'s files into ``directory`` of ``storage``; what the manifest needs of it."""
+    files = {}
+    for name, tensors in part.files.items():
+        data = save_bytes(tensors)
+        storage.write(f"{directory}/{name}", data)
+        files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    return {"rank": part.rank, "files": files, "index": part.index, "scalars": part.scalars, "meta": part.meta}
+
+
+def manifest_of(parts: list[dict[str, Any]], *, step: int, sampler: dict[str, int], world_size: int,
+                settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest of one checkpoint out of every rank's ``write_part`` report."""
+    files, index, scalars = {}, {}, {}
+    meta: dict[str, Any] = {}
+    for report in sorted(parts, key=lambda r: r["rank"]):
+        files.update(report["files"])
+        for key, entry in report["index"].items():
+            index.setdefault(key, {"shape": entry["shape"], "dtype": entry["dtype"], "pieces": []})
+            index[key]["pieces"].extend(entry["pieces"])
+        for key, value in report["scalars"].items():
+            scalars.setdefault(key, value)
+        meta = meta or report["meta"]
+    manifest = {"format": FORMAT_VERSION, "step": step, "sampler": sampler, "world_size": world_size,
+                "settings": settings or {}, "optimizer": meta, "scalars": scalars, "tensors": index,
+                "files": files, "created": time.time()}
+    check_complete(manifest, "the new checkpoint")
+    return manifest
+
+
+def check_complete(manifest: dict[str, Any], where: str) -> None:
+    """Every tensor's pieces cover it exactly once."""
+    for key, entry in manifest["tensors"].items():
+        covered = sum(numel for _, _, numel in entry["pieces"])
+        if covered != math.prod(entry["shape"]):
+            raise CheckpointError(f"{where}: the pieces of {key} cover {covered} of its "
+                                  f"{math.prod(entry['shape'])} elements")
+
+
+# -- reading ----------------------------------------------------------------------------
+Wanted = Callable[[str, int, int], bool]
+"""``wanted(key, start, numel)``: whether a reader needs that piece."""
+
+
+def read_state(storage: Storage, directory: str, manifest: dict[str, Any], wanted: Wanted | None = None) -> TrainingState:
+    """Read a checkpoint's files (only those holding a ``wanted`` piece), verify each
+    against its sha256, and assemble whole tensors; pieces not read stay zero."""
+    return assemble(manifest, lambda file: load_bytes(_read_verified(storage, directory, file, manifest["files"][file])),
+                    wanted)
+
+
+def assemble(manifest: dict[str, Any], load: Callable[[str], dict[str, torch.Tensor]],
+             wanted: Wanted | None = None) -> TrainingState:
+    """The whole training state of ``manifest``, its files' tensors given by ``load(file)``."""
+    needed = sorted({file for key, entry in manifest["tensors"].items() for file, start, numel in entry["pieces"]
+                     if wanted is None or wanted(key, start, numel)})
+    flat = {key: torch.zeros(math.prod(entry["shape"]), dtype=_dtype(entry["dtype"]))
+            for key, entry in manifest["tensors"].items()}
+    for file in needed:
+        for key, value in load(file).items():
+            start = next(s for f, s, _ in manifest["tensors"][key]["pieces"] if f == file)
+            flat[key][start:start + value.numel()] = value
+    whole = {key: value.reshape(manifest["tensors"][key]["shape"]) for key, value in flat.items()}
+    optimizer = {k.removeprefix("optim/"): v for k, v in whole.items() if k.startswith("optim/")}
+    for key, (value, dtype) in manifest["scalars"].items():
+        optimizer[key.removeprefix("optim/")] = torch.tensor(value, dtype=_dtype(dtype))
+    return TrainingState(step=manifest["step"],
+                         model={k.removeprefix("model/"): v for k, v in whole.items() if k.startswith("model/")},
+                         optimizer_tensors=optimizer, optimizer_meta=manifest["optimizer"],
+                         sampler=manifest["sampler"], world_size=manifest["world_size"], rng=whole["rng"])
+
+
+def _read_verified(storage: Storage, directory: str, file: str, expected: dict[str, Any]) -> bytes:
+    where = storage.url(f"{directory}/{file}")
+    try:
+        data = storage.read(f"{directory}/{file}")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {where} is missing: delete the checkpoint "
+                              f"{storage.url(directory)} to resume from an older one") from None
+    if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise CheckpointError(f"checkpoint file {where} does not match its sha256 in manifest.json (corrupted "
+                              f"or modified): delete the checkpoint {storage.url(directory)} to resume from an "
+                              "older one")
+    return data
+
+
 def merge_shards(parts: list[TrainingState]) -> TrainingState:
-    """Join the ZeRO ranks' parts of one training state into a whole one.
-
-    Each part holds slices of some parameters' optimizer state, placed by
-    ``optimizer_meta["slices"][key] = [start, shape]``; the model comes from the part that
-    has one (rank 0). The result is the same as a stage-0 worker's state.
-    """
-    first = next((p for p in parts if p.model), parts[0])
-    tensors: dict[str, torch.Tensor] = {}
-    pieces: dict[str, list[tuple[int, list[int], torch.Tensor]]] = {}
-    for part in parts:
-        slices = part.optimizer_meta.get("slices", {})
-        for key, value in part.optimizer_tensors.items():
-            if key in slices:
-                start, shape = slices[key]
-                pieces.setdefault(key, []).append((start, shape, value))
-            else:
-                tensors.setdefault(key, value)
-    for key, found in pieces.items():
-        shape = found[0][1]
-        flat = torch.zeros(math.prod(shape), dtype=found[0][2].dtype)
-        covered = 0
-        for start, _, value in found:
-            flat[start:start + value.numel()] = value.reshape(-1)
-            covered += value.numel()
-        if covered != flat.numel():
-            raise CheckpointError(f"the workers' shards cover {covered} of the {flat.numel()} elements of {key}")
-        tensors[key] = flat.reshape(shape)
-    meta = {k: v for k, v in first.optimizer_meta.items() if k != "slices"}
-    return TrainingState(step=first.step, model=first.model, optimizer_tensors=tensors, optimizer_meta=meta,
-                         sampler=first.sampler, world_size=first.world_size, rng=first.rng)
+    """Join the ZeRO ranks' parts of one training state into a whole one: what a
+    checkpoint those ranks wrote would read back as."""
+    cut = [cut_part(p, rank, len(parts)) for rank, p in enumerate(parts)]
+    reports = [{"rank": p.rank, "files": {}, "index": p.index, "scalars": p.scalars, "meta": p.meta} for p in cut]
+    manifest = manifest_of(reports, step=parts[0].step, sampler=parts[0].sampler, world_size=parts[0].world_size)
+    files = {name: tensors for p in cut for name, tensors in p.files.items()}
+    return assemble(manifest, files.__getitem__)
 
 
-# -- checkpoint directories --------------------------------------------------------------
+# -- the checkpoints of one run ------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A committed checkpoint: where it is and its manifest (what workers load from)."""
+
+    storage: Storage
+    directory: str
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+    @property
+    def sampler(self) -> dict[str, int]:
+        return self.manifest["sampler"]
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest["world_size"]
+
+    @property
+    def url(self) -> str:
+        return self.storage.url(self.directory)
+
+    def read(self, wanted: Wanted | None = None) -> TrainingState:
+        return read_state(self.storage, self.directory, self.manifest, wanted)
+
+
 class CheckpointStore:
-    """Saves, finds and loads checkpoints in one directory."""
+    """Begins, commits, finds and prunes the checkpoints of one run in one storage."""
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 3) -> None:
-        self.dir = Path(directory)
+    def __init__(self, storage: Storage | str, *, keep: int = 3) -> None:
+        self.storage = storage if isinstance(storage, Storage) else Storage(storage, "--checkpoint-dir")
         self.keep = keep
+
+    @property
+    def url(self) -> str:
+        return self.storage.url()
 
     def check_writable(self) -> None:
         """Fail now, before training, if checkpoints could not be written."""
+        self.storage.check_writable()
+
+    def begin(self, step: int) -> str:
+        """A new directory for the checkpoint of ``step`` (each attempt its own)."""
+        return f"{_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
+
+    def commit(self, directory: str, manifest: dict[str, Any]) -> Checkpoint:
+        """Write the manifest (the checkpoint exists from now on), then prune old ones."""
+        self.storage.write(f"{directory}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        self._prune(directory)
+        return Checkpoint(self.storage, directory, manifest)
+
+    def _entries(self) -> list[tuple[int, str, bool]]:
+        """(step, directory, committed) of every checkpoint directory, oldest first."""
+        found = []
+        for name, is_dir in self.storage.list():
+            if is_dir and name.startswith(_PREFIX) and name[len(_PREFIX):].split("-")[0].isdigit():
+                found.append((int(name[len(_PREFIX):].split("-")[0]), name,
+                              self.storage.exists(f"{name}/{MANIFEST}")))
+        return sorted(found)
+
+    def _prune(self, newest: str) -> None:
+        entries = self._entries()
+        committed = [name for _, name, done in entries if done]
+        for name in committed[:-self.keep]:
+            self.storage.delete(name)
+        step = next(s for s, name, _ in entries if name == newest)
+        for s, name, done in entries:  # saves abandoned before this one (one save is in flight at most)
+            if not done and s <= step and name != newest:
+                self.storage.delete(name)
+
+    def latest(self) -> Checkpoint | None:
+        """The newest committed checkpoint; None when there is none."""
+        committed = [name for _, name, done in self._entries() if done]
+        return self.open(committed[-1]) if committed else None
+
+    def open(self, directory: str) -> Checkpoint:
+        where = self.storage.url(directory)
         try:
-            probe_writable(self.dir)
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint directory {str(self.dir)!r} is not writable "
-                                  f"({exc.strerror or exc}): pass a writable --checkpoint-dir") from None
-
-    def save(self, state: TrainingState) -> Path:
-        final = self.dir / f"{_PREFIX}{state.step:08d}"
-        tmp = self.dir / f".tmp-{final.name}-{uuid.uuid4().hex}"
-        tmp.mkdir(parents=True)
-        try:
-            files = {"model.safetensors": state.model,
-                     "optimizer.safetensors": {**state.optimizer_tensors, "rng/torch": state.rng}}
-            checksums = {}
-            for name, tensors in files.items():
-                save_file(_detached(tensors), str(tmp / name))
-                _fsync_file(tmp / name)
-                checksums[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
-            manifest = {"format": FORMAT_VERSION, "step": state.step, "sampler": state.sampler,
-                        "world_size": state.world_size, "optimizer": state.optimizer_meta,
-                        "files": checksums, "created": time.time()}
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-            _fsync_file(tmp / "manifest.json")
-            _fsync_dir(tmp)
-            if final.exists():  # the same step saved again (e.g. after a resume)
-                old = self.dir / f".old-{final.name}-{uuid.uuid4().hex}"
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            _fsync_dir(self.dir)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        self._prune()
-        return final
-
-    def _complete(self) -> list[Path]:
-        if not self.dir.is_dir():
-            return []
-        found = [p for p in self.dir.iterdir()
-                 if p.name.startswith(_PREFIX) and (p / "manifest.json").is_file()]
-        return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
-
-    def _prune(self) -> None:
-        for old in self._complete()[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-
-    def latest(self) -> Path | None:
-        found = self._complete()
-        return found[-1] if found else None
-
-    def load(self, path: Path | None = None) -> TrainingState:
-        """Load ``path`` (default: the latest checkpoint), verifying every checksum."""
-        path = path or self.latest()
-        if path is None:
-            raise CheckpointError(f"no checkpoint to resume from in {str(self.dir)!r}: drop --resume "
-                                  "or pass the --checkpoint-dir that a run saved into")
-        try:
-            manifest = json.loads((path / "manifest.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable manifest.json ({exc})") from None
+            manifest = json.loads(self.storage.read(f"{directory}/{MANIFEST}"))
+        except (FileNotFoundError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {where} has an unreadable manifest.json ({exc}): delete it to "
+                                  "resume from an older one") from None
         if manifest.get("format") != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint {str(path)!r} has format {manifest.get('format')}, "
-                                  f"this elastic_dp reads format {FORMAT_VERSION}")
-        for name, expected in manifest["files"].items():
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"checkpoint {str(path)!r} is missing {name}")
-            if _sha256(file) != expected["sha256"]:
-                raise CheckpointError(f"checkpoint file {str(file)!r} does not match its sha256 in "
-                                      "manifest.json (corrupted or modified): delete this checkpoint "
-                                      "directory to resume from an older one")
-        optimizer_tensors = load_file(str(path / "optimizer.safetensors"))
-        rng = optimizer_tensors.pop("rng/torch")
-        state = TrainingState(step=manifest["step"], model=load_file(str(path / "model.safetensors")),
-                              optimizer_tensors=optimizer_tensors, optimizer_meta=manifest["optimizer"],
-                              sampler=manifest["sampler"], world_size=manifest["world_size"], rng=rng)
-        return state
+            raise CheckpointError(f"checkpoint {where} has format {manifest.get('format')}, this elastic_dp "
+                                  f"reads format {FORMAT_VERSION}: resume it with the elastic_dp that saved it")
+        check_complete(manifest, f"checkpoint {where}")
+        return Checkpoint(self.storage, directory, manifest)
+
+    def load(self) -> Checkpoint:
+        """The latest checkpoint, for a run that must resume."""
+        found = self.latest()
+        if found is None:
+            raise CheckpointError(f"no checkpoint to resume from in {self.url}: drop --resume "
+                                  "or pass the --checkpoint-dir (or --storage) that a run saved into")
+        return found
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"unknown tensor dtype {name!r} in a checkpoint manifest")
+    return value

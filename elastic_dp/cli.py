@@ -2,7 +2,8 @@
 
     elastic-dp train JOB --workers N --steps S [--global-batch B] [--micro-batch M]
         [--seed X] [--device auto|cpu|cuda] [--checkpoint-dir DIR --checkpoint-every K]
-        [--resume] [--out DIR] [--zero 0|1|2 --snapshot-every K]
+        [--storage URI] [--resume [latest|auto|never]] [--run-name NAME]
+        [--out DIR] [--zero 0|1|2 --snapshot-every K]
         [--on-nonfinite skip|fail --max-nonfinite-steps N]
     elastic-dp report RUN_DIR [--out DIR]
     elastic-dp plan --params 7.5e9 --workers 64 --zero 1 [--gpu-memory 80GB]
@@ -77,15 +78,23 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--inject", action="append", default=[], metavar="SPEC",
                        help="fault injection, repeatable: kill:step=S:rank=R[:phase=forward|allreduce|"
                             "optimizer|snapshot|checkpoint|reform], hang:step=S:rank=R, join:step=S")
-    train.add_argument("--checkpoint-dir", default=None)
+    train.add_argument("--checkpoint-dir", default=None, help="local directory (or shared mount) for checkpoints")
+    train.add_argument("--storage", default=None, metavar="URI",
+                       help="checkpoints under URI/RUN_NAME: a path or a pyarrow filesystem URI such as "
+                            "s3://bucket/prefix?endpoint_override=host:port (implies --resume auto)")
     train.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
     train.add_argument("--checkpoint-keep", type=int, default=3)
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument("--sync-checkpoints", dest="async_checkpoints", action="store_false",
+                       help="write checkpoints on the training thread (default: in the background)")
+    train.add_argument("--resume", nargs="?", const="latest", default=None, choices=["latest", "auto", "never"],
+                       help="continue from the latest checkpoint (which must exist); 'auto': from this run's latest "
+                            "if there is one, else start fresh (the default with --storage); 'never'")
     train.add_argument("--out", default=None, help="write initial/final weights, metrics.jsonl, events.jsonl here")
     train.add_argument("--tensorboard", default=None, metavar="DIR",
                        help="also write TensorBoard event files (scalars per step, membership changes) here")
     train.add_argument("--run-name", default=None,
-                       help="the run tag of its Ray (Prometheus) metrics (default: the --out directory's name)")
+                       help="the run's name: its checkpoints' prefix under --storage and the run tag of its Ray "
+                            "metrics (default: the job's name and a hash of the settings that make it this run)")
     train.add_argument("--no-ray-metrics", dest="ray_metrics", action="store_false",
                        help="do not export the run's figures as Ray metrics")
     train.add_argument("--peak-tflops", type=float, default=None,
@@ -122,8 +131,9 @@ def _train(args: argparse.Namespace) -> int:
                             collective_timeout_s=args.collective_timeout, min_wait_timeout_s=args.min_wait_timeout,
                             abort_grace_s=args.abort_grace, heartbeat_timeout_s=args.heartbeat_timeout,
                             stall_floor_s=args.stall_floor, stall_factor=args.stall_factor)
-    checkpoint = CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
-                                  resume=args.resume, keep=args.checkpoint_keep)
+    checkpoint = CheckpointConfig(dir=args.checkpoint_dir, storage=args.storage, every=args.checkpoint_every,
+                                  resume=args.resume, keep=args.checkpoint_keep,
+                                  asynchronous=args.async_checkpoints)
     summary = Trainer(task, train=train, cluster=cluster, checkpoint=checkpoint,
                       out_dir=args.out, progress=args.progress, inject=args.inject,
                       metrics=MetricsConfig(peak_tflops=args.peak_tflops, tensorboard=args.tensorboard,

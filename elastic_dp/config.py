@@ -5,6 +5,8 @@ Each error names the field and the CLI flag that sets it, so a user knows what t
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -151,20 +153,41 @@ class CheckpointConfig:
     """Durable checkpoints (see elastic_dp.checkpoint for the format)."""
 
     dir: str | None = None
-    """Directory that holds the checkpoints (``--checkpoint-dir``). None: no checkpoints."""
+    """Local directory (or shared mount) that holds the checkpoints (``--checkpoint-dir``)."""
+    storage: str | None = None
+    """Storage URI for this and other runs' checkpoints (``--storage``): a path, or a
+    pyarrow filesystem URI such as ``s3://bucket/prefix?endpoint_override=host:port``.
+    Each run keeps its checkpoints under its name (``--run-name``). Use ``dir`` or
+    ``storage``; neither: no checkpoints."""
     every: int = 0
     """Save after every ``every`` committed steps and after the last one
     (``--checkpoint-every``); 0: only after the last step."""
-    resume: bool = False
-    """Continue from the latest checkpoint in ``dir`` (``--resume``)."""
+    resume: bool | str | None = None
+    """``never``; ``latest`` (or True: ``--resume``): continue from the latest checkpoint,
+    which must exist; ``auto``: continue from this run's latest checkpoint if there is one,
+    else start fresh (``--resume auto``). None: ``auto`` with ``storage``, else ``never``."""
     keep: int = 3
     """How many of the newest checkpoints to keep (``--checkpoint-keep``)."""
+    asynchronous: bool = True
+    """Write checkpoints in the background while training goes on; training waits only
+    for each rank's copy into host memory (``--sync-checkpoints`` turns it off)."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, f"checkpoint every must be >= 0, got {self.every} (--checkpoint-every)")
         _require(self.keep >= 1, f"checkpoint keep must be >= 1, got {self.keep} (--checkpoint-keep)")
-        _require(not self.resume or self.dir is not None,
-                 "resume needs a checkpoint directory: pass --checkpoint-dir DIR with --resume")
+        _require(self.dir is None or self.storage is None,
+                 "pass either --checkpoint-dir DIR or --storage URI, not both")
+        if self.resume is None:
+            self.resume = "auto" if self.storage is not None else "never"
+        self.resume = {True: "latest", False: "never"}.get(self.resume, self.resume)
+        _require(self.resume in ("never", "latest", "auto"),
+                 f"resume must be never, latest or auto, got {self.resume!r} (--resume)")
+        _require(self.resume == "never" or self.enabled,
+                 "resume needs checkpoints: pass --checkpoint-dir DIR or --storage URI with --resume")
+
+    @property
+    def enabled(self) -> bool:
+        return self.dir is not None or self.storage is not None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -179,8 +202,9 @@ class MetricsConfig:
     ray_metrics: bool = True
     """Export the figures as Ray metrics for Prometheus (``--no-ray-metrics`` turns it off)."""
     name: str | None = None
-    """The run's name, the ``run`` tag of its Ray metrics (``--run-name``). None: the name
-    of the output directory, else ``elastic_dp``."""
+    """The run's name (``--run-name``): where its checkpoints live under ``--storage``, and
+    the ``run`` tag of its Ray metrics. None: derived from the job and the settings that
+    make it this run (``run_name``), so the same command resumes the same run."""
 
     def __post_init__(self) -> None:
         _require(self.peak_tflops is None or self.peak_tflops > 0,
@@ -192,3 +216,18 @@ def check_batch_fits(train: TrainConfig, cluster: ClusterConfig) -> None:
     _require(train.global_batch >= cluster.workers,
              f"global batch {train.global_batch} is smaller than the {cluster.workers} workers: "
              "raise --global-batch or lower --workers (MAX of --workers MIN:MAX)")
+
+
+def run_settings(job: str, train: TrainConfig) -> dict[str, object]:
+    """The settings that make a run this run: a checkpoint of another run is not resumed
+    by ``--resume auto``. The worker count, ZeRO stage, micro-batch and ``--steps`` are
+    not among them: a run may continue at any of those."""
+    return {"job": job, "global_batch": train.global_batch, "seed": train.seed,
+            "warmup_steps": train.warmup_steps, "lr_reference_batch": train.lr_reference_batch,
+            "clip_grad_norm": train.clip_grad_norm, "precision": train.precision}
+
+
+def run_name(settings: dict[str, object]) -> str:
+    """The default run name: the job's short name and a hash of ``settings``."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{str(settings['job']).rsplit('.', 1)[-1]}-{digest}"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .config import CheckpointConfig, TrainConfig
-from .data import check_resumable
+from .data import check_resumable, check_same_run
 from .errors import MembershipError
 from .faults import FaultPlan
 from .membership import Action, Membership, MembershipDecision
@@ -75,15 +75,20 @@ class Coordinator:
 
     def __init__(self, mode: TrainingMode, membership: Membership, *, train: TrainConfig, recorder: RunRecorder,
                  faults: FaultPlan, store: Any | None = None, checkpoint: CheckpointConfig | None = None,
-                 sleep: Callable[[float], None] = time.sleep, poll_s: float = 0.2) -> None:
+                 settings: dict[str, Any] | None = None, sleep: Callable[[float], None] = time.sleep, poll_s: float = 0.2) -> None:
         self.mode, self.membership, self.train, self.steps = mode, membership, train, train.steps
         self.recorder, self.faults, self.store = recorder, faults, store
         self.ckpt_cfg = checkpoint or CheckpointConfig()
+        self.settings = settings or {}
+        """What makes this run this run (``config.run_settings``): a checkpoint resumed by
+        ``--resume auto`` must have been saved with the same."""
         self.sleep, self.poll_s = sleep, poll_s
         self.state = RunState.STARTING
         self.history: list[Transition] = [Transition(RunState.STARTING)]
         self.step = 0
         self.save_due = False
+        self._saved_step: int | None = None
+        """The step of the last checkpoint committed or in flight (None: none)."""
         self.failure: Failure | None = None
         self.decision: MembershipDecision | None = None
         self._recovery_started = 0.0
@@ -139,9 +144,7 @@ class Coordinator:
         resume = None
         if self.store is not None:
             self.store.check_writable()
-            if self.ckpt_cfg.resume:  # verified before anything starts or is written
-                resume = self.store.load()
-                check_resumable(resume.sampler, self.train)
+            resume = self._checkpoint_to_resume()  # verified before anything starts or is written
         members = self.membership.place()
         try:
             self.step = self.mode.start(members, resume)
@@ -150,14 +153,35 @@ class Coordinator:
                                   "again") from None
         self.membership.admit(members)
         self.recorder.start(self.step)
+        self._saved_step = resume.step if resume is not None else None
         return Transition(RunState.RUNNING, f"generation {self.mode.generation} formed at step {self.step}")
 
+    def _checkpoint_to_resume(self) -> Any | None:
+        """The checkpoint this run continues from, by ``--resume``: never, the latest
+        (which must exist), or ``auto`` (the latest of this run's, if there is one)."""
+        how = self.ckpt_cfg.resume
+        if how == "never":
+            return None
+        found = self.store.load() if how == "latest" else self.store.latest()
+        if found is not None:
+            check_resumable(found.sampler, self.train)
+            if how == "auto":
+                check_same_run(found.manifest.get("settings", {}), self.settings, found.url)
+        if how == "auto":
+            if found is None:
+                logger.info("--resume auto: no checkpoint of this run in %s: starting fresh", self.store.url)
+            else:
+                logger.info("--resume auto: continuing from %s (step %d)", found.url, found.step)
+            self.recorder.event("resume_decision", resumed=found is not None, storage=self.store.url,
+                                step=found.step if found else 0, checkpoint=found.url if found else None)
+        return found
+
     def _running(self) -> Transition:
+        self._settle_saves()
         if self.save_due:
             return Transition(RunState.SAVING, f"checkpoint due after step {self.step}")
         if self.step >= self.steps:
-            every = self.ckpt_cfg.every
-            if self.store is not None and (not every or self.step % every):
+            if self.store is not None and self._saved_step != self.step:
                 return Transition(RunState.SAVING, "final checkpoint")
             return Transition(RunState.FINISHING, f"{self.step} steps committed")
         joins = self.faults.joins_due(self.step)
@@ -172,14 +196,24 @@ class Coordinator:
         return Transition(RunState.RUNNING)
 
     def _saving(self) -> Transition:
-        start = time.perf_counter()
-        path = self.mode.save(self.store, self.step)
-        self.save_due = False
-        self.recorder.event("checkpoint_saved", step=self.step, path=str(path),
-                            save_s=round(time.perf_counter() - start, 4))
+        self.mode.save(self.store, self.step)
+        self.save_due, self._saved_step = False, self.step
+        self._settle_saves()
         if self.step >= self.steps:
-            return Transition(RunState.FINISHING, f"checkpoint of the last step {self.step} saved")
-        return Transition(RunState.RUNNING, f"checkpoint of step {self.step} saved")
+            return Transition(RunState.FINISHING, f"checkpoint of the last step {self.step} started")
+        return Transition(RunState.RUNNING, f"checkpoint of step {self.step} started")
+
+    def _settle_saves(self, wait: bool = False) -> None:
+        """Record the saves that ended; one abandoned (a member lost while writing its part)
+        is started again if no step has committed since."""
+        for save in self.mode.settle_saves(wait):
+            if save.error is None:
+                self.recorder.event("checkpoint_saved", step=save.step, path=save.url, stall_s=save.stall_s,
+                                    save_s=save.save_s, bytes=save.bytes)
+                continue
+            self.recorder.event("checkpoint_abandoned", step=save.step, reason=save.error)
+            if save.step == self.step and self._saved_step == self.step:
+                self._saved_step, self.save_due = None, True
 
     def _resizing(self) -> Transition:
         start = time.monotonic()
@@ -216,6 +250,9 @@ class Coordinator:
         members = list(self.decision.members)
         result = self.mode.reform(members, self.failure)
         if result.outcome is Recovery.STATE_LOST:
+            if self.store is not None and not self._checkpoint_exists:  # a save may be committing now
+                self._settle_saves(wait=True)
+                self._checkpoint_exists = self.store.latest() is not None
             if not self._checkpoint_exists:
                 raise MembershipError(f"{result.reason}, and there is no durable checkpoint: pass "
                                       "--checkpoint-dir and --checkpoint-every so a run can recover from this")
@@ -229,16 +266,21 @@ class Coordinator:
         return Transition(RunState.RUNNING, f"{result.outcome.value}: step {result.step} is next")
 
     def _restoring(self) -> Transition:
-        state = self.store.load()
+        self._settle_saves(wait=True)
+        checkpoint = self.store.load()
         members = list(self.decision.members)
-        self.mode.restore(members, state)
+        self.mode.restore(members, checkpoint)
         self.membership.admit(members)
-        self._event_changed("restored_from_checkpoint", RecoveryResult(Recovery.ROLLED_BACK, state.step),
-                            step=state.step)
-        self._go_to(state.step)
-        return Transition(RunState.RUNNING, f"restored the checkpoint of step {state.step}")
+        self._event_changed("restored_from_checkpoint", RecoveryResult(Recovery.ROLLED_BACK, checkpoint.step),
+                            step=checkpoint.step, checkpoint=checkpoint.url)
+        self._go_to(checkpoint.step)
+        self._saved_step = checkpoint.step
+        return Transition(RunState.RUNNING, f"restored the checkpoint of step {checkpoint.step}")
 
     def _finishing(self) -> Transition:
+        self._settle_saves(wait=True)  # the last checkpoint is committed before the run ends
+        if self.store is not None and self._saved_step != self.step:
+            return Transition(RunState.SAVING, "the final checkpoint was abandoned: saving it again")
         self.mode.finish()
         return Transition(RunState.FINISHED, f"{self.step} steps")
 

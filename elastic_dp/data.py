@@ -89,3 +89,13 @@ def check_resumable(saved: dict[str, int], train: TrainConfig, *, dataset_len: i
                    else "resume with the dataset it was saved with")
             raise CheckpointError(f"the checkpoint was saved with {key}={saved[key]}, this run has "
                                   f"{value}: {fix} (a run's sample order depends on it)")
+
+
+def check_same_run(saved: dict, ours: dict, where: str) -> None:
+    """Refuse, for ``--resume auto``, a checkpoint saved by a run with other settings
+    (``config.run_settings``): resuming it would not continue this run."""
+    for key, value in ours.items():
+        if key in saved and saved[key] != value:
+            raise CheckpointError(f"--resume auto found {where}, saved with {key}={saved[key]!r}, and this run has "
+                                  f"{key}={value!r}: run with the settings it was saved with, or pass another "
+                                  "--run-name (or --resume never) to start a new run")

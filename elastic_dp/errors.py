@@ -60,3 +60,8 @@ def _rebuild_worker_error(cls: type, message: str, rank: int, step: int) -> "Wor
 class CollectiveError(WorkerError):
     """A step's collective failed on a healthy worker: a peer died or hung, or the group
     was aborted. Recoverable: the survivors re-form the group and re-run the step."""
+
+
+class StorageError(CheckpointError):
+    """Storage (``--checkpoint-dir``, ``--storage``, an ``--out`` URI) cannot be opened,
+    reached, read or written; the message names the location and the setting."""

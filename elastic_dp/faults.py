@@ -2,8 +2,8 @@
 
     kill:step=S:rank=R[:phase=P]   the worker process of rank R dies (SIGKILL) during step S;
                                     P is forward (default), allreduce, optimizer, snapshot
-                                    (ZeRO's peer snapshot), checkpoint (rank 0, while its
-                                    state is saved after step S) or reform (rank R of the
+                                    (ZeRO's peer snapshot), checkpoint (while rank R copies
+                                    its part of the checkpoint after step S) or reform (rank R of the
                                     generation formed after another fault at step S, as it joins)
     hang:step=S:rank=R[:phase=P]   the worker stops (SIGSTOP) and never answers again
     join:step=S                    one more worker joins before step S
@@ -94,8 +94,6 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
         refuse(f"the run has at most {cluster.workers} workers, ranks 0..{cluster.workers - 1} (--workers)")
     if f.phase == "checkpoint":
         every = checkpoint.every
-        if f.rank != 0:
-            refuse("phase=checkpoint applies to rank 0, the rank whose state is saved")
         if checkpoint.dir is None:
             refuse("no checkpoint is saved without --checkpoint-dir")
         if not ((every and (f.step + 1) % every == 0) or f.step + 1 == train.steps):
@@ -141,10 +139,11 @@ class FaultPlan:
         taken = {rank: self.take(step, rank, phases) for rank in range(world_size)}
         return {rank: f for rank, f in taken.items() if f is not None}
 
-    def take_checkpoint(self, step: int) -> Fault | None:
-        """The fault for rank 0 while the checkpoint after ``step`` is saved."""
-        self._sizes["checkpoint", step].add(1)
-        return self.take(step, 0, ("checkpoint",))
+    def take_checkpoint(self, step: int, world_size: int) -> dict[int, Fault]:
+        """The faults of the ranks that save the checkpoint after ``step``."""
+        self._sizes["checkpoint", step].add(world_size)
+        taken = {rank: self.take(step, rank, ("checkpoint",)) for rank in range(world_size)}
+        return {rank: f for rank, f in taken.items() if f is not None}
 
     def take_reform(self, step: int, world_size: int) -> dict[int, Fault]:
         """The faults of the generation that re-forms after a failure in ``step``."""

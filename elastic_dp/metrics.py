@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import save_tensors
+from .storage import Storage
 from .exporters import TensorBoard
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class RunRecorder:
     def weights(self, name: str, state: dict) -> None:
         """Write ``state`` (a model state dict) as ``<out>/<name>.safetensors``."""
         if self._open():
-            save_tensors(self.out / f"{name}.safetensors", state)
+            save_tensors(Storage(self.out, "--out"), f"{name}.safetensors", state)
 
     def finish(self) -> RunSummary:
         if self._bar is not None:

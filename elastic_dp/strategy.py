@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from .checkpoint import TrainingState, load_optimizer_state, optimizer_state
+from .checkpoint import TrainingState, Wanted, load_optimizer_state, optimizer_state
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .reducer import GradientReducer
@@ -62,13 +62,12 @@ class Strategy(Protocol):
     def sync_from(self, src: int) -> None:
         """A collective: make this worker's state equal rank ``src``'s fresh model's."""
 
-    @property
-    def saves_model(self) -> bool:
-        """Whether this worker's checkpoint part carries the model's parameters."""
-
     def state_part(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This worker's part of the optimizer state: tensors keyed ``<param name>/<key>``
         and JSON metadata (``checkpoint.merge_shards`` joins the parts of several workers)."""
+
+    def wanted(self) -> Wanted | None:
+        """Which pieces of a checkpoint this worker reads to load it (None: all)."""
 
     def load(self, state: TrainingState) -> None:
         """Load a whole, world-size-independent state after the model's parameters were
@@ -165,12 +164,11 @@ class Replicated(BucketedGradients):
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
         broadcast_tensors(self.group, tensors, src, self.device)
 
-    @property
-    def saves_model(self) -> bool:
-        return True
-
     def state_part(self) -> tuple[dict[str, torch.Tensor], dict]:
         return optimizer_state(self.optimizer, self.names)
+
+    def wanted(self) -> Wanted | None:
+        return None  # a full replica needs everything
 
     def load(self, state: TrainingState) -> None:
         # copies: the optimizer steps its state in place (0-dim step counts stay on the CPU)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint import TrainingState
+from .checkpoint import Checkpoint, Part, TrainingState, cut_part
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .data import micro_batches
@@ -81,20 +81,33 @@ class Replica:
         self.strategy.sync_from(src)
 
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
-        """This worker's state for a checkpoint or a joiner. With ZeRO only this rank's part
-        of the optimizer state (``checkpoint.merge_shards`` joins the parts); the model
-        only from rank 0."""
+        """This worker's state, copied: the whole of it at ZeRO stage 0 (for a joiner);
+        with ZeRO only this rank's part of the optimizer state (``merge_shards`` joins them)."""
         tensors, meta = self.strategy.state_part()
-        return TrainingState(step=step, model=self.model_state() if self.strategy.saves_model else {},
+        return TrainingState(step=step, model=self.model_state(),
                              optimizer_tensors={k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
                              optimizer_meta=meta, sampler=sampler, world_size=self.group.world_size,
                              rng=torch.get_rng_state())
+
+    def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
+        """This rank's share of a checkpoint, copied into host memory: only the pieces it
+        writes are copied (``checkpoint.cut_part``)."""
+        tensors, meta = self.strategy.state_part()
+        live = TrainingState(step=step, model=self.model.state_dict(), optimizer_tensors=tensors,
+                             optimizer_meta=meta, sampler=sampler, world_size=self.group.world_size,
+                             rng=torch.get_rng_state())
+        return cut_part(live, self.group.rank, self.group.world_size)
 
     def load_state(self, state: TrainingState) -> None:
         """Load a whole (world-size-independent) training state; with ZeRO a collective."""
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.model.items()})
         self.strategy.load(state)
         torch.set_rng_state(state.rng)
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Read what this rank needs of ``checkpoint`` from its storage (every file checked
+        against its sha256 before any collective), then load it."""
+        self.load_state(checkpoint.read(self.strategy.wanted()))
 
     def model_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from .checkpoint import TrainingState
+from .checkpoint import TrainingState, Wanted
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .errors import CollectiveError, ConfigError
@@ -321,12 +321,28 @@ class Sharded(BucketedGradients):
         broadcast_tensors(self.group, list(self.model.state_dict().values()), src, self.device)
         self.reset_from_params(step=0)
 
-    @property
-    def saves_model(self) -> bool:
-        return self.rank == 0  # every rank has the parameters; one of them saves them
-
     def state_part(self) -> tuple[dict[str, torch.Tensor], dict]:
         return self.named_state()
+
+    def wanted(self) -> Wanted:
+        """All model tensors, and the optimizer state of this rank's new chunk and its left
+        neighbour's (the peer snapshot it keeps): a checkpoint's other files are not read."""
+        self._current()
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for b, bucket in enumerate(self.buckets):
+            for r in {self.rank, (self.rank - 1) % self.world_size}:
+                lo, hi = r * self.chunks[b], (r + 1) * self.chunks[b]
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    a, e = max(lo, offset), min(hi, offset + p.numel())
+                    if a < e:
+                        ranges.setdefault(self.names[id(p)], []).append((a - offset, e - offset))
+
+        def wanted(key: str, start: int, numel: int) -> bool:
+            if not key.startswith("optim/"):
+                return True
+            name = key.removeprefix("optim/").rpartition("/")[0]
+            return any(a < start + numel and start < e for a, e in ranges.get(name, ()))
+        return wanted
 
     def load(self, state: TrainingState) -> None:
         self._current()

@@ -1,14 +1,15 @@
-"""Checkpoint files: atomic, checksummed, optimizer state keyed by parameter name."""
+"""Checkpoint files: written in parts by every rank, committed by the manifest, checksummed,
+optimizer state keyed by parameter name."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
 from elastic_dp import CheckpointError
-from elastic_dp.checkpoint import CheckpointStore, TrainingState, load_optimizer_state, optimizer_state
+from elastic_dp.checkpoint import (CheckpointStore, TrainingState, cut_part, load_optimizer_state, manifest_of,
+                                   optimizer_state, write_part)
+from elastic_dp.storage import Storage
 from tests.tasks import mlp, sgd_two_groups
 
 
@@ -32,14 +33,30 @@ def _state(step=5):
                                      world_size=3, rng=torch.get_rng_state())
 
 
+def _save(store: CheckpointStore, state: TrainingState, world_size: int = 3) -> str:
+    """Save ``state`` as ``world_size`` replicated ranks would: each writes its part."""
+    directory = store.begin(state.step)
+    reports = [write_part(store.storage, directory, cut_part(state, rank, world_size)) for rank in range(world_size)]
+    store.commit(directory, manifest_of(reports, step=state.step, sampler=state.sampler, world_size=world_size))
+    return directory
+
+
 def test_round_trip_restores_model_and_optimizer(tmp_path):
     model, opt, state = _state()
-    store = CheckpointStore(tmp_path)
-    path = store.save(state)
-    assert path.name == "step-00000005" and store.latest() == path
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005"]  # no temporary left
-    loaded = store.load()
+    store = CheckpointStore(str(tmp_path))
+    directory = _save(store, state)
+    assert directory.startswith("step-00000005-") and store.latest().directory == directory
+    files = sorted(p.name for p in (tmp_path / directory).iterdir())
+    assert files == ["manifest.json", *[f"{kind}-0000{r}.safetensors" for kind in ("model", "optim") for r in range(3)]]
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".")]  # no temporary left
+    # every rank wrote about a third of the model: none wrote it alone
+    pieces = [p for key, e in store.latest().manifest["tensors"].items() if key.startswith("model/") for p in e["pieces"]]
+    per_rank = [sum(numel for file, _, numel in pieces if file == f"model-0000{r}.safetensors") for r in range(3)]
+    total = sum(t.numel() for t in state.model.values())
+    assert sum(per_rank) == total and max(per_rank) - min(per_rank) <= len(state.model)
+    loaded = store.latest().read()
     assert loaded.step == 5 and loaded.world_size == 3 and loaded.sampler["global_batch"] == 8
+    assert torch.equal(loaded.rng, state.rng)
     torch.manual_seed(123)
     model2 = mlp()
     model2.load_state_dict(loaded.model)
@@ -59,24 +76,41 @@ def test_round_trip_restores_model_and_optimizer(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_reader_reads_only_the_files_holding_pieces_it_wants(tmp_path, monkeypatch):
+    _, _, state = _state()
+    store = CheckpointStore(str(tmp_path))
+    _save(store, state)
+    read = []
+    original = Storage.read
+    monkeypatch.setattr(Storage, "read", lambda self, rel: read.append(rel.split("/")[-1]) or original(self, rel))
+    checkpoint = store.latest()
+    read.clear()
+    partial = checkpoint.read(lambda key, start, numel: not key.startswith("optim/"))
+    assert sorted(read) == [f"model-0000{r}.safetensors" for r in range(3)]
+    assert all(torch.equal(partial.model[k], v) for k, v in state.model.items())
+
+
 def test_checksum_mismatch_is_refused(tmp_path):
-    store = CheckpointStore(tmp_path)
-    path = store.save(_state()[2])
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"]["optimizer.safetensors"]["sha256"] = "0" * 64
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="optimizer.safetensors.*does not match its sha256"):
-        store.load()
+    store = CheckpointStore(str(tmp_path))
+    directory = _save(store, _state()[2])
+    part = tmp_path / directory / "optim-00001.safetensors"
+    data = bytearray(part.read_bytes())
+    data[-3] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="optim-00001.safetensors does not match its sha256"):
+        store.latest().read()
 
 
 def test_incomplete_checkpoint_is_ignored_and_old_ones_pruned(tmp_path):
-    store = CheckpointStore(tmp_path, keep=2)
-    for step in (1, 2, 3):
-        store.save(_state(step)[2])
-    (tmp_path / ".tmp-step-00000009-dead").mkdir()  # a crashed save: no rename happened
-    (tmp_path / "step-00000010").mkdir()  # no manifest: not a checkpoint
-    assert store.latest().name == "step-00000003"
-    assert sorted(p.name for p in tmp_path.glob("step-0000000?")) == ["step-00000002", "step-00000003"]
+    store = CheckpointStore(str(tmp_path), keep=2)
+    _save(store, _state(1)[2])
+    (tmp_path / "step-00000001-abandoned").mkdir()  # a save that never got its manifest
+    for step in (2, 3):
+        _save(store, _state(step)[2])
+    (tmp_path / "step-00000010-inflight").mkdir()  # no manifest: not a checkpoint (yet)
+    assert store.latest().step == 3
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [n.split("-")[1] for n in names] == ["00000002", "00000003", "00000010"]  # abandoned one pruned
 
 
 def test_optimizer_state_keys_are_parameter_names_and_groups_survive():

@@ -5,7 +5,6 @@ the decisions taken on the way."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
@@ -14,7 +13,7 @@ from elastic_dp.coordinator import Coordinator, RunState
 from elastic_dp.faults import Fault, FaultPlan
 from elastic_dp.membership import Membership
 from elastic_dp.metrics import RunRecorder
-from elastic_dp.modes.base import MembersLost, Recovery, RecoveryResult, classify
+from elastic_dp.modes.base import MembersLost, Recovery, RecoveryResult, SaveOutcome, classify
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,7 +83,7 @@ class FakeMode:
     def __init__(self, losses=None, reform_losses=(), state_lost=0, resize_losses=()) -> None:
         self.losses, self.reform_losses, self.state_lost = dict(losses or {}), list(reform_losses), state_lost
         self.resize_losses = list(resize_losses)
-        self.generation, self.members, self.calls = -1, [], []
+        self.generation, self.members, self.calls, self.ended = -1, [], [], []
 
     def _form(self, members) -> None:
         self.generation += 1
@@ -123,9 +122,13 @@ class FakeMode:
         self.calls.append(("restore", state.step))
         self._form(members)
 
-    def save(self, store, step: int) -> Path:
+    def save(self, store, step: int) -> None:
         store.saved.append(step)
-        return Path(f"step-{step}")
+        self.ended.append(SaveOutcome(step, f"step-{step}", 0.0, 0.0, 0))
+
+    def settle_saves(self, wait: bool = False) -> list:
+        ended, self.ended = self.ended, []
+        return ended
 
     def finish(self) -> None:
         self.calls.append(("finish", len(self.members)))
@@ -135,6 +138,8 @@ class FakeMode:
 class FakeState:
     step: int
     sampler: dict = dataclasses.field(default_factory=lambda: {"global_batch": 32, "seed": 0})
+    manifest: dict = dataclasses.field(default_factory=dict)
+    url: str = "fake"
 
 
 class FakeStore:
@@ -144,8 +149,10 @@ class FakeStore:
     def check_writable(self) -> None:
         pass
 
+    url = "fake-store"
+
     def latest(self):
-        return self.saved[-1] if self.saved else None
+        return FakeState(self.saved[-1]) if self.saved else None
 
     def load(self) -> FakeState:
         return FakeState(self.saved[-1])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 
@@ -98,6 +97,21 @@ def classify(failure: Failure, state_step: int) -> Recovery:
     return Recovery.ROLLED_BACK
 
 
+@dataclass(frozen=True, slots=True)
+class SaveOutcome:
+    """A save that ended: committed (``url``) or abandoned (``error``)."""
+
+    step: int
+    url: str | None
+    stall_s: float
+    """How long training waited for it (the copy into host memory; the whole save when
+    it is synchronous)."""
+    save_s: float
+    """From the start of the save to its commit."""
+    bytes: int
+    error: str | None = None
+
+
 class TrainingMode(Protocol):
     """How a run trains. Every call that involves workers may raise ``MembersLost``."""
 
@@ -117,11 +131,16 @@ class TrainingMode(Protocol):
     def reform(self, members: Sequence[Any], failure: Failure) -> RecoveryResult:
         """After ``failure``: continue on ``members`` from the newest state that survived."""
 
-    def restore(self, members: Sequence[Any], state: Any) -> None:
-        """Restart ``members`` from the durable checkpoint ``state``."""
+    def restore(self, members: Sequence[Any], checkpoint: Any) -> None:
+        """Restart ``members`` from the durable ``checkpoint``."""
 
-    def save(self, store: Any, step: int) -> Path:
-        """Write a durable checkpoint of the state after ``step`` committed steps."""
+    def save(self, store: Any, step: int) -> None:
+        """Start a durable checkpoint of the state after ``step`` committed steps (the
+        members' parts may be written in the background)."""
+
+    def settle_saves(self, wait: bool = False) -> list[Any]:
+        """The saves that ended since the last call (``SaveOutcome``: committed, with its
+        location, or abandoned, with the reason); ``wait``: wait for the one in flight."""
 
     def finish(self) -> None:
         """Write the final weights (and the task's sample) once the last step committed."""

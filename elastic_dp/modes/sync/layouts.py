@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-import ray
 
-from ...checkpoint import TrainingState
+from ...checkpoint import Checkpoint
 from ...faults import Fault
 from ...messages import StepResult
 from ..base import Failure, Recovery, RecoveryResult, classify
@@ -40,17 +39,11 @@ class StateLayout(Protocol):
     def resize(self, members: list[Any]) -> None:
         """Between steps: form the next generation over ``members`` (current ones + joiners)."""
 
-    def load(self, state: TrainingState) -> None:
-        """Load ``state`` into every member of the current generation."""
+    def load(self, checkpoint: Checkpoint) -> None:
+        """Every member of the current generation reads and loads ``checkpoint``."""
 
-    def restore(self, members: list[Any], state: TrainingState) -> None:
-        """Form the next generation over ``members`` and load ``state`` into it."""
-
-    def savers(self) -> list[Any]:
-        """The members whose ``training_state`` parts make up a checkpoint."""
-
-    def merge(self, parts: list[TrainingState]) -> TrainingState:
-        """One world-size-independent state out of the savers' parts."""
+    def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
+        """Form the next generation over ``members`` and load ``checkpoint`` into it."""
 
 
 class ReplicatedLayout:
@@ -106,22 +99,17 @@ class ReplicatedLayout:
         self.gens.form(members, faults)
         self.at = {m: step for m in members}
 
-    def load(self, state: TrainingState) -> None:
+    def load(self, checkpoint: Checkpoint) -> None:
         self.at = {}  # members that loaded the checkpoint hold its state; the others, no known one
-        members, ref = self.gens.members, ray.put(state)
-        loaded = self.gens.calls.gather({m.actor.load_state.remote(ref): m for m in members}, self.gens.generation)
-        self.at.update({m: state.step for m in loaded.results})
+        members = self.gens.members
+        loaded = self.gens.calls.gather({m.actor.load_checkpoint.remote(checkpoint): m for m in members},
+                                        self.gens.generation)
+        self.at.update({m: checkpoint.step for m in loaded.results})
         raise_for(members, loaded)
 
-    def restore(self, members: list[Any], state: TrainingState) -> None:
+    def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
         self.gens.form(members)
-        self.load(state)
-
-    def savers(self) -> list[Any]:
-        return self.gens.members[:1]  # rank 0 holds everything
-
-    def merge(self, parts: list[TrainingState]) -> TrainingState:
-        return parts[0]
+        self.load(checkpoint)
 
 
 def make_layout(zero: int, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> StateLayout:

@@ -15,10 +15,9 @@ import logging
 import statistics
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
-from ...checkpoint import CheckpointStore, TrainingState
+from ...checkpoint import Checkpoint, CheckpointStore
 from ...config import ClusterConfig, TrainConfig
 from ...data import ElasticSampler, check_resumable, split
 from ...errors import CollectiveError, TaskError
@@ -28,6 +27,7 @@ from ...metrics import RunRecorder, known_peak_tflops
 from ..base import Failure, MembersLost, Recovery, RecoveryResult
 from ..calls import Calls
 from ..guard import NonFiniteGuard
+from ..saving import SaveOutcome, Saves
 from ..watchdog import HangBounds
 from .group import Generations
 from .layouts import make_layout
@@ -53,6 +53,10 @@ class SyncMode:
         self.sampler: ElasticSampler | None = None
         self._attempt_started: dict[int, float] = {}  # step -> first attempt's start
         self._last: dict[Any, StepResult] = {}  # the results of the last failed attempt
+        self.saves: Saves | None = None
+        self.asynchronous_saves = True
+        self.settings: dict[str, Any] = {}
+        """The run's settings, recorded in each checkpoint's manifest."""
 
     @property
     def generation(self) -> int:
@@ -63,7 +67,7 @@ class SyncMode:
         return self.gens.members
 
     # -- start and end -------------------------------------------------------------------
-    def start(self, members: list[Any], resume: TrainingState | None) -> int:
+    def start(self, members: list[Any], resume: Checkpoint | None) -> int:
         members = self.layout.rank_order(members)
         self._make_sampler(members)
         if self.recorder.throughput.peak_flops is None:  # no --peak-tflops: a known GPU's
@@ -76,12 +80,14 @@ class SyncMode:
                     self.sampler.steps_per_epoch)
         start = time.perf_counter()
         self.gens.form(members)
-        self.recorder.event("group_formed", generation=self.generation, world_size=len(members),
-                            form_s=round(time.perf_counter() - start, 4))
-        if resume is not None:
+        form_s = time.perf_counter() - start
+        if resume is not None:  # read and verified by the workers before anything is written
             self.layout.load(resume)
+        self.recorder.event("group_formed", generation=self.generation, world_size=len(members),
+                            form_s=round(form_s, 4))
+        if resume is not None:
             self.recorder.event("resumed", step=resume.step, saved_world_size=resume.world_size,
-                                world_size=len(members))
+                                world_size=len(members), checkpoint=resume.url)
         else:
             self.gens.call_all("broadcast_state", 0)
             self.layout.started(0)
@@ -169,21 +175,26 @@ class SyncMode:
             self._attempt_started.clear()  # a step run again after a rollback is timed afresh
         return result
 
-    def restore(self, members: list[Any], state: TrainingState) -> None:
+    def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
         self._attempt_started.clear()
-        self.layout.restore(self.layout.rank_order(members), state)
+        self.layout.restore(self.layout.rank_order(members), checkpoint)
 
-    def save(self, store: CheckpointStore, step: int) -> Path:
-        fault = self.faults.take_checkpoint(step - 1)
-        savers = self.layout.savers()
-        sampler = self._sampler_state()
-        calls = {m.actor.training_state.remote(step, sampler, fault if rank == 0 else None): m
-                 for rank, m in enumerate(savers)}
+    def save(self, store: CheckpointStore, step: int) -> None:
+        """Start a checkpoint of the state after ``step`` committed steps: every rank
+        writes its own part (``..saving``); ``settle_saves`` reports when it is committed."""
+        if self.saves is None:
+            self.saves = Saves(store, self.gens.calls, asynchronous=self.asynchronous_saves,
+                               settings=self.settings)
+        members = self.members
+        faults = self.faults.take_checkpoint(step - 1, len(members))
         try:
-            parts = self.gens.run(self.members, calls)
+            self.saves.start(members, self.generation, step, self._sampler_state(), faults)
         except MembersLost as lost:
-            if savers[0] not in lost.lost:
-                self.faults.put_back([fault])
+            self.faults.put_back(f for rank, f in faults.items() if members[rank] not in lost.lost)
             raise
-        self.faults.put_back([fault])  # rank 0 came back: it did not fire
-        return store.save(self.layout.merge([parts[m] for m in savers]))
+        self.faults.put_back(faults.values())  # every rank came back: none fired
+
+    def settle_saves(self, wait: bool = False) -> list[SaveOutcome]:
+        """The saves that ended (committed or abandoned) since the last call; ``wait``:
+        first wait for the one in flight."""
+        return self.saves.poll(wait) if self.saves is not None else []

@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import ray
 
-from ...checkpoint import TrainingState, merge_shards
+from ...checkpoint import Checkpoint
 from ...faults import Fault
 from ...messages import StepResult
 from ..base import Failure, Recovery, RecoveryResult, classify
@@ -155,18 +154,12 @@ class ShardedLayout:
         self.gens.call_all("import_shards", src.refs, src.world_size, src.step)
         self.exported = None
 
-    def load(self, state: TrainingState) -> None:
+    def load(self, checkpoint: Checkpoint) -> None:
         self.exported, self.restoring = None, True
-        self.gens.call_all("load_state", ray.put(state))  # a collective: every rank re-cuts its chunk
+        self.gens.call_all("load_checkpoint", checkpoint)  # a collective: every rank re-cuts its chunk
         self.restoring = False
 
-    def restore(self, members: list[Any], state: TrainingState) -> None:
+    def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
         self.exported, self.restoring = None, True
         self.gens.form(members)
-        self.load(state)
-
-    def savers(self) -> list[Any]:
-        return self.gens.members  # every rank holds a part
-
-    def merge(self, parts: list[TrainingState]) -> TrainingState:
-        return merge_shards(parts)
+        self.load(checkpoint)
