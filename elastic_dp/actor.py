@@ -14,7 +14,7 @@ import numpy as np
 import ray
 import torch
 
-from .checkpoint import Checkpoint, Part, TrainingState, write_part
+from .checkpoint import Checkpoint, Part, TrainingState, save_tensors, write_part
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .faults import Fault, trigger
@@ -71,6 +71,10 @@ class WorkerActor:
 
     def model_state(self) -> dict[str, torch.Tensor]:
         return self.replica.model_state()
+
+    def write_weights(self, storage: Storage, name: str) -> None:
+        """Write the model's state dict as the safetensors file ``name`` of ``storage``."""
+        save_tensors(storage, name, self.replica.model.state_dict())
 
     # -- checkpoints: every rank writes its own part --------------------------------------
     def stage_checkpoint(self, directory: str, step: int, sampler: dict[str, int],

@@ -54,6 +54,9 @@ class Trainer:
         check_batch_fits(self.train, self.cluster)
         self.progress = progress
         self.faults = parse_faults(inject, self.train, self.cluster, self.checkpoint)
+        for uri, setting in ((self.checkpoint.storage, "--storage"), (self.checkpoint.dir, "--checkpoint-dir")):
+            if uri is not None:
+                Storage(uri, setting)  # an unknown scheme or an endpoint that does not answer: refused now
         self.settings = run_settings(job_name(task), self.train)
         self.name = self.metrics.name or run_name(self.settings)
         """The run's name: its checkpoints' prefix under ``checkpoint.storage`` and its metrics' tag."""
@@ -107,8 +110,10 @@ def build_coordinator(task: Task, train: TrainConfig, cluster: ClusterConfig, ch
 
 
 def job_name(task: Task) -> str:
-    """The job a task belongs to: the module that defines its model factory (``jobs.gpt``)."""
-    return getattr(task.model, "__module__", None) or type(task.model).__module__
+    """The job a task belongs to: its model factory, ``module:name`` (``jobs.gpt:build_model``)."""
+    factory = getattr(task.model, "func", task.model)  # a functools.partial's function
+    module = getattr(factory, "__module__", None) or type(factory).__module__
+    return f"{module}:{getattr(factory, '__qualname__', type(factory).__qualname__)}"
 
 
 def _ensure_ray(cluster: ClusterConfig) -> bool:

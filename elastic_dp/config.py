@@ -230,4 +230,4 @@ def run_settings(job: str, train: TrainConfig) -> dict[str, object]:
 def run_name(settings: dict[str, object]) -> str:
     """The default run name: the job's short name and a hash of ``settings``."""
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
-    return f"{str(settings['job']).rsplit('.', 1)[-1]}-{digest}"
+    return f"{str(settings['job']).split(':')[0].rsplit('.', 1)[-1]}-{digest}"

@@ -88,6 +88,7 @@ class Coordinator:
         self.step = 0
         self.save_due = False
         self._saved_step: int | None = None
+        self._decision_event: dict | None = None
         """The step of the last checkpoint committed or in flight (None: none)."""
         self.failure: Failure | None = None
         self.decision: MembershipDecision | None = None
@@ -152,6 +153,8 @@ class Coordinator:
             raise MembershipError(f"a worker failed while the run was starting ({lost.cause}); start it "
                                   "again") from None
         self.membership.admit(members)
+        if self._decision_event is not None:  # recorded once the checkpoint has loaded: a refused one writes nothing
+            self.recorder.event("resume_decision", **self._decision_event)
         self.recorder.start(self.step)
         self._saved_step = resume.step if resume is not None else None
         return Transition(RunState.RUNNING, f"generation {self.mode.generation} formed at step {self.step}")
@@ -172,8 +175,8 @@ class Coordinator:
                 logger.info("--resume auto: no checkpoint of this run in %s: starting fresh", self.store.url)
             else:
                 logger.info("--resume auto: continuing from %s (step %d)", found.url, found.step)
-            self.recorder.event("resume_decision", resumed=found is not None, storage=self.store.url,
-                                step=found.step if found else 0, checkpoint=found.url if found else None)
+            self._decision_event = dict(resumed=found is not None, storage=self.store.url,
+                                        step=found.step if found else 0, checkpoint=found.url if found else None)
         return found
 
     def _running(self) -> Transition:

@@ -12,6 +12,11 @@ With an output directory ``DIR`` a run writes::
                               and nonfinite true
     DIR/events.jsonl          membership and checkpoint events, timestamped
 
+``DIR`` may be a storage URI (``s3://bucket/runs/NAME``, see elastic_dp.storage), for a
+driver whose disk does not outlive it (a KubeRay head pod): rank 0 then writes the
+weights straight to it, and the two logs are kept in a local staging directory and
+uploaded after each checkpoint and when the run ends.
+
 Progress is a tqdm bar when stderr is a terminal, otherwise a log line every few steps.
 """
 
@@ -19,7 +24,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,9 +115,15 @@ class RunRecorder:
 
     def __init__(self, out_dir: str | None, *, total_steps: int, progress: bool | None = None,
                  tensorboard: str | None = None) -> None:
-        self.out = Path(out_dir) if out_dir else None
+        self.storage = Storage(out_dir, "--out") if out_dir else None
+        self.remote = self.storage is not None and not self.storage.local
+        if self.remote:
+            self.storage.check_writable()
+            self.out = Path(tempfile.mkdtemp(prefix="elastic-dp-out-"))  # staging for the logs
+        else:
+            self.out = Path(out_dir) if out_dir else None
         self._opened = False  # the output directory is touched only once there is output
-        self.summary = RunSummary(out_dir=str(self.out) if self.out else None)
+        self.summary = RunSummary(out_dir=self.storage.url() if self.storage else None)
         self.total_steps = total_steps
         self._t0 = time.perf_counter()
         self._show_bar = sys.stderr.isatty() if progress is None else progress
@@ -147,6 +160,8 @@ class RunRecorder:
         for exporter in self.exporters:
             exporter.event(record)
         logger.info("event %s: %s", kind, fields)
+        if kind == "checkpoint_saved":
+            self.upload()
 
     def step(self, *, step: int, loss: float | None, samples: int, step_s: float, world_size: int,
              generation: int, timings: dict[str, float] | None = None, nonfinite: bool = False,
@@ -188,7 +203,13 @@ class RunRecorder:
     def weights(self, name: str, state: dict) -> None:
         """Write ``state`` (a model state dict) as ``<out>/<name>.safetensors``."""
         if self._open():
-            save_tensors(Storage(self.out, "--out"), f"{name}.safetensors", state)
+            save_tensors(self.storage, f"{name}.safetensors", state)
+
+    def upload(self) -> None:
+        """With an ``--out`` URI: copy the logs written so far to it."""
+        if self.remote and self._opened:
+            for name in ("metrics.jsonl", "events.jsonl"):
+                self.storage.write(name, (self.out / name).read_bytes())
 
     def finish(self) -> RunSummary:
         if self._bar is not None:
@@ -202,3 +223,7 @@ class RunRecorder:
         for exporter in self.exporters:
             exporter.close()
         self.exporters = []
+        if self.remote:
+            self.upload()
+            shutil.rmtree(self.out, ignore_errors=True)  # the staging copy
+            self.remote = self._opened = False

@@ -9,6 +9,12 @@ import tempfile
 
 import pytest
 
+# Credentials for the loopback S3 server of tests/test_s3.py (moto accepts any). Set before
+# Ray starts, so that the workers, which inherit Ray's environment, have them too.
+for _key, _value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    os.environ.setdefault(_key, _value)
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():

@@ -40,7 +40,7 @@ class FakePool:
     """Workers become ready on the next poll while fewer than ``capacity`` are alive."""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity, self.pending, self.alive, self.stopped = capacity, [], [], []
+        self.capacity, self.pending, self.alive, self.stopped, self.requested = capacity, [], [], [], []
         self.slots_go_with_workers = False  # a stopped worker's slot is gone too (a lost node)
         self._ids = iter(range(1000))
 
@@ -70,6 +70,9 @@ class FakePool:
     def stop_all(self) -> None:
         for member in list(self.alive):
             self.stop(member)
+
+    def request_capacity(self, count: int) -> None:
+        self.requested.append(count)
 
     def placement_error(self, wanted, timeout_s, ready):
         raise AssertionError("the fake pool places everyone")
@@ -245,10 +248,11 @@ def test_below_min_waits_for_capacity_then_fails():
 
 def test_a_join_is_admitted_at_its_step_boundary():
     mode = FakeMode()
-    coordinator, _, _ = _run(mode, workers=3, min_workers=2, faults=[Fault("join", 3)])
+    coordinator, pool, _ = _run(mode, workers=3, min_workers=2, faults=[Fault("join", 3)])
     summary = coordinator.run()
     assert _states(coordinator) == ["STARTING", "RUNNING", "RESIZING", "RUNNING", "FINISHING", "FINISHED"]
     assert _reason(coordinator, RunState.RESIZING) == "1 worker(s) joining"
+    assert pool.requested == [2, 3, 0]  # the autoscaler is asked for the target as it grows; withdrawn at the end
     assert mode.calls == [("resize", 3), ("finish", 3)]
     change = next(e for e in summary.events if e["kind"] == "membership_changed")
     assert change["joined"] == 1 and change["world_size"] == 3

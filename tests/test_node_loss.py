@@ -35,8 +35,12 @@ def test_losing_a_node_reforms_over_the_survivor(tmp_path):
     assert report["world_sizes"][0] == 2 and report["world_sizes"][-1] == 1
 
 
-def test_losing_a_node_under_zero_restores_every_chunk_from_peer_snapshots(tmp_path):
+def test_a_node_added_mid_run_grows_it_and_losing_it_under_zero_restores_every_chunk_from_peer_snapshots(tmp_path):
+    """Also the autoscaler path: the run asks for room for MAX (4) workers, starts on the 2
+    that fit, grows to 4 when a node comes, shrinks to 2 when it goes, and never restarts."""
     report = _run(tmp_path / "out", "zero")
+    assert report["requests"]["running"] == [{"CPU": 1}] * 4  # request_resources: room for MAX
+    assert report["requests"]["ended"] == []  # withdrawn when the run ended
     assert report["diff"] < TOL
     assert not any(e["kind"] == "restored_from_checkpoint" for e in report["events"]), "a chunk was lost"
     changes = [e for e in report["events"] if e["kind"] == "membership_changed"]

@@ -142,8 +142,11 @@ def _scrape(ray_cluster, run: str, ready, timeout_s: float = 40.0) -> dict[str, 
 
 def test_the_runs_figures_are_ray_metrics_that_prometheus_scrapes(ray_cluster, run_dir):
     metrics, events = _metrics(run_dir), _events(run_dir)
-    # the run tag defaults to the --out directory's name; wait for an export after the last step
-    found = _scrape(ray_cluster, run_dir.name, lambda f: f.get("elastic_dp_steps_total") == len(metrics))
+    # the run tag defaults to the run's name (the job and a hash of its settings); wait for an
+    # export after the last step
+    name = Trainer(MLP_TASK, train=dataclasses.replace(MLP_TASK.defaults, steps=8)).name
+    assert name.startswith("tasks-")
+    found = _scrape(ray_cluster, name, lambda f: f.get("elastic_dp_steps_total") == len(metrics))
     assert found["elastic_dp_world_size"] == metrics[-1]["world_size"]
     assert found["elastic_dp_loss"] == pytest.approx(metrics[-1]["loss"])
     assert found["elastic_dp_steps_total"] == len(metrics)

@@ -43,6 +43,9 @@ class Pool(Protocol):
     def stop_all(self) -> None:
         """Stop every worker the pool started."""
 
+    def request_capacity(self, count: int) -> None:
+        """Ask the cluster's autoscaler for room for ``count`` workers (0: withdraw)."""
+
     def placement_error(self, wanted: int, timeout_s: float, ready: int) -> PlacementError:
         """The error for ``wanted`` workers not placed within ``timeout_s``."""
 
@@ -74,7 +77,10 @@ class Membership:
                              wait_timeout_s=self.wait_timeout_s)
 
     def place(self) -> list:
-        """Request the first workers; return the ready ones once MIN are (more if placed)."""
+        """Request the first workers; return the ready ones once MIN are (more if placed).
+        The autoscaler is asked for room for the target (MAX) at once, so the nodes for
+        workers that do not fit now are started while the run trains on the others."""
+        self.pool.request_capacity(self.target)
         self.pool.start(self.target)
         ready = self.pool.wait_ready(self.min_workers, self.placement_timeout_s)
         if len(ready) < self.min_workers:
@@ -86,6 +92,7 @@ class Membership:
     def grow(self, count: int) -> None:
         """Injected joins: raise the target by ``count`` and wait until the new workers are ready."""
         self.target = min(self.max_workers, self.target + count)
+        self.pool.request_capacity(self.target)
         self.pool.start(count)
         self.joiners += self.pool.wait_ready(count, self.placement_timeout_s)
 
@@ -123,6 +130,7 @@ class Membership:
         self.joiners = [j for j in self.joiners if j not in members]
 
     def close(self) -> None:
-        """Stop every worker."""
+        """Stop every worker, and withdraw the request for capacity."""
         self.pool.stop_all()
+        self.pool.request_capacity(0)
         self.members, self.joiners = [], []

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import ray
+from ray.autoscaler.sdk import request_resources
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -132,6 +133,15 @@ class WorkerPool:
             except Exception as exc:  # already gone
                 logger.debug("stopping %r: %s", member, exc)
         self.all.clear()
+
+    def request_capacity(self, count: int) -> None:
+        """A standing request to Ray's autoscaler (KubeRay's in-tree one on Kubernetes) for a
+        cluster with room for ``count`` workers; 0 withdraws it. Without an autoscaler it
+        only records the request."""
+        try:
+            request_resources(bundles=[worker_bundle(self.device)] * count)
+        except Exception as exc:  # an older or unusual cluster: the run goes on without it
+            logger.warning("could not ask the autoscaler for %d workers: %s", count, exc)
 
     def placement_error(self, wanted: int, timeout_s: float, ready: int) -> PlacementError:
         """The error for ``wanted`` workers not placed within ``timeout_s`` (``ready`` are)."""

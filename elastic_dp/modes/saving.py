@@ -60,7 +60,7 @@ class Saves:
         """Save the state after ``step`` committed steps, held by ``members`` (rank order).
         Raises ``MembersLost`` when a member is lost before its part is in host memory."""
         if self.in_flight is not None:
-            self.poll(wait=True)  # at most one save in flight
+            self._settle(wait=True)  # at most one save in flight
         start = time.perf_counter()
         directory = self.store.begin(step)
         storage = self.store.storage
@@ -82,6 +82,11 @@ class Saves:
     def poll(self, wait: bool = False) -> list[SaveOutcome]:
         """Commit the save in flight if its uploads are done (``wait``: wait for them, up
         to the step deadline); return the saves that ended since the last poll."""
+        self._settle(wait)
+        ended, self.ended = self.ended, []
+        return ended
+
+    def _settle(self, wait: bool) -> None:
         save = self.in_flight
         if save is not None:
             refs = list(save.refs)
@@ -93,8 +98,6 @@ class Saves:
                 self.in_flight = None
                 self._abandon(save, f"its upload did not finish within {self.calls.deadline_s:.0f} s "
                                     "(--step-timeout)")
-        ended, self.ended = self.ended, []
-        return ended
 
     def _finish(self, save: _InFlight) -> None:
         reports = []

@@ -7,7 +7,11 @@ Prints one JSON line with what the test checks.
 
 In the zero scenario the second node joins after the run has started on the first
 node's two workers, so the workers become ready node by node (A A B B): only the rank
-order the sharded layout chooses keeps each peer snapshot on the other node.
+order the sharded layout chooses keeps each peer snapshot on the other node. It is also
+how an autoscaler grows a run: the run asks for room for MAX workers
+(``request_resources``; this local cluster has no autoscaler, so the request is read
+back from where Ray keeps it), starts on the MIN that fit, and the workers placed on the
+new node join at a step boundary.
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ def _wait_for(path: Path, ok, timeout_s: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+def _autoscaler_request() -> list[dict] | None:
+    """The standing resource request of this cluster's autoscaler (None: never made)."""
+    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return json.loads(raw) if raw else None
+
+
 def main(out: Path, scenario: str) -> None:
     s = SCENARIOS[scenario]
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": s["per_node"], "include_dashboard": False})
@@ -55,7 +67,7 @@ def main(out: Path, scenario: str) -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     task = s["task"]
     config = dataclasses.replace(task.defaults, steps=s["steps"], micro_batch=s["micro_batch"], zero=s["zero"])
-    removed_at, errors = [], []
+    removed_at, errors, requests = [], [], {}
 
     def train():
         try:  # a checkpoint to fall back to, so that a fallback would show (and not fail the run)
@@ -71,6 +83,7 @@ def main(out: Path, scenario: str) -> None:
         metrics = out / "metrics.jsonl"
         if late:  # the second node's workers join the running group, then it goes
             _wait_for(metrics, lambda ms: len(ms) >= 2)
+            requests["running"] = _autoscaler_request()
             second = cluster.add_node(num_cpus=s["per_node"])
             _wait_for(metrics, lambda ms: sum(m["world_size"] == 2 * s["per_node"] for m in ms) >= 3)
         else:
@@ -78,6 +91,7 @@ def main(out: Path, scenario: str) -> None:
         removed_at.append(len(_lines(metrics)))
         cluster.remove_node(second, allow_graceful=False)
         thread.join()
+        requests["ended"] = _autoscaler_request()
     finally:
         thread.join()
         ray.shutdown()
@@ -89,7 +103,7 @@ def main(out: Path, scenario: str) -> None:
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     print(json.dumps({"diff": max_abs_diff(load_file(out / "final.safetensors"), expected),
-                      "removed_after_steps": removed_at[0], "events": events,
+                      "removed_after_steps": removed_at[0], "events": events, "requests": requests,
                       "steps": [m["step"] for m in metrics], "world_sizes": [m["world_size"] for m in metrics]}))
 
 

@@ -91,7 +91,7 @@ class SyncMode:
         else:
             self.gens.call_all("broadcast_state", 0)
             self.layout.started(0)
-        self.recorder.weights("initial", self._from_rank0("model_state"))
+        self._write_weights("initial")
         return resume.step if resume is not None else 0
 
     def _make_sampler(self, members: list[Any]) -> None:
@@ -105,12 +105,20 @@ class SyncMode:
         return {"seed": self.sampler.seed, "global_batch": self.sampler.global_batch,
                 "dataset_len": self.sampler.dataset_len}
 
-    def _from_rank0(self, method: str) -> Any:
+    def _from_rank0(self, method: str, *args: Any) -> Any:
         rank0 = self.members[0]  # its loss is a failure of the whole group (the others survive)
-        return self.gens.run(self.members, {getattr(rank0.actor, method).remote(): rank0})[rank0]
+        return self.gens.run(self.members, {getattr(rank0.actor, method).remote(*args): rank0})[rank0]
+
+    def _write_weights(self, name: str) -> None:
+        """``<out>/<name>.safetensors``: written by rank 0 straight to an ``--out`` URI, or
+        by this driver into its local ``--out`` directory."""
+        if self.recorder.remote:
+            self._from_rank0("write_weights", self.recorder.storage, f"{name}.safetensors")
+        elif self.recorder.storage is not None:
+            self.recorder.weights(name, self._from_rank0("model_state"))
 
     def finish(self) -> None:
-        self.recorder.weights("final", self._from_rank0("model_state"))
+        self._write_weights("final")
         self.recorder.summary.sample = self._from_rank0("sample")
 
     # -- the step --------------------------------------------------------------------------

@@ -1,0 +1,193 @@
+"""deploy/: every manifest validates against KubeRay's own CRD schemas (v1.7.0, in
+../shared/kuberay-crds) with unknown fields rejected, obeys the operator's rules that
+the schemas do not express, and asks for what an elastic_dp run needs."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from elastic_dp.cli import _parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+CRDS = ROOT.parent / "shared" / "kuberay-crds"
+CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _strict(schema):
+    """The CRD's structural schema, made strict for validation (see SOURCE.md there):
+    objects with properties reject unknown fields, and properties that the API server
+    defaults are not required."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        props = schema.get("properties")
+        if isinstance(props, dict) and schema.get("type") == "object" and "additionalProperties" not in schema \
+                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+        if isinstance(props, dict) and "required" in schema:
+            schema["required"] = [r for r in schema["required"] if "default" not in props.get(r, {})]
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@pytest.fixture(scope="module")
+def validators():
+    if not CRDS.is_dir():
+        pytest.fail(f"KubeRay's CRD schemas are missing at {CRDS}")
+    found = {}
+    for kind, file in CRD_FILES.items():
+        crd = yaml.safe_load((CRDS / file).read_text())
+        v1 = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+        found[kind] = jsonschema.Draft7Validator(_strict(v1["schema"]["openAPIV3Schema"]))
+    return found
+
+
+def _manifests() -> list[dict]:
+    docs = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    return docs
+
+
+def _errors(validators, doc) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validators[doc["kind"]].iter_errors(doc)]
+
+
+def _cluster_spec(doc) -> dict:
+    return doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+
+
+def _operator_errors(doc) -> list[str]:
+    """The checks of KubeRay's validation.go that the schemas do not express."""
+    errors = []
+    name, limit = doc["metadata"]["name"], {"RayJob": 47, "RayCluster": 53}[doc["kind"]]
+    if len(name) > limit or not DNS_1035.match(name):
+        errors.append(f"name {name!r}: at most {limit} characters, DNS-1035")
+    spec = _cluster_spec(doc)
+    for group in spec.get("workerGroupSpecs", []):
+        low, high = group.get("minReplicas", 0), group.get("maxReplicas", 2**31 - 1)
+        if not low <= group.get("replicas", low) <= high:
+            errors.append(f"worker group {group['groupName']}: needs minReplicas <= replicas <= maxReplicas")
+    if doc["kind"] == "RayJob" and doc["spec"].get("ttlSecondsAfterFinished", 0) > 0 \
+            and not doc["spec"].get("shutdownAfterJobFinishes"):
+        errors.append("ttlSecondsAfterFinished needs shutdownAfterJobFinishes: true")
+    if spec.get("authOptions", {}).get("mode") == "token":
+        version = tuple(int(x) for x in spec.get("rayVersion", "0").split(".")[:3])
+        if version < (2, 52, 0):
+            errors.append("authOptions.mode token needs rayVersion >= 2.52.0")
+    return errors
+
+
+def test_every_manifest_validates_against_kuberays_schemas_and_rules(validators):
+    docs = _manifests()
+    assert sorted(d["kind"] for d in docs) == ["RayCluster", "RayJob"]
+    for doc in docs:
+        assert doc["apiVersion"] == "ray.io/v1"
+        assert _errors(validators, doc) == [], doc["kind"]
+        assert _operator_errors(doc) == [], doc["kind"]
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda d: _cluster_spec(d)["headGroupSpec"]["rayStartParams"].update({"num-cpus": 0}), "is not of type"),
+    (lambda d: _cluster_spec(d)["workerGroupSpecs"][0].update({"minReplicas": "2"}), "is not of type"),
+    (lambda d: _cluster_spec(d)["workerGroupSpecs"][0].update({"maxReplica": 4}), "Additional properties"),
+    (lambda d: _cluster_spec(d)["autoscalerOptions"].update({"version": "v3"}), "is not one of"),
+    (lambda d: _cluster_spec(d)["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]
+     ["limits"].update({"memory": "64 gigs"}), "does not match"),
+])
+def test_a_wrong_value_or_an_unknown_field_is_caught(validators, mutate, expected):
+    for doc in _manifests():
+        broken = copy.deepcopy(doc)
+        mutate(broken)
+        assert any(expected in e for e in _errors(validators, broken)), doc["kind"]
+
+
+def test_the_operator_rules_catch_what_the_schemas_do_not():
+    job = next(d for d in _manifests() if d["kind"] == "RayJob")
+    for mutate, expected in [
+        (lambda d: d["metadata"].update(name="x" * 48), "at most 47"),
+        (lambda d: _cluster_spec(d)["workerGroupSpecs"][0].update(replicas=9), "minReplicas <= replicas"),
+        (lambda d: d["spec"].update(shutdownAfterJobFinishes=False), "needs shutdownAfterJobFinishes"),
+        (lambda d: _cluster_spec(d).update(rayVersion="2.51.0"), "needs rayVersion >= 2.52.0"),
+    ]:
+        broken = copy.deepcopy(job)
+        mutate(broken)
+        assert any(expected in e for e in _operator_errors(broken)), expected
+
+
+def _containers(spec: dict) -> list[tuple[str, dict, dict]]:
+    """(group, pod spec, container) of every Ray container of a cluster spec."""
+    groups = [("head", spec["headGroupSpec"])] + [(g["groupName"], g) for g in spec["workerGroupSpecs"]]
+    return [(name, g["template"]["spec"], c) for name, g in groups for c in g["template"]["spec"]["containers"]]
+
+
+def test_the_cluster_is_what_an_elastic_run_needs():
+    pinned = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    ray_version = next(d for d in pinned if d.startswith("ray")).split("==")[1]
+    job = next(d for d in _manifests() if d["kind"] == "RayJob")
+    cluster = next(d for d in _manifests() if d["kind"] == "RayCluster")
+    assert job["spec"]["rayClusterSpec"] == cluster["spec"]  # one cluster shape, written twice: kept equal
+    spec = cluster["spec"]
+    assert spec["rayVersion"] == ray_version
+    assert spec["enableInTreeAutoscaling"] is True and spec["autoscalerOptions"]["version"] == "v2"
+    assert spec["authOptions"] == {"mode": "token", "secretName": "elastic-dp-ray-token"}
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    for group, pod, container in _containers(spec):
+        security = pod["securityContext"]
+        assert security["runAsNonRoot"] is True and security["seccompProfile"]["type"] == "RuntimeDefault"
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        resources = container["resources"]
+        assert resources["requests"] == resources["limits"], group
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    (gpu,) = spec["workerGroupSpecs"]
+    assert gpu["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+    # The RayJob's entrypoint is a valid command line whose elastic range is the worker group's
+    entry = shlex.split(job["spec"]["entrypoint"])
+    assert entry[:3] == ["python", "-m", "jobs.gpt"]
+    args = _parser().parse_args(["train", "jobs.gpt", *entry[3:]])
+    assert args.workers == (gpu["minReplicas"], gpu["maxReplicas"])
+    assert args.resume == "auto" and args.storage and args.device == "cuda"
+    assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["ttlSecondsAfterFinished"] > 0
+    assert job["spec"]["backoffLimit"] >= 1  # retries resume: --resume auto with --storage
+    submitter = job["spec"]["submitterPodTemplate"]["spec"]
+    assert submitter["securityContext"]["runAsNonRoot"] is True
+    assert submitter["containers"][0]["resources"]["requests"] == submitter["containers"][0]["resources"]["limits"]
+
+
+def test_the_image_is_built_on_rays_gpu_image_of_the_pinned_version():
+    pinned = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    ray_version = next(d for d in pinned if d.startswith("ray")).split("==")[1]
+    torch_version = next(d for d in pinned if d.startswith("torch")).split("==")[1]
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    base = re.search(r"^FROM (\S+)", dockerfile, re.M).group(1)
+    assert re.fullmatch(rf"rayproject/ray:{re.escape(ray_version)}-py3\d+-gpu", base), base
+    assert f"torch=={torch_version}" in dockerfile
+
+
+def test_kustomize_renders_both(validators):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the rendering is not checked here")
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert sorted(d["kind"] for d in rendered) == ["RayCluster", "RayJob"]
+    for doc in rendered:
+        assert _errors(validators, doc) == [] and _operator_errors(doc) == []

@@ -1,0 +1,155 @@
+"""Checkpoints in an object store: a real S3-compatible server (moto's standalone server)
+on loopback, started by this module. Every rank writes its own part; the manifest,
+written last, commits the checkpoint; ``--resume auto`` (the default with ``--storage``)
+continues a run of the same name from its latest checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow.fs as pafs
+import pytest
+from safetensors.torch import load_file
+
+from elastic_dp import CheckpointConfig, CheckpointError, ClusterConfig, Trainer
+from elastic_dp.errors import StorageError
+from tests.reference import max_abs_diff
+from tests.tasks import TINY_GPT_TASK
+
+TOL = 2e-5  # float32 reduction order over 6 AdamW steps (as in test_resume)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on loopback with bucket ``ckpt``: (storage URI, pyarrow S3 filesystem)."""
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "moto server did not start"
+                time.sleep(0.2)
+        query = f"endpoint_override=127.0.0.1:{port}&scheme=http"
+        fs, _ = pafs.FileSystem.from_uri(f"s3://ckpt?{query}&allow_bucket_creation=true")
+        fs.create_dir("ckpt")
+        yield f"s3://ckpt/runs?{query}", fs, port
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _fit(workers, out, *, steps, storage, every=0, zero=0, resume=None):
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=steps, zero=zero)
+    return Trainer(TINY_GPT_TASK, train=config, cluster=ClusterConfig(workers=workers),
+                   checkpoint=CheckpointConfig(storage=storage, every=every, resume=resume),
+                   out_dir=str(out), progress=False).fit()
+
+
+def _events(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+
+
+def _checkpoints(fs, run_prefix: str) -> dict[str, list[str]]:
+    """Checkpoint directory -> the objects in it."""
+    found: dict[str, list[str]] = {}
+    for info in fs.get_file_info(pafs.FileSelector(run_prefix, recursive=True, allow_not_found=True)):
+        if info.type == pafs.FileType.File:
+            directory, name = info.path[len(run_prefix) + 1:].split("/")
+            found.setdefault(directory, []).append(name)
+    return {d: sorted(names) for d, names in sorted(found.items())}
+
+
+def test_saved_by_every_rank_to_s3_and_resumed_at_another_worker_count(ray_cluster, s3, tmp_path):
+    uri, fs, _ = s3
+    _fit(2, tmp_path / "straight", steps=6, storage=None)
+    # Run at 3 workers with ZeRO-1, saving after steps 2 and 4, stopping at 4.
+    _fit(3, tmp_path / "first", steps=4, storage=uri, every=2, zero=1)
+    first = _events(tmp_path / "first")
+    decision = next(e for e in first if e["kind"] == "resume_decision")
+    assert not decision["resumed"] and decision["storage"].startswith("s3://ckpt/runs/tasks-")
+    run_prefix = decision["storage"].removeprefix("s3://")
+    saved = _checkpoints(fs, run_prefix)
+    assert [d[:13] for d in saved] == ["step-00000002", "step-00000004"]
+    for names in saved.values():  # three ranks wrote their parts; the manifest came last
+        assert names == ["manifest.json", *[f"{k}-0000{r}.safetensors" for k in ("model", "optim") for r in range(3)]]
+    stalls = [e["stall_s"] for e in first if e["kind"] == "checkpoint_saved"]
+    assert len(stalls) == 2
+
+    # The same command with more steps, at 2 workers and stage 0: --resume auto continues it.
+    # Its output goes to the object store too: rank 0 writes the weights, the logs are uploaded.
+    _fit(2, uri.replace("/runs?", "/out/second?"), steps=6, storage=uri)
+    second_out = tmp_path / "second"
+    second_out.mkdir()
+    for name in ("initial.safetensors", "final.safetensors", "metrics.jsonl", "events.jsonl"):
+        with fs.open_input_stream(f"ckpt/out/second/{name}") as f:
+            (second_out / name).write_bytes(f.read())
+    second = _events(second_out)
+    decision = next(e for e in second if e["kind"] == "resume_decision")
+    assert decision["resumed"] and decision["step"] == 4
+    assert next(e for e in second if e["kind"] == "resumed")["saved_world_size"] == 3
+    assert [json.loads(line)["step"] for line in (second_out / "metrics.jsonl").read_text().splitlines()] == [4, 5]
+    diff = max_abs_diff(load_file(tmp_path / "straight" / "final.safetensors"),
+                        load_file(second_out / "final.safetensors"))
+    assert diff < TOL
+
+
+def _flip_last_byte(fs, path: str) -> None:
+    with fs.open_input_stream(path) as f:
+        data = bytearray(f.read())
+    data[-1] ^= 0xFF
+    with fs.open_output_stream(path) as f:
+        f.write(bytes(data))
+
+
+def test_a_corrupted_object_is_refused_and_a_missing_manifest_ignored(ray_cluster, s3, tmp_path):
+    uri, fs, _ = s3
+    uri = uri.replace("/runs?", "/damaged?")
+    _fit(2, tmp_path / "first", steps=4, storage=uri, every=2)
+    run_prefix = next(e for e in _events(tmp_path / "first") if e["kind"] == "resume_decision")["storage"]
+    run_prefix = run_prefix.removeprefix("s3://")
+    older, newer = _checkpoints(fs, run_prefix)
+    _flip_last_byte(fs, f"{run_prefix}/{newer}/optim-00001.safetensors")
+    with pytest.raises(CheckpointError, match=r"optim-00001\.safetensors does not match its sha256"):
+        _fit(2, tmp_path / "refused", steps=6, storage=uri)
+    assert not (tmp_path / "refused").exists()  # nothing written
+    # Without its manifest the damaged checkpoint does not exist: the run continues from the older.
+    fs.delete_file(f"{run_prefix}/{newer}/manifest.json")
+    _fit(2, tmp_path / "second", steps=6, storage=uri)
+    decision = next(e for e in _events(tmp_path / "second") if e["kind"] == "resume_decision")
+    assert decision["resumed"] and decision["step"] == 2 and older in decision["checkpoint"]
+
+
+def test_an_unreachable_endpoint_is_reported_within_seconds(s3):
+    _, _, port = s3
+    closed = _free_port()
+    start = time.monotonic()
+    with pytest.raises(StorageError, match=rf"endpoint 127\.0\.0\.1:{closed} .* does not answer.*--storage"):
+        Trainer(TINY_GPT_TASK, checkpoint=CheckpointConfig(
+            storage=f"s3://ckpt/x?endpoint_override=127.0.0.1:{closed}&scheme=http"))
+    assert time.monotonic() - start < 5
+    with pytest.raises(StorageError, match=r"--storage 'nosuch://bucket/x' is not a storage URI"):
+        Trainer(TINY_GPT_TASK, checkpoint=CheckpointConfig(storage="nosuch://bucket/x"))
+
+
+def test_a_bucket_that_does_not_exist_is_not_writable(ray_cluster, s3, tmp_path):
+    _, _, port = s3
+    with pytest.raises(StorageError, match=r"s3://missing/runs/.* is not writable.*pass a writable --storage"):
+        _fit(1, tmp_path / "out", steps=1,
+             storage=f"s3://missing/runs?endpoint_override=127.0.0.1:{port}&scheme=http")
+    assert not (tmp_path / "out").exists()
