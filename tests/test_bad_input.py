@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from elastic_dp import (CheckpointConfig, CheckpointError, ClusterConfig, ConfigError, PlacementError,
-                        TaskError, Trainer, TrainConfig, load_task)
+from elastic_dp import (CheckpointConfig, CheckpointError, ClusterConfig, ConfigError, MetricsConfig,
+                        PlacementError, TaskError, Trainer, TrainConfig, load_task)
 from tests.tasks import BAD_LOSS_TASK, MLP_TASK
 
 
@@ -81,6 +81,29 @@ def test_resume_from_corrupted_checkpoint(ray_cluster, tmp_path):
     with pytest.raises(CheckpointError, match=r"model-00000\.safetensors does not match its sha256"):
         _trainer(train={"steps": 4}, checkpoint={"dir": str(ckpt), "resume": True}, out=tmp_path / "out").fit()
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_auto_refuses_a_checkpoint_of_its_name_saved_with_other_settings(ray_cluster, tmp_path):
+    storage = str(tmp_path / "storage")
+
+    def trainer(name=None, out=None, **train):
+        return Trainer(MLP_TASK, train=dataclasses.replace(MLP_TASK.defaults, **train),
+                       cluster=ClusterConfig(workers=1), checkpoint=CheckpointConfig(storage=storage),
+                       metrics=MetricsConfig(name=name, ray_metrics=False), out_dir=out, progress=False)
+
+    trainer("shared", steps=2).fit()
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=r"saved with clip_grad_norm=None, and this run has "
+                                              r"clip_grad_norm=1\.0.*another\s+--run-name"):
+        trainer("shared", out=str(out), steps=4, clip_grad_norm=1.0).fit()
+    assert not out.exists()
+    # by default the name follows the settings: the same job with other settings is another run
+    assert trainer(steps=2).name != trainer(steps=2, clip_grad_norm=1.0).name
+    assert trainer(steps=2).name == trainer(steps=7).name  # --steps is not among them
+    with pytest.raises(ConfigError, match="either --checkpoint-dir DIR or --storage URI"):
+        CheckpointConfig(dir="a", storage="b")
+    with pytest.raises(ConfigError, match="resume must be never, latest or auto"):
+        CheckpointConfig(storage="b", resume="sometimes")
 
 
 def test_resume_with_another_global_batch(ray_cluster, tmp_path):

@@ -1,0 +1,17 @@
+"""A Ray job entrypoint for tests/test_ray_job.py: the MLP task with SGD, each micro-batch
+paced by a sleep so a run lasts long enough to be killed mid-way.
+
+    python -m tests.scripts.paced_job --workers 2 --steps 30 --storage DIR ...
+"""
+
+from __future__ import annotations
+
+import sys
+
+from elastic_dp.cli import main
+from tests.tasks import PacedLoss, paced_task
+
+TASK = paced_task(PacedLoss(seconds=0.05))
+
+if __name__ == "__main__":
+    sys.exit(main(["train", "tests.scripts.paced_job", *sys.argv[1:]]))
