@@ -80,8 +80,8 @@ def main() -> None:
         if variant == "none":
             continue
         saves = runs[variant][0]["saves"]
-        report["stall_per_save_s"][variant] = round(statistics.median(s for r in runs[variant] for s in r["stall_s"]), 4)
-        report["save_to_commit_s"][variant] = round(statistics.median(s for r in runs[variant] for s in r["save_s"]), 4)
+        for key, field in (("stall_per_save_s", "stall_s"), ("save_to_commit_s", "save_s")):
+            report[key][variant] = round(statistics.median(s for r in runs[variant] for s in r[field]), 4)
         report["excess_per_save_s"][variant] = round((report["run_s"][variant] - base) / saves, 4)
         report["checkpoint_bytes"] = runs[variant][0]["bytes"]
     print(json.dumps(report, indent=1))

@@ -8,7 +8,7 @@ from .api import Trainer
 from .config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig
 from .data import ElasticSampler, split
 from .errors import (CheckpointError, ClusterError, CollectiveError, ConfigError, ElasticDPError,
-                     MembershipError, NonFiniteError, PlacementError, TaskError, WorkerError)
+                     MembershipError, NonFiniteError, PlacementError, StorageError, TaskError, WorkerError)
 from .faults import Fault
 from .metrics import RunSummary
 from .task import Task, load_task
@@ -16,6 +16,6 @@ from .task import Task, load_task
 __all__ = [
     "Trainer", "Task", "load_task", "TrainConfig", "ClusterConfig", "CheckpointConfig", "MetricsConfig",
     "ElasticSampler", "split", "RunSummary",
-    "ElasticDPError", "ConfigError", "TaskError", "PlacementError", "CheckpointError", "WorkerError",
+    "ElasticDPError", "ConfigError", "TaskError", "PlacementError", "CheckpointError", "StorageError", "WorkerError",
     "CollectiveError", "MembershipError", "ClusterError", "NonFiniteError", "Fault",
 ]

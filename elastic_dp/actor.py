@@ -38,7 +38,7 @@ class WorkerActor:
         self.group = CollectiveGroup(backend="nccl" if device == "cuda" else "gloo",
                                      timeout_s=collective_timeout_s)
         self.replica: Replica | None = None
-        self._staged: dict[str, Part] = {}
+        self._staged: dict[str, tuple[Part, Fault | None]] = {}
         """Checkpoint parts copied at a step boundary, waiting for their upload."""
 
     def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
@@ -83,21 +83,22 @@ class WorkerActor:
         host memory (all a save stalls training for); ``upload_checkpoint`` writes it."""
         trigger(fault, "checkpoint")
         part = self.replica.checkpoint_part(step, sampler)
-        self._staged[directory] = part
+        self._staged[directory] = part, fault
         return sum(t.numel() * t.element_size() for f in part.files.values() for t in f.values())
 
     @ray.method(concurrency_group="io")
     def upload_checkpoint(self, storage: Storage, directory: str) -> dict:
         """I/O thread, while training goes on: write the staged part into ``directory`` of
         ``storage``; the manifest's entries for it (sizes, sha256, pieces)."""
-        part: Part = self._staged.pop(directory)
+        part, fault = self._staged.pop(directory)
+        trigger(fault, "upload")
         return write_part(storage, directory, part)
 
     def write_checkpoint(self, storage: Storage, directory: str, step: int, sampler: dict[str, int],
                          fault: Fault | None = None) -> dict:
         """Both at once, on the training thread (``--sync-checkpoints``)."""
         self.stage_checkpoint(directory, step, sampler, fault)
-        return write_part(storage, directory, self._staged.pop(directory))
+        return write_part(storage, directory, self._staged.pop(directory)[0])
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Read this rank's needs of ``checkpoint`` from its storage and load them (with ZeRO

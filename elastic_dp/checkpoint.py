@@ -210,11 +210,13 @@ Wanted = Callable[[str, int, int], bool]
 """``wanted(key, start, numel)``: whether a reader needs that piece."""
 
 
-def read_state(storage: Storage, directory: str, manifest: dict[str, Any], wanted: Wanted | None = None) -> TrainingState:
+def read_state(storage: Storage, directory: str, manifest: dict[str, Any],
+               wanted: Wanted | None = None) -> TrainingState:
     """Read a checkpoint's files (only those holding a ``wanted`` piece), verify each
     against its sha256, and assemble whole tensors; pieces not read stay zero."""
-    return assemble(manifest, lambda file: load_bytes(_read_verified(storage, directory, file, manifest["files"][file])),
-                    wanted)
+    def load(file: str) -> dict[str, torch.Tensor]:
+        return load_bytes(_read_verified(storage, directory, file, manifest["files"][file]))
+    return assemble(manifest, load, wanted)
 
 
 def assemble(manifest: dict[str, Any], load: Callable[[str], dict[str, torch.Tensor]],

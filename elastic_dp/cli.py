@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds a worker may take to leave an aborted step before it counts as hung")
     train.add_argument("--inject", action="append", default=[], metavar="SPEC",
                        help="fault injection, repeatable: kill:step=S:rank=R[:phase=forward|allreduce|"
-                            "optimizer|snapshot|checkpoint|reform], hang:step=S:rank=R, join:step=S")
+                            "optimizer|snapshot|checkpoint|upload|reform], hang:step=S:rank=R, join:step=S")
     train.add_argument("--checkpoint-dir", default=None, help="local directory (or shared mount) for checkpoints")
     train.add_argument("--storage", default=None, metavar="URI",
                        help="checkpoints under URI/RUN_NAME: a path or a pyarrow filesystem URI such as "

@@ -75,7 +75,8 @@ class Coordinator:
 
     def __init__(self, mode: TrainingMode, membership: Membership, *, train: TrainConfig, recorder: RunRecorder,
                  faults: FaultPlan, store: Any | None = None, checkpoint: CheckpointConfig | None = None,
-                 settings: dict[str, Any] | None = None, sleep: Callable[[float], None] = time.sleep, poll_s: float = 0.2) -> None:
+                 settings: dict[str, Any] | None = None, sleep: Callable[[float], None] = time.sleep,
+                 poll_s: float = 0.2) -> None:
         self.mode, self.membership, self.train, self.steps = mode, membership, train, train.steps
         self.recorder, self.faults, self.store = recorder, faults, store
         self.ckpt_cfg = checkpoint or CheckpointConfig()

@@ -3,7 +3,8 @@
     kill:step=S:rank=R[:phase=P]   the worker process of rank R dies (SIGKILL) during step S;
                                     P is forward (default), allreduce, optimizer, snapshot
                                     (ZeRO's peer snapshot), checkpoint (while rank R copies
-                                    its part of the checkpoint after step S) or reform (rank R of the
+                                    its part of the checkpoint after step S), upload (while
+                                    it writes that part in the background) or reform (rank R of the
                                     generation formed after another fault at step S, as it joins)
     hang:step=S:rank=R[:phase=P]   the worker stops (SIGSTOP) and never answers again
     join:step=S                    one more worker joins before step S
@@ -26,7 +27,8 @@ from .config import CheckpointConfig, ClusterConfig, TrainConfig
 from .errors import ConfigError
 
 STEP_PHASES = ("forward", "allreduce", "optimizer", "snapshot")
-PHASES = (*STEP_PHASES, "checkpoint", "reform")
+SAVE_PHASES = ("checkpoint", "upload")
+PHASES = (*STEP_PHASES, *SAVE_PHASES, "reform")
 KINDS = ("kill", "hang", "join")
 
 
@@ -92,10 +94,12 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
         refuse(f"the run trains steps 0..{train.steps - 1} (--steps {train.steps})")
     if f.rank is not None and f.rank >= cluster.workers:
         refuse(f"the run has at most {cluster.workers} workers, ranks 0..{cluster.workers - 1} (--workers)")
-    if f.phase == "checkpoint":
+    if f.phase in SAVE_PHASES:
         every = checkpoint.every
-        if checkpoint.dir is None:
-            refuse("no checkpoint is saved without --checkpoint-dir")
+        if not checkpoint.enabled:
+            refuse("no checkpoint is saved without --checkpoint-dir or --storage")
+        if f.phase == "upload" and not checkpoint.asynchronous:
+            refuse("phase=upload fires in a background save, and --sync-checkpoints saves on the training thread")
         if not ((every and (f.step + 1) % every == 0) or f.step + 1 == train.steps):
             refuse(f"no checkpoint is saved after step {f.step}: --checkpoint-every {every} saves after steps "
                    "whose number plus one it divides, and after the last step")
@@ -142,7 +146,7 @@ class FaultPlan:
     def take_checkpoint(self, step: int, world_size: int) -> dict[int, Fault]:
         """The faults of the ranks that save the checkpoint after ``step``."""
         self._sizes["checkpoint", step].add(world_size)
-        taken = {rank: self.take(step, rank, ("checkpoint",)) for rank in range(world_size)}
+        taken = {rank: self.take(step, rank, SAVE_PHASES) for rank in range(world_size)}
         return {rank: f for rank, f in taken.items() if f is not None}
 
     def take_reform(self, step: int, world_size: int) -> dict[int, Fault]:
@@ -168,7 +172,7 @@ class FaultPlan:
     def _why(self, f: Fault) -> str:
         if f.kind == "join":
             return f"the run never reached step {f.step}"
-        what = {"checkpoint": "checkpoint", "reform": "reform"}.get(f.phase, "step")
+        what = {"checkpoint": "checkpoint", "upload": "checkpoint", "reform": "reform"}.get(f.phase, "step")
         sizes = sorted(self._sizes.get((what, f.step), ()))
         if not sizes:
             return {"checkpoint": f"no checkpoint was saved after step {f.step} in this run",

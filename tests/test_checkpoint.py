@@ -50,7 +50,8 @@ def test_round_trip_restores_model_and_optimizer(tmp_path):
     assert files == ["manifest.json", *[f"{kind}-0000{r}.safetensors" for kind in ("model", "optim") for r in range(3)]]
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".")]  # no temporary left
     # every rank wrote about a third of the model: none wrote it alone
-    pieces = [p for key, e in store.latest().manifest["tensors"].items() if key.startswith("model/") for p in e["pieces"]]
+    index = store.latest().manifest["tensors"]
+    pieces = [p for key, e in index.items() if key.startswith("model/") for p in e["pieces"]]
     per_rank = [sum(numel for file, _, numel in pieces if file == f"model-0000{r}.safetensors") for r in range(3)]
     total = sum(t.numel() for t in state.model.values())
     assert sum(per_rank) == total and max(per_rank) - min(per_rank) <= len(state.model)

@@ -80,6 +80,11 @@ def test_faults_that_can_fire_are_accepted():
     with pytest.raises(ConfigError, match="no checkpoint is saved after step 2: --checkpoint-every 2"):
         parse_faults(["kill:step=2:rank=0:phase=checkpoint"], TrainConfig(steps=6),
                      ClusterConfig(workers=3), CheckpointConfig(dir="ckpt", every=2))
+    with pytest.raises(ConfigError, match="phase=upload fires in a background save.*--sync-checkpoints"):
+        parse_faults(["kill:step=3:rank=1:phase=upload"], TrainConfig(steps=6),
+                     ClusterConfig(workers=3), CheckpointConfig(dir="ckpt", every=2, asynchronous=False))
+    assert parse_faults(["kill:step=3:rank=1:phase=upload"], TrainConfig(steps=6), ClusterConfig(workers=3),
+                        CheckpointConfig(storage="s3ish", every=2))[0].phase == "upload"
 
 
 def test_a_fault_that_did_not_fire_is_handed_out_again_or_reported_with_the_reason():

@@ -62,6 +62,25 @@ def test_kill_while_saving_a_checkpoint(ray_cluster, tmp_path):
     assert any(e["kind"] == "membership_changed" for e in events)
 
 
+def test_a_worker_lost_while_uploading_its_part_abandons_that_checkpoint_only(ray_cluster, tmp_path):
+    """Rank 1 dies while writing its part of the checkpoint of step 4 in the background, and
+    rank 0 while writing its part of the last one (step 6): neither gets a manifest. The run
+    re-forms; the step that failed beside the upload is re-run, so step 4 is saved again,
+    as is the final checkpoint; the run ends on the replay."""
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2)
+    _, diff, events, _ = run_against_replay(
+        tmp_path / "out", 3, ["kill:step=3:rank=1:phase=upload", "kill:step=5:rank=0:phase=upload"],
+        min_workers=1, checkpoint=ckpt)
+    assert diff < TOL
+    saves = [(e["kind"], e["step"]) for e in events if e["kind"].startswith("checkpoint_")]
+    assert saves == [("checkpoint_saved", 2), ("checkpoint_abandoned", 4), ("checkpoint_saved", 4),
+                     ("checkpoint_abandoned", 6), ("checkpoint_saved", 6)]
+    committed = sorted(p.parent.name[:13] for p in (tmp_path / "ckpt").glob("*/manifest.json"))
+    assert committed == ["step-00000002", "step-00000004", "step-00000006"]
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if not (p / "manifest.json").exists()]  # pruned
+    assert sum(e["kind"] == "membership_changed" and e["lost"] for e in events) == 2
+
+
 @pytest.mark.parametrize("phase", ["forward", "allreduce"])  # outside and inside a collective
 def test_hang_is_found_by_the_deadline_and_the_worker_replaced(ray_cluster, tmp_path, phase):
     summary, diff, events, _ = run_against_replay(tmp_path, 2, [f"hang:step=1:rank=1:phase={phase}"],

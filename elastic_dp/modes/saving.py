@@ -11,8 +11,9 @@ is in flight: a save that comes due while the last is still uploading waits for 
 A member lost while staging is a failure like any other (``MembersLost``). A member lost
 while uploading abandons that save: it never gets a manifest, so it does not exist, and
 the checkpoint before it stays the latest. A storage that fails a write is the run's
-error (``StorageError``): training on without checkpoints is not what was asked for. With ``asynchronous=False`` both halves run in
-one call on the training thread and the save is committed before the next step.
+error (``StorageError``): training on without checkpoints is not what was asked for.
+With ``asynchronous=False`` both halves run in one call on the training thread and the
+save is committed before the next step.
 """
 
 from __future__ import annotations

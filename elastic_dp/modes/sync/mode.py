@@ -200,7 +200,9 @@ class SyncMode:
         except MembersLost as lost:
             self.faults.put_back(f for rank, f in faults.items() if members[rank] not in lost.lost)
             raise
-        self.faults.put_back(faults.values())  # every rank came back: none fired
+        # every rank came back from its copy: a fault of that phase did not fire (one of
+        # phase upload fires, if at all, in the background upload: it is not handed out again)
+        self.faults.put_back(f for f in faults.values() if f.phase == "checkpoint")
 
     def settle_saves(self, wait: bool = False) -> list[SaveOutcome]:
         """The saves that ended (committed or abandoned) since the last call; ``wait``:
