@@ -21,12 +21,14 @@ from elastic_dp.report import ReportError, plot_loss, read_run, write_report
 from tests.tasks import MLP_TASK
 
 ROOT = Path(__file__).resolve().parents[1]
+REPORT_SEED = 1103
 
 
 @pytest.fixture(scope="module")
 def run_dir(ray_cluster, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
-    config = dataclasses.replace(MLP_TASK.defaults, steps=8)
+    # a seed of its own: its default run name (the metrics' run tag) is no other test's
+    config = dataclasses.replace(MLP_TASK.defaults, steps=8, seed=REPORT_SEED)
     Trainer(MLP_TASK, train=config, cluster=ClusterConfig(workers=3, min_workers=1), out_dir=str(out),
             progress=False, inject=["kill:step=2:rank=1", "join:step=5"],
             metrics=MetricsConfig(tensorboard=str(out / "tb"))).fit()
@@ -144,7 +146,7 @@ def test_the_runs_figures_are_ray_metrics_that_prometheus_scrapes(ray_cluster, r
     metrics, events = _metrics(run_dir), _events(run_dir)
     # the run tag defaults to the run's name (the job and a hash of its settings); wait for an
     # export after the last step
-    name = Trainer(MLP_TASK, train=dataclasses.replace(MLP_TASK.defaults, steps=8)).name
+    name = Trainer(MLP_TASK, train=dataclasses.replace(MLP_TASK.defaults, steps=8, seed=REPORT_SEED)).name
     assert name.startswith("tasks-")
     found = _scrape(ray_cluster, name, lambda f: f.get("elastic_dp_steps_total") == len(metrics))
     assert found["elastic_dp_world_size"] == metrics[-1]["world_size"]
