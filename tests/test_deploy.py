@@ -1,10 +1,12 @@
-"""deploy/: every manifest validates against KubeRay's own CRD schemas (v1.7.0, in
-../shared/kuberay-crds) with unknown fields rejected, obeys the operator's rules that
-the schemas do not express, and asks for what an elastic_dp run needs."""
+"""deploy/: every manifest validates against KubeRay's own CRD schemas (v1.7.0, a verbatim
+copy in tests/data/kuberay-crds, see its SOURCE.md) with unknown fields rejected, obeys the
+operator's rules that the schemas do not express, and asks for what an elastic_dp run
+needs."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import re
 import shlex
 import shutil
@@ -20,7 +22,7 @@ from elastic_dp.cli import _parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-CRDS = ROOT.parent / "shared" / "kuberay-crds"
+CRDS = ROOT / "tests" / "data" / "kuberay-crds"
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -43,10 +45,16 @@ def _strict(schema):
     return schema
 
 
+def test_the_crd_schemas_are_kuberays_own():
+    """The copies are byte for byte the files SOURCE.md names (KubeRay v1.7.0)."""
+    source = (CRDS / "SOURCE.md").read_text()
+    for file in CRD_FILES.values():
+        digest = hashlib.sha256((CRDS / file).read_bytes()).hexdigest()
+        assert re.search(rf"\| {re.escape(file)}\s*\|[^|]*\| {digest} \|", source), file
+
+
 @pytest.fixture(scope="module")
 def validators():
-    if not CRDS.is_dir():
-        pytest.fail(f"KubeRay's CRD schemas are missing at {CRDS}")
     found = {}
     for kind, file in CRD_FILES.items():
         crd = yaml.safe_load((CRDS / file).read_text())
