@@ -180,7 +180,7 @@ def run(t: Task, config: TrainConfig, out: Path, workers: tuple[int, int], injec
     start = time.monotonic()
     try:
         Trainer(t, train=config, cluster=ClusterConfig(workers=workers[1], min_workers=workers[0]),
-                checkpoint=CheckpointConfig(dir=str(out / "ckpt"), every=EVERY), out_dir=str(out),
+                checkpoint=CheckpointConfig(dir=str(out / "ckpt"), every=EVERY, asynchronous=False), out_dir=str(out),
                 progress=False, inject=inject).fit()
     finally:
         done.set()

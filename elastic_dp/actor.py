@@ -18,6 +18,7 @@ from .checkpoint import Checkpoint, Part, TrainingState, save_tensors, write_par
 from .collective import CollectiveGroup
 from .config import TrainConfig
 from .faults import Fault, trigger
+from .loop import WindowPlan
 from .messages import Heartbeat, StepResult, WorkerInfo
 from .task import Task
 from .worker import Replica
@@ -60,6 +61,15 @@ class WorkerActor:
     def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
         return self.replica.step(step, indices, fault)
 
+    @ray.method(num_returns="streaming")
+    def run_window(self, plan: WindowPlan):
+        """Training thread: run the granted steps, streaming one ``StepResult`` per step."""
+        yield from self.replica.run_window(plan)
+
+    def grant(self, window: int, until: int, final: bool, faults: dict[int, Fault]) -> None:
+        """Control thread: let ``window`` run the steps before ``until`` (``final``: and no more)."""
+        self.replica.grants.extend(window, until, final, faults)
+
     def heartbeat(self) -> Heartbeat:
         """Control thread: this worker answers, and how far its training thread has come."""
         return self.replica.progress.beat() if self.replica is not None else Heartbeat(0, "idle", 0.0, 0.0)
@@ -67,6 +77,8 @@ class WorkerActor:
     def abort_group(self, generation: int | None = None) -> None:
         """Control thread: release a call blocked in a collective or in the rendezvous of
         ``generation`` (default: the current one); an abort of an older one does nothing."""
+        if self.replica is not None and (generation is None or generation == self.group.generation):
+            self.replica.grants.cancel()  # a window waiting for a grant ends
         self.group.abort(generation)
 
     def model_state(self) -> dict[str, torch.Tensor]:

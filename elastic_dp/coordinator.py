@@ -195,9 +195,23 @@ class Coordinator:
         if decision.action is Action.REFORM:
             self.decision = decision
             return Transition(RunState.RESIZING, decision.reason)
-        self.step = self.mode.advance(self.step)
+        self.step = self.mode.advance(self.step, self._window_limit(), self._keep_going)
         self.save_due = self._due(self.step)
         return Transition(RunState.RUNNING)
+
+    def _window_limit(self) -> int:
+        """Where the next window of steps must end at the latest: the last step, the next
+        checkpoint, the next injected join."""
+        limit = self.steps
+        every = self.ckpt_cfg.every
+        if self.store is not None and every:
+            limit = min(limit, (self.step // every + 1) * every)
+        join = self.faults.next_join(self.step)
+        return min(limit, join) if join is not None else limit
+
+    def _keep_going(self) -> bool:
+        """Between two steps of a window: no worker is waiting to join."""
+        return self.membership.at_step_boundary().action is Action.CONTINUE
 
     def _saving(self) -> Transition:
         self.mode.save(self.store, self.step)
@@ -299,6 +313,8 @@ class Coordinator:
                                 generation=self.mode.generation, lost=len(lost.lost), lost_ranks=lost.lost_ranks,
                                 detect_s=round(lost.detect_s, 4))
         else:
+            if lost.step is not None:  # a window committed the steps before this one
+                self.step = lost.step
             self.failure = Failure(step=self.step, in_flight=self.state is RunState.RUNNING,
                                    survivors=lost.survivors, lost=lost.lost, lost_ranks=lost.lost_ranks,
                                    cause=lost.cause, detect_s=lost.detect_s, during=self.state.value)

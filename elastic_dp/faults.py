@@ -143,6 +143,12 @@ class FaultPlan:
         taken = {rank: self.take(step, rank, phases) for rank in range(world_size)}
         return {rank: f for rank, f in taken.items() if f is not None}
 
+    def forget_step(self, step: int, world_size: int) -> None:
+        """Step ``step`` was handed out to ``world_size`` ranks (granted) but never ran."""
+        self._sizes["step", step].discard(world_size)
+        if not self._sizes["step", step]:
+            del self._sizes["step", step]
+
     def take_checkpoint(self, step: int, world_size: int) -> dict[int, Fault]:
         """The faults of the ranks that save the checkpoint after ``step``."""
         self._sizes["checkpoint", step].add(world_size)
@@ -158,6 +164,11 @@ class FaultPlan:
     def put_back(self, faults: Iterable[Fault | None]) -> None:
         """Faults handed out that did not fire (their worker came back): pending again."""
         self._pending.extend(f for f in faults if f is not None)
+
+    def next_join(self, step: int) -> int | None:
+        """The step of the next injected join after ``step`` (None: none is pending)."""
+        later = [f.step for f in self._pending if f.kind == "join" and f.step > step]
+        return min(later) if later else None
 
     def joins_due(self, step: int) -> int:
         due = [f for f in self._pending if f.kind == "join" and f.step <= step]

@@ -28,6 +28,14 @@ the parameters' full gradients are released (set to None) as soon as they are co
 The caller scales each micro-batch's loss so that local gradients are the sum of the
 per-sample gradients divided by the global batch; the SUM over ranks then gives the
 global-batch gradient exactly (DESIGN invariant 2), with no division by the world size.
+
+The step's commit vote travels in the last bucket: its buffer carries ``VOTE`` more
+elements, in which each rank puts whether its step raised (``note_error``) and whether
+any of its losses (``note_loss``) or local gradients (checked as each bucket is
+launched) is not finite. The SUM over ranks arrives with the last bucket's reduction;
+``finish()`` returns it. In scatter mode, where every rank receives only its chunk, the
+last bucket is reduce-scattered from a copy in which each rank's chunk is followed by the
+vote, so every rank receives the whole tally. No collective is spent on the vote alone.
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+VOTE = 2
+"""Vote elements after the last bucket: [ranks with an error, ranks with a non-finite
+loss or local gradient]."""
 
 from .collective import CollectiveGroup
 
@@ -51,6 +63,9 @@ class _Bucket:
     as_view: bool
     """The buffer has the parameters' dtype, so the views serve as their ``.grad``."""
     buffer: torch.Tensor | None = None
+    carrier: torch.Tensor | None = None
+    """The last bucket's reduced tensor: ``buffer`` followed by the vote (``buffer`` is a
+    view of it); None for the others."""
     views: list[torch.Tensor] = field(default_factory=list)
     """Per parameter, its slice of ``buffer`` shaped like the parameter."""
     pending: int = 0
@@ -75,7 +90,13 @@ class GradientReducer:
                 raise ValueError(f"scatter_into needs chunks of {expected} elements")
         else:
             for bucket in self.buckets:
-                _attach(bucket, torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device))
+                _attach(bucket, torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device),
+                        carry_vote=bucket is self.buckets[-1])
+        device = self.buckets[-1].params[0].device if self.buckets else torch.device("cpu")
+        self._local = torch.zeros(VOTE, dtype=torch.float32, device=device)
+        """This rank's vote, filled in during the step."""
+        self._tally = torch.zeros(VOTE)
+        self._scatter_out: torch.Tensor | None = None  # scatter mode: the last chunk and the tally
         self._bucket_of: dict[int, int] = {}
         self._hooks = []
         for b, bucket in enumerate(self.buckets):
@@ -92,14 +113,15 @@ class GradientReducer:
         self._hooks = []
 
     def zero_grad(self) -> None:
-        """Zero every gradient (the views stay attached as ``param.grad``)."""
+        """Zero every gradient (the views stay attached as ``param.grad``) and the vote."""
+        self._local.zero_()
         for bucket in self.buckets:
             if self.scatter_into is not None:
                 bucket.buffer, bucket.views = None, []
                 for p in bucket.params:
                     p.grad = None
                 continue
-            bucket.buffer.zero_()
+            (bucket.carrier if bucket.carrier is not None else bucket.buffer).zero_()
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view if bucket.as_view else None
 
@@ -116,6 +138,14 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.pending, bucket.ready, bucket.work = len(bucket.params), False, None
             bucket.seen.clear()
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """Count a micro-batch's loss in the vote if it is not finite (no host sync)."""
+        self._local[1] += (~torch.isfinite(loss.detach().float())).any().float()
+
+    def note_error(self) -> None:
+        """This rank's step raised: it votes against the commit (call before ``finish``)."""
+        self._local[0] = 1.0
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if not self._armed:
@@ -143,24 +173,45 @@ class GradientReducer:
                 view.zero_()
             elif p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
+        self._local[1] += (~torch.isfinite(bucket.buffer)).any().float()  # this rank's gradients
+        last = index == len(self.buckets) - 1
         if self.scatter_into is not None:
             for p in bucket.params:
                 p.grad = None  # the full gradient is in the buffer now; release it
-            bucket.work = self.group.reduce_scatter_async(self.scatter_into[index], bucket.buffer)
+            if last:  # every rank's chunk followed by the vote: each rank receives the tally
+                world = bucket.padded // self.scatter_into[index].numel()
+                source = torch.cat([bucket.buffer.view(world, -1),
+                                    self._local.to(bucket.dtype).expand(world, VOTE)], dim=1)
+                self._scatter_out = torch.empty(source.shape[1], dtype=bucket.dtype, device=source.device)
+                bucket.work = self.group.reduce_scatter_async(self._scatter_out, source.view(-1))
+            else:
+                bucket.work = self.group.reduce_scatter_async(self.scatter_into[index], bucket.buffer)
+        elif last:
+            bucket.carrier[bucket.padded:] = self._local
+            bucket.work = self.group.all_reduce_async(bucket.carrier)
         else:
             bucket.work = self.group.all_reduce_async(bucket.buffer)
 
-    def finish(self) -> None:
-        """Launch the buckets backward did not, wait for all; gradients are then global."""
+    def finish(self) -> list[float]:
+        """Launch the buckets backward did not, wait for all; gradients are then global.
+        Returns the vote summed over the ranks: [ranks with an error, ranks with a
+        non-finite loss or gradient]."""
         for bucket in self.buckets[self._next:]:
             bucket.ready = True
         self._launch_ready()
         self._armed = False
-        for bucket in self.buckets:
+        for index, bucket in enumerate(self.buckets):
             bucket.work.wait()
             if self.scatter_into is not None:  # the reduced chunk is in scatter_into
+                if index == len(self.buckets) - 1:
+                    chunk = self.scatter_into[index]
+                    chunk.copy_(self._scatter_out[:chunk.numel()])
+                    self._tally = self._scatter_out[chunk.numel():]
+                    self._scatter_out = None
                 bucket.buffer, bucket.views = None, []
                 continue
+            if bucket.carrier is not None:
+                self._tally = bucket.carrier[bucket.padded:]
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
                     continue
@@ -170,6 +221,7 @@ class GradientReducer:
                     p.grad = view.to(p.dtype)
                 else:
                     p.grad.copy_(view)
+        return self._tally.tolist() if self.buckets else self._local.tolist()
 
     def disarm(self) -> None:
         """Forget a step that failed part-way; the next ``arm()`` starts clean."""
@@ -179,7 +231,10 @@ class GradientReducer:
                 bucket.buffer, bucket.views = None, []
 
 
-def _attach(bucket: _Bucket, buffer: torch.Tensor) -> None:
+def _attach(bucket: _Bucket, buffer: torch.Tensor, carry_vote: bool = False) -> None:
+    if carry_vote:  # the buffer is followed by the vote, reduced with it
+        bucket.carrier = torch.zeros(buffer.numel() + VOTE, dtype=buffer.dtype, device=buffer.device)
+        buffer = bucket.carrier[:buffer.numel()]
     bucket.buffer = buffer
     bucket.views = [buffer[o:o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)]
 

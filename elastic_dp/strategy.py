@@ -29,8 +29,16 @@ class Strategy(Protocol):
     def before_last_backward(self) -> None:
         """Called before the backward of a step's last micro-batch."""
 
-    def reduce_gradients(self) -> None:
-        """Complete the step's gradient reduction; gradients are then global."""
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, for the commit vote (a non-finite one votes to skip)."""
+
+    def note_error(self) -> None:
+        """This rank's step raised: it votes against the commit."""
+
+    def reduce_gradients(self) -> list[float]:
+        """Complete the step's gradient reduction; gradients are then global. Returns the
+        commit vote summed over the ranks, which travelled with the last bucket: [ranks
+        with an error, ranks with a non-finite loss or local gradient]."""
 
     def abandon(self) -> None:
         """Forget a step that failed part-way."""
@@ -43,8 +51,8 @@ class Strategy(Protocol):
         """The optimizer param groups that are stepped (the learning rate is set on these)."""
 
     def grads_finite(self) -> bool:
-        """After the reduction: this rank's part of the global gradient is finite (every
-        rank checks its own part; the commit vote combines them)."""
+        """After the reduction: the reduced gradient is finite, decided alike on every rank
+        without a collective (catches a sum of finite gradients that overflowed)."""
 
     def optimizer_step(self, step: int) -> None:
         """Apply the update of committed step ``step`` (only after the commit vote passed)."""
@@ -105,8 +113,14 @@ class BucketedGradients:
     def before_last_backward(self) -> None:
         self.reducer.arm()
 
-    def reduce_gradients(self) -> None:
-        self.reducer.finish()
+    def note_loss(self, loss: torch.Tensor) -> None:
+        self.reducer.note_loss(loss)
+
+    def note_error(self) -> None:
+        self.reducer.note_error()
+
+    def reduce_gradients(self) -> list[float]:
+        return self.reducer.finish()
 
     def abandon(self) -> None:
         self.reducer.disarm()
@@ -135,11 +149,8 @@ class Replicated(BucketedGradients):
         return self.optimizer.param_groups
 
     def grads_finite(self) -> bool:
-        # the reduced buffers are the same on every rank: each checks its 1/N of them
-        rank, world = self.group.rank, max(self.group.world_size, 1)
-        parts = [b.buffer[rank * b.buffer.numel() // world:(rank + 1) * b.buffer.numel() // world]
-                 for b in self.reducer.buckets]
-        return all_finite(parts)
+        # the reduced buffers are bitwise the same on every rank: each reaches the same answer
+        return all_finite([b.buffer for b in self.reducer.buckets])
 
     def optimizer_step(self, step: int) -> None:
         self.optimizer.step()

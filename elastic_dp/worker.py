@@ -19,7 +19,7 @@ import logging
 import math
 import time
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -27,9 +27,10 @@ import torch
 from .checkpoint import Checkpoint, Part, TrainingState, cut_part
 from .collective import CollectiveGroup
 from .config import TrainConfig
-from .data import micro_batches
+from .data import ElasticSampler, micro_batches, split
 from .errors import CollectiveError, ElasticDPError, TaskError, WorkerError
 from .faults import Fault, trigger
+from .loop import Grants, Prefetcher, WindowPlan
 from .messages import Progress, StepResult, WorkerInfo
 from .strategy import Strategy, make_strategy
 from .task import Task
@@ -44,6 +45,17 @@ def _to_device(batch: Any, device: torch.device) -> Any:
         return type(batch)(_to_device(b, device) for b in batch)
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _pinned(batch: Any) -> Any:
+    """``batch`` with its tensors in pinned host memory (a copy to the GPU can then overlap)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_pinned(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _pinned(v) for k, v in batch.items()}
     return batch
 
 
@@ -69,6 +81,8 @@ class Replica:
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device)
         self.progress = Progress()
+        self.grants = Grants()
+        self.prefetcher = Prefetcher(self._collate)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(dataset_len=len(self.dataset),
@@ -113,40 +127,78 @@ class Replica:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     # -- the step ------------------------------------------------------------------------
-    def _forward_backward(self, indices: np.ndarray, result: StepResult, fault: Fault | None) -> None:
-        chunks = micro_batches(indices, self.config.micro_batch)
+    def _collate(self, indices: np.ndarray) -> list[tuple[int, Any]]:
+        """The micro-batches of a slice: (samples, collated batch), in pinned memory on a GPU."""
+        batches = []
+        for chunk in micro_batches(indices, self.config.micro_batch):
+            batch = self.task.collate([self.dataset[int(j)] for j in chunk])
+            batches.append((len(chunk), _pinned(batch) if self.device.type == "cuda" else batch))
+        return batches
+
+    def _forward_backward(self, batches: list[tuple[int, Any]], result: StepResult, fault: Fault | None) -> None:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=self.config.precision == "bf16")
-        for i, chunk in enumerate(chunks):
+        for i, (samples, host_batch) in enumerate(batches):
             self.progress.tick()
             trigger(fault, "forward")
-            batch = _to_device(self.task.collate([self.dataset[int(j)] for j in chunk]), self.device)
+            batch = _to_device(host_batch, self.device)
             with autocast:
                 loss = self.task.loss(self.model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise TaskError(f"the task's loss returned {shape}, expected a scalar floating-point "
                                 "tensor: return the mean loss over the batch (e.g. .mean())")
-            if i == len(chunks) - 1:
+            self.strategy.note_loss(loss)
+            if i == len(batches) - 1:
                 self.strategy.before_last_backward()
-            (loss.reshape(()) * (len(chunk) / self.config.global_batch)).backward()
+            (loss.reshape(()) * (samples / self.config.global_batch)).backward()
             value = float(loss.detach())
             result.loss_finite = result.loss_finite and math.isfinite(value)
-            result.loss_sum += value * len(chunk)
-            result.samples += len(chunk)
+            result.loss_sum += value * samples
+            result.samples += samples
             self.progress.tick()
 
-    def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
-        """Train one step on this worker's slice ``indices`` of the global batch.
+    def step(self, step: int, indices: np.ndarray, fault: Fault | None = None,
+             batches: list[tuple[int, Any]] | None = None) -> StepResult:
+        """Train one step on this worker's slice ``indices`` of the global batch
+        (``batches``: its micro-batches, when prepared ahead).
 
         ``fault`` (fault injection) is carried out in its phase of this step.
         """
         try:
-            return self._step(step, indices, fault)
+            return self._step(step, indices, fault, batches)
         finally:
             self.progress.enter("idle")
 
-    def _step(self, step: int, indices: np.ndarray, fault: Fault | None) -> StepResult:
+    def run_window(self, plan: WindowPlan) -> Iterator[StepResult]:
+        """Train the steps the coordinator grants, from ``plan.start``, one result per
+        step, until the window ends (the last grant reached, or an abort) or a step does
+        not commit. Each step's slice is computed here, and the next one's collated ahead."""
+        sampler = ElasticSampler(plan.sampler["dataset_len"], global_batch=plan.sampler["global_batch"],
+                                 seed=plan.sampler["seed"])
+        rank, world, generation = self.group.rank, self.group.world_size, self.group.generation
+
+        def slice_of(step: int) -> np.ndarray:
+            return split(sampler.batch(step), world)[rank]
+
+        self.grants.open(plan)
+        step = plan.start
+        while self.grants.wait_for(step):
+            indices = slice_of(step)
+            try:
+                batches = self.prefetcher.take((generation, step, rank, world), indices)
+            except Exception as exc:  # the task's dataset or collate raised: the step records it
+                batches = exc
+            if self.grants.granted(step + 1):
+                self.prefetcher.submit((generation, step + 1, rank, world), slice_of(step + 1))
+            result = self.step(step, indices, self.grants.fault(step), batches)
+            yield result
+            if not result.committed:
+                return
+            step += 1
+
+    def _step(self, step: int, indices: np.ndarray, fault: Fault | None,
+              batches: list[tuple[int, Any]] | BaseException | None) -> StepResult:
         result = StepResult(step=step, rank=self.group.rank, generation=self.group.generation,
                             committed=False)
         self.model.train()
@@ -155,7 +207,9 @@ class Replica:
         t0 = time.perf_counter()
         local_error: BaseException | None = None
         try:
-            self._forward_backward(indices, result, fault)
+            if isinstance(batches, BaseException):
+                raise batches
+            self._forward_backward(batches if batches is not None else self._collate(indices), result, fault)
         except Exception as exc:  # recorded; the vote below tells every rank
             local_error = exc
         t1 = time.perf_counter()
@@ -189,17 +243,17 @@ class Replica:
 
     def _reduce_and_vote(self, step: int, result: StepResult, local_error: BaseException | None,
                          fault: Fault | None) -> torch.Tensor | None:
-        """Complete the gradient reduction and the commit vote: [ranks with an error, ranks
-        that saw a non-finite loss or gradient]. None when the group failed."""
+        """Complete the gradient reduction, which carries the commit vote: [ranks with an
+        error, ranks that saw a non-finite loss or gradient]. None when the group failed."""
         try:
             if local_error is not None:
+                self.strategy.note_error()
                 self.strategy.before_last_backward()  # keep collectives in lockstep
             trigger(fault, "allreduce")
-            self.strategy.reduce_gradients()
-            nonfinite = local_error is None and not (result.loss_finite and self.strategy.grads_finite())
-            vote = torch.tensor([float(local_error is not None), float(nonfinite)], device=self.device)
-            self.group.all_reduce(vote)
-            return vote.tolist()
+            errors, nonfinite = self.strategy.reduce_gradients()
+            if not errors and not nonfinite and not self.strategy.grads_finite():
+                nonfinite = 1.0  # finite gradients whose sum overflowed: every rank sees it alike
+            return [errors, nonfinite]
         except Exception as exc:  # the group itself failed: no vote is possible
             self.strategy.abandon()
             result.error = local_error and _portable(local_error, result.rank, step)

@@ -96,11 +96,16 @@ class FakeMode:
         self._form(members)
         return resume.step if resume else 0
 
-    def advance(self, step: int) -> int:
-        if step in self.losses:
-            lost = [self.members[r] for r in self.losses.pop(step)]
-            raise MembersLost(self.members, lost, f"{lost} died")
-        return step + 1
+    def advance(self, step: int, limit: int | None = None, keep_going=lambda: True) -> int:
+        """A window: steps until ``limit``, or until ``keep_going`` says no between two."""
+        limit = step + 1 if limit is None else limit
+        while True:
+            if step in self.losses:
+                lost = [self.members[r] for r in self.losses.pop(step)]
+                raise MembersLost(self.members, lost, f"{lost} died", step=step)
+            step += 1
+            if step >= limit or not keep_going():
+                return step
 
     def resize(self, members) -> None:
         self.calls.append(("resize", len(members)))

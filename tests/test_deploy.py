@@ -57,7 +57,7 @@ def test_the_crd_schemas_are_kuberays_own():
 def validators():
     found = {}
     for kind, file in CRD_FILES.items():
-        crd = yaml.safe_load((CRDS / file).read_text())
+        crd = yaml.load((CRDS / file).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         v1 = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
         found[kind] = jsonschema.Draft7Validator(_strict(v1["schema"]["openAPIV3Schema"]))
     return found

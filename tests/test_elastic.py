@@ -158,7 +158,9 @@ def test_below_min_waits_for_capacity_then_fails_clearly(ray_cluster, tmp_path):
 
 
 def test_all_workers_lost_restarts_from_the_latest_checkpoint(ray_cluster, tmp_path):
-    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2)
+    # synchronous saves: a background save of step 2 is lost with the workers if they die
+    # (in step 3) before their uploads finish, and the run would have no checkpoint
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2, asynchronous=False)
     summary, diff, events, metrics = run_against_replay(tmp_path / "out", 2,
                                                         ["kill:step=3:rank=0", "kill:step=3:rank=1"], checkpoint=ckpt)
     assert diff < TOL

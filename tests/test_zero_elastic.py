@@ -54,7 +54,8 @@ def test_snapshots_every_k_steps_roll_back_and_replay(ray_cluster, tmp_path):
 
 
 def test_two_adjacent_workers_lost_fall_back_to_the_durable_checkpoint(ray_cluster, tmp_path):
-    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2)
+    # synchronous saves: the dying ranks' uploads of step 2 would race their deaths in step 3
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2, asynchronous=False)
     summary, diff, events, _ = _run(tmp_path / "out", 3, ["kill:step=3:rank=1:phase=allreduce",
                                                           "kill:step=3:rank=2"], zero=1, min_workers=1,
                                     checkpoint=ckpt)

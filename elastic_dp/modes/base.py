@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 
 class MembersLost(Exception):
@@ -22,10 +22,14 @@ class MembersLost(Exception):
     members the call was made on, in rank order.
     """
 
-    def __init__(self, group: Sequence[Any], lost: Sequence[Any], cause: str, detect_s: float = 0.0) -> None:
+    def __init__(self, group: Sequence[Any], lost: Sequence[Any], cause: str, detect_s: float = 0.0,
+                 step: int | None = None) -> None:
         super().__init__(cause)
         self.group, self.lost = list(group), list(dict.fromkeys(lost))  # a member may have had two calls
         self.cause, self.detect_s = cause, detect_s
+        self.step = step
+        """The step the loss interrupted, when it came in a window of steps (the ones before
+        it committed); None: the coordinator's current step."""
 
     @property
     def survivors(self) -> list[Any]:
@@ -122,8 +126,10 @@ class TrainingMode(Protocol):
         """Start ``members`` from the checkpoint ``resume`` or from rank 0's fresh model;
         write the initial weights; return the first step to run."""
 
-    def advance(self, step: int) -> int:
-        """Train from step ``step``; return the committed steps afterwards."""
+    def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True) -> int:
+        """Train from step ``step``, up to ``limit`` or an earlier step boundary once
+        ``keep_going()`` says no; return the committed steps afterwards. A loss of members
+        raises ``MembersLost`` naming the step it interrupted."""
 
     def resize(self, members: Sequence[Any]) -> None:
         """Between steps: continue on ``members`` (the current ones, plus joiners)."""

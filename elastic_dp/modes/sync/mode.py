@@ -15,13 +15,13 @@ import logging
 import statistics
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from ...checkpoint import Checkpoint, CheckpointStore
 from ...config import ClusterConfig, TrainConfig
-from ...data import ElasticSampler, check_resumable, split
-from ...errors import CollectiveError, TaskError
-from ...faults import STEP_PHASES, FaultPlan
+from ...data import ElasticSampler, check_resumable
+from ...errors import TaskError
+from ...faults import FaultPlan
 from ...messages import StepResult
 from ...metrics import RunRecorder, known_peak_tflops
 from ..base import Failure, MembersLost, Recovery, RecoveryResult
@@ -31,12 +31,9 @@ from ..saving import SaveOutcome, Saves
 from ..watchdog import HangBounds
 from .group import Generations
 from .layouts import make_layout
+from .window import Window
 
 logger = logging.getLogger(__name__)
-
-def _collective_error(member: Any, result: StepResult) -> str | None:
-    return f"collective error on {member!r}: {result.error}" if isinstance(result.error, CollectiveError) else None
-
 
 class SyncMode:
     """Synchronous SGD over one collective group per generation (``TrainingMode``)."""
@@ -53,6 +50,7 @@ class SyncMode:
         self.sampler: ElasticSampler | None = None
         self._attempt_started: dict[int, float] = {}  # step -> first attempt's start
         self._last: dict[Any, StepResult] = {}  # the results of the last failed attempt
+        self._windows = 0
         self.saves: Saves | None = None
         self.asynchronous_saves = True
         self.settings: dict[str, Any] = {}
@@ -122,28 +120,13 @@ class SyncMode:
         self.recorder.summary.sample = self._from_rank0("sample")
 
     # -- the step --------------------------------------------------------------------------
-    def advance(self, step: int) -> int:
-        """Run step ``step`` on every member; the committed steps afterwards (``step + 1``)."""
-        members = self.members
-        self._attempt_started.setdefault(step, time.perf_counter())
-        faults = self.faults.take_step(step, len(members), STEP_PHASES)
-        slices = split(self.sampler.batch(step), len(members))
-        calls = {m.actor.step.remote(step, indices, faults.get(rank)): m
-                 for rank, (m, indices) in enumerate(zip(members, slices))}
-        outcome = self.gens.calls.gather(calls, self.generation, failed=_collective_error, what="step")
-        self.faults.put_back(f for rank, f in faults.items() if members[rank] in outcome.results)
-        results = outcome.results
-        if not outcome.lost and not outcome.errors and all(r.committed for r in results.values()):
-            self.layout.stepped(step, results)
-            self._record(step, list(results.values()))
-            return step + 1
-        task_errors = [r.error for r in results.values() if r.error is not None
-                       and not isinstance(r.error, CollectiveError)]
-        if not outcome.lost and (task_errors or outcome.errors):
-            raise (task_errors or list(outcome.errors.values()))[0]  # not recoverable: the task's own error
-        self.layout.stepped(step, results)
-        self._last = results
-        raise MembersLost(members, outcome.lost, outcome.cause or "the step did not commit", outcome.detect_s or 0.0)
+    def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True) -> int:
+        """Train from step ``step`` on every member in one window (``.window``): up to
+        ``limit`` (default: one step), or to an earlier boundary once ``keep_going()``
+        says no. Returns the committed steps afterwards; a failure raises ``MembersLost``
+        naming the step it interrupted."""
+        self._windows += 1
+        return Window(self, self._windows, step, step + 1 if limit is None else limit, keep_going).run()
 
     def _record(self, step: int, results: list[StepResult]) -> None:
         seconds = time.perf_counter() - self._attempt_started.pop(step)

@@ -1,0 +1,176 @@
+"""A window of steps, seen from the coordinator: no call and no wait per step.
+
+The coordinator starts every member's ``run_window`` (a Ray streaming call: one
+``StepResult`` per step streams back as the step commits) with the first ``LOOKAHEAD``
+steps granted, and grants more as the committed steps come in, so the workers never wait
+for it. It stops granting at the boundary it chooses: ``limit`` (the last step, a
+checkpoint, an injected join), or the first boundary after ``keep_going`` says no (a
+worker is ready to join). A failure in step ``s`` stops the window there: the others
+are aborted as after a failed step call, and ``MembersLost`` names ``s``, the step the
+recovery starts from.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, Callable
+
+import ray
+
+from ...errors import CollectiveError
+from ...faults import STEP_PHASES
+from ...loop import WindowPlan
+from ...messages import StepResult
+from ..base import MembersLost
+from ..watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from .mode import SyncMode
+
+logger = logging.getLogger(__name__)
+
+LOOKAHEAD = 8
+"""Steps granted beyond the last one committed everywhere; the grant is extended when
+fewer than half of them remain (one message per member every LOOKAHEAD / 2 steps)."""
+
+
+class Window:
+    """Runs steps ``start``..``limit - 1`` (or fewer) on the mode's current generation."""
+
+    def __init__(self, mode: "SyncMode", number: int, start: int, limit: int,
+                 keep_going: Callable[[], bool]) -> None:
+        self.mode, self.number, self.start, self.limit, self.keep_going = mode, number, start, limit, keep_going
+        self.members = list(mode.members)
+        self.granted, self.final = start, False
+        self.handed: dict[int, dict[int, Any]] = defaultdict(dict)  # step -> rank -> fault
+        self.next = start
+        """The first step not yet committed by every member."""
+
+    def _grant_to(self, until: int) -> dict[int, dict[int, Any]]:
+        """Take the faults of the steps up to ``until``: rank -> step -> fault."""
+        by_rank: dict[int, dict[int, Any]] = defaultdict(dict)
+        for step in range(self.granted, until):
+            for rank, fault in self.mode.faults.take_step(step, len(self.members), STEP_PHASES).items():
+                self.handed[step][rank] = fault
+                by_rank[rank][step] = fault
+        self.granted = until
+        return by_rank
+
+    def _extend(self) -> None:
+        """After a commit: grant up to LOOKAHEAD steps ahead, or make the grant final."""
+        if self.final or self.granted - self.next >= LOOKAHEAD // 2:
+            return
+        if self.granted >= self.limit or not self.keep_going():
+            self.final = True
+            faults: dict[int, dict[int, Any]] = {}
+        else:
+            faults = self._grant_to(min(self.limit, self.next + LOOKAHEAD))
+            self.final = self.granted >= self.limit
+        for rank, m in enumerate(self.members):
+            m.actor.grant.remote(self.number, self.granted, self.final, faults.get(rank, {}))
+
+    def run(self) -> int:
+        """Train until the window ends; the committed steps afterwards."""
+        mode, members = self.mode, self.members
+        faults = self._grant_to(min(self.limit, self.start + LOOKAHEAD))
+        self.final = self.granted >= self.limit
+        sampler = mode._sampler_state()
+        streams = {m.actor.run_window.remote(WindowPlan(self.number, self.start, self.granted, self.final, sampler,
+                                                        faults.get(rank, {}))): m
+                   for rank, m in enumerate(members)}
+        calls = mode.gens.calls
+        watchdog = Watchdog(calls.bounds, calls.typical_step_s)
+        reports: dict[int, dict[Any, StepResult]] = defaultdict(dict)
+        lost: list[Any] = []
+        errors: dict[Any, BaseException] = {}
+        cause, detect_s, aborted = None, None, False
+        started = time.monotonic()
+        deadline = started + calls.deadline_s
+        step_started = time.perf_counter()  # of the window's first step
+
+        def signal(why: str) -> None:
+            nonlocal cause, detect_s, aborted, deadline
+            if cause is None:
+                cause, detect_s = why, time.monotonic() - started
+            if not aborted:
+                for m in streams.values():
+                    m.actor.abort_group.remote(mode.generation)
+                aborted, deadline = True, time.monotonic() + calls.grace_s
+
+        mode._attempt_started.setdefault(self.start, step_started)
+        while streams:
+            wait_s = max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(streams), num_returns=1, timeout=min(wait_s, watchdog.due_in()))
+            for member, why in watchdog.check(set(streams.values())):
+                for gen in [g for g, m in streams.items() if m is member]:
+                    del streams[gen]
+                lost.append(member)
+                signal(why)
+            if not ready:
+                if time.monotonic() < deadline:
+                    continue
+                if aborted:
+                    break  # the grace period is over: whoever has not finished is hung
+                signal(f"step deadline of {calls.deadline_s:.1f} s passed (hung worker)")
+                continue
+            for gen in ready:
+                member = streams.get(gen)
+                if member is None:
+                    continue
+                try:
+                    result = ray.get(next(gen))
+                except StopIteration:
+                    del streams[gen]  # this member's window ended
+                    continue
+                except ray.exceptions.RayActorError:
+                    del streams[gen]
+                    lost.append(member)
+                    signal(f"{member!r} died")
+                    continue
+                except ray.exceptions.RayTaskError as exc:
+                    del streams[gen]
+                    errors[member] = exc.as_instanceof_cause()
+                    signal(f"{member!r} raised {type(exc.cause).__name__}")
+                    continue
+                reports[result.step][member] = result
+                if not result.committed:
+                    why = (f"collective error on {member!r}: {result.error}"
+                           if isinstance(result.error, CollectiveError) else "the step did not commit")
+                    signal(why)
+            while len(reports[self.next]) == len(members) and all(r.committed for r in reports[self.next].values()):
+                results = reports.pop(self.next)
+                mode.layout.stepped(self.next, results)
+                mode._record(self.next, list(results.values()))
+                mode.faults.put_back(self.handed.pop(self.next, {}).values())  # none fired
+                watchdog.typical_step_s = calls.typical_step_s
+                self.next += 1
+                mode._attempt_started.setdefault(self.next, time.perf_counter())
+                if not aborted:
+                    deadline = time.monotonic() + calls.deadline_s
+                    self._extend()
+        for member in streams.values():
+            logger.warning("%r did not answer within the grace period after the abort: treating it as hung", member)
+            lost.append(member)
+        if cause is None and self.next == self.granted:
+            return self.next
+        return self._failed(reports, lost, errors, cause or "the window ended early", detect_s or 0.0)
+
+    def _failed(self, reports, lost, errors, cause: str, detect_s: float) -> int:
+        """Step ``self.next`` failed: put back the faults that did not fire, and raise."""
+        mode, step = self.mode, self.next
+        results = {m: r for m, r in reports.get(step, {}).items() if m not in lost}
+        alive = [m for m in self.members if m not in lost]
+        for s, by_rank in self.handed.items():  # faults of survivors, and of steps never run
+            mode.faults.put_back(f for rank, f in by_rank.items() if s > step or self.members[rank] in alive
+                                 and self.members[rank] in results)
+        for s in range(step + 1, self.granted):
+            mode.faults.forget_step(s, len(self.members))  # granted, never run
+        task_errors = [r.error for r in results.values() if r.error is not None
+                       and not isinstance(r.error, CollectiveError)]
+        if not lost and (task_errors or errors):
+            raise (task_errors or list(errors.values()))[0]  # not recoverable: the task's own error
+        mode.layout.stepped(step, results)
+        mode._last = results
+        raise MembersLost(self.members, lost, cause, detect_s, step=step)
