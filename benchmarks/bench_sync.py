@@ -1,17 +1,21 @@
 """Synchronous DP against its peers, side by side in one run on one local Ray cluster.
 
-1. Step time: elastic_dp against torch DistributedDataParallel on the same model (the
-   GPT of jobs.gpt), the same worker count, the same global batch and micro-batch, both
-   in Ray actors holding one CPU slot each, stepped from the driver. The two alternate in
-   rounds of ``--steps-per-round`` steps so that machine noise hits both alike; the
-   first round of each is warm-up and not counted. Reported: median step time of each
-   and their ratio (elastic_dp / DDP), and the median of the per-round ratios.
+1. Step time: elastic_dp against torch DistributedDataParallel on the same model, worker
+   count, global batch and micro-batch, on two tasks: the GPT of jobs.gpt, and a tiny MLP
+   (32 -> 256 -> 1, global batch 64) whose step is so short that what a step costs besides
+   its compute shows. DDP runs the way its users run it: each rank a process (a Ray actor
+   holding one CPU slot) that loops over its own steps, torchrun-style, called once per
+   round. elastic_dp runs as it always does: its coordinator grants each round's steps as
+   one window. The two alternate in rounds of ``--steps-per-round`` steps so that machine
+   noise hits both alike; the first round of each is warm-up and not counted. Reported per
+   task: median step time of each, their ratio (elastic_dp / DDP), the median of the
+   per-round ratios, and the difference in milliseconds per step.
 2. All-reduce bandwidth: elastic_dp's bucketed gradient reduction (copy into buckets,
    all-reduce, copy back) against one raw torch.distributed all_reduce of a flat buffer
    of the same size, on the same gloo group. Reported as bus bandwidth
    ``2 (N-1)/N * bytes / seconds`` and the ratio.
 
-    .venv/bin/python -m benchmarks.bench_sync --workers 2 --rounds 6 --steps-per-round 10
+    .venv/bin/python -m benchmarks.bench_sync --workers 2 --rounds 8 --steps-per-round 20
 """
 
 from __future__ import annotations
@@ -28,34 +32,35 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.peers import DDPWorker, ReduceWorker, local_ray, remote
-from elastic_dp import CheckpointConfig, ClusterConfig, split
+from benchmarks.tasks import TINY_MLP_TASK
+from elastic_dp import CheckpointConfig, ClusterConfig
 from elastic_dp.api import build_coordinator
 from elastic_dp.metrics import RunRecorder
 from jobs.gpt import TASK
 
+TASKS = {"gpt": TASK, "mlp": TINY_MLP_TASK}
 
-def bench_step_time(args: argparse.Namespace) -> dict:
-    config = dataclasses.replace(TASK.defaults, steps=10**9)  # rounds are run with run_until
-    coordinator = build_coordinator(TASK, config, ClusterConfig(workers=args.workers), CheckpointConfig(),
+
+def bench_step_time(args: argparse.Namespace, name: str, steps_per_round: int) -> dict:
+    task = TASKS[name]
+    config = dataclasses.replace(task.defaults, steps=10**9)  # rounds are run with run_until
+    coordinator = build_coordinator(task, config, ClusterConfig(workers=args.workers), CheckpointConfig(),
                                     RunRecorder(None, total_steps=10**9, progress=False))
     coordinator.run_until(0)  # placed, formed, started
     store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False)
-    ddp = [remote(DDPWorker).remote(ray.util.get_node_ip_address(), store.port, r, args.workers)
+    ddp = [remote(DDPWorker).remote(ray.util.get_node_ip_address(), store.port, r, args.workers, False, task)
            for r in range(args.workers)]
-    sampler = coordinator.mode.sampler
     ours, theirs, ddp_step = [], [], 0
     try:
         for round_ in range(args.rounds):
             start = time.perf_counter()
-            coordinator.run_until(coordinator.step + args.steps_per_round)
-            t_ours = (time.perf_counter() - start) / args.steps_per_round
+            coordinator.run_until(coordinator.step + steps_per_round)
+            t_ours = (time.perf_counter() - start) / steps_per_round
             start = time.perf_counter()
-            for _ in range(args.steps_per_round):
-                slices = split(sampler.batch(ddp_step), args.workers)
-                ray.get([w.step.remote(s, config.global_batch) for w, s in zip(ddp, slices)])
-                ddp_step += 1
-            t_ddp = (time.perf_counter() - start) / args.steps_per_round
-            print(f"round {round_}: elastic_dp {t_ours * 1e3:.1f} ms/step, DDP {t_ddp * 1e3:.1f} ms/step"
+            ray.get([w.run.remote(ddp_step, steps_per_round) for w in ddp])
+            ddp_step += steps_per_round
+            t_ddp = (time.perf_counter() - start) / steps_per_round
+            print(f"{name} round {round_}: elastic_dp {t_ours * 1e3:.2f} ms/step, DDP {t_ddp * 1e3:.2f} ms/step"
                   + ("  (warm-up, not counted)" if round_ == 0 else ""), flush=True)
             if round_ > 0:
                 ours.append(t_ours)
@@ -64,9 +69,11 @@ def bench_step_time(args: argparse.Namespace) -> dict:
         coordinator.close()
         for w in ddp:
             ray.kill(w)
-    return {"elastic_dp_ms": 1e3 * statistics.median(ours), "ddp_ms": 1e3 * statistics.median(theirs),
-            "ratio": statistics.median(ours) / statistics.median(theirs),
-            "median_round_ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
+    return {"steps_per_round": steps_per_round, "elastic_dp_ms": round(1e3 * statistics.median(ours), 3),
+            "ddp_ms": round(1e3 * statistics.median(theirs), 3),
+            "ratio": round(statistics.median(ours) / statistics.median(theirs), 3),
+            "median_round_ratio": round(statistics.median(a / b for a, b in zip(ours, theirs)), 3),
+            "overhead_ms": round(1e3 * (statistics.median(ours) - statistics.median(theirs)), 3),
             "per_round_ratios": [round(a / b, 3) for a, b in zip(ours, theirs)]}
 
 
@@ -94,7 +101,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps-per-round", type=int, default=10)
+    parser.add_argument("--steps-per-round", type=int, default=20, help="GPT steps per round")
+    parser.add_argument("--mlp-steps-per-round", type=int, default=500, help="tiny MLP steps per round")
+    parser.add_argument("--tasks", default="gpt,mlp", help="which step-time comparisons to run")
     parser.add_argument("--allreduce-mb", type=float, default=100.0)
     parser.add_argument("--allreduce-iters", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
@@ -102,7 +111,10 @@ def main() -> None:
     with local_ray(num_cpus=2 * args.workers):
         result = {"date": datetime.date.today().isoformat(), "workers": args.workers,
                   "torch": torch.__version__, "ray": ray.__version__,
-                  "step_time": bench_step_time(args), "allreduce": bench_allreduce(args)}
+                  "step_time": {name: bench_step_time(args, name, args.mlp_steps_per_round if name == "mlp"
+                                                      else args.steps_per_round)
+                                for name in args.tasks.split(",")},
+                  "allreduce": bench_allreduce(args)}
     print(json.dumps(result, indent=1))
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_dp.collective import CollectiveGroup
-from elastic_dp.data import micro_batches
+from elastic_dp.data import ElasticSampler, micro_batches, split
 from elastic_dp.reducer import GradientReducer
 from jobs.gpt import TASK
 
@@ -39,40 +39,54 @@ def local_ray(num_cpus: int) -> Iterator[None]:
 
 
 class DDPWorker:
-    """torch DDP on one CPU slot: the peer a user would otherwise pick. With ``zero`` its
-    optimizer is torch's ZeroRedundancyOptimizer (optimizer-state sharding, ZeRO stage 1)."""
+    """torch DDP on one CPU slot: the peer a user would otherwise pick, run the way its
+    users run it (torchrun-style): ``run`` loops over its own steps, its rank's slice of
+    each computed here, with no driver in between; the benchmark calls it once per round.
+    With ``zero`` its optimizer is torch's ZeroRedundancyOptimizer (optimizer-state
+    sharding, ZeRO stage 1)."""
 
-    def __init__(self, host: str, port: int, rank: int, world: int, zero: bool = False) -> None:
+    def __init__(self, host: str, port: int, rank: int, world: int, zero: bool = False, task=TASK) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         torch.set_num_threads(1)
         store = dist.PrefixStore("zero/" if zero else "ddp/", dist.TCPStore(host, port, is_master=False))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        torch.manual_seed(TASK.defaults.seed)
-        self.model = TASK.model()
-        self.ddp = DDP(self.model, bucket_cap_mb=TASK.defaults.bucket_mb)
-        self.dataset = TASK.dataset()
-        self.optimizer = TASK.optimizer(self.model)
+        self.task, self.rank, self.world = task, rank, world
+        torch.manual_seed(task.defaults.seed)
+        self.model = task.model()
+        self.ddp = DDP(self.model, bucket_cap_mb=task.defaults.bucket_mb)
+        self.dataset = task.dataset()
+        self.optimizer = task.optimizer(self.model)
         if zero:
             settings = {k: self.optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
             self.optimizer = ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=type(self.optimizer),
                                                      **settings)
-        self.config = TASK.defaults
+        self.config = task.defaults
+        self.sampler = ElasticSampler(len(self.dataset), global_batch=self.config.global_batch,
+                                      seed=self.config.seed)
+
+    def run(self, start: int, steps: int) -> float:
+        """Train steps ``start``..``start + steps - 1``; the seconds they took."""
+        began = time.perf_counter()
+        for step in range(start, start + steps):
+            self.step(split(self.sampler.batch(step), self.world)[self.rank], self.config.global_batch)
+        return time.perf_counter() - began
 
     def step(self, indices: np.ndarray, global_batch: int) -> float:
         start = time.perf_counter()
         self.optimizer.zero_grad()
         chunks = micro_batches(indices, self.config.micro_batch)
         for i, chunk in enumerate(chunks):
-            batch = TASK.collate([self.dataset[int(j)] for j in chunk])
+            batch = self.task.collate([self.dataset[int(j)] for j in chunk])
             scale = len(chunk) * dist.get_world_size() / global_batch  # DDP averages over ranks
             if i < len(chunks) - 1:
                 with self.ddp.no_sync():
-                    (TASK.loss(self.ddp, batch) * scale).backward()
+                    (self.task.loss(self.ddp, batch) * scale).backward()
             else:
-                (TASK.loss(self.ddp, batch) * scale).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+                (self.task.loss(self.ddp, batch) * scale).backward()
+        if self.config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
         self.optimizer.step()
         return time.perf_counter() - start
 

@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="below MIN workers, seconds to wait for capacity before failing")
     train.add_argument("--abort-grace", type=float, default=10.0,
                        help="seconds a worker may take to leave an aborted step before it counts as hung")
+    train.add_argument("--prefetch", dest="prefetch", action="store_true", default=None,
+                       help="collate the next step's batch on a background thread (default: on a GPU only)")
+    train.add_argument("--no-prefetch", dest="prefetch", action="store_false")
     train.add_argument("--inject", action="append", default=[], metavar="SPEC",
                        help="fault injection, repeatable: kill:step=S:rank=R[:phase=forward|allreduce|"
                             "optimizer|snapshot|checkpoint|upload|reform], hang:step=S:rank=R, join:step=S")
@@ -122,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     task = load_task(args.job)
-    overrides = {name: getattr(args, name) for name in [*_TRAIN_FLAGS, "reduce_fp32"]
+    overrides = {name: getattr(args, name) for name in [*_TRAIN_FLAGS, "reduce_fp32", "prefetch"]
                  if getattr(args, name) is not None}
     train = dataclasses.replace(task.defaults, **overrides)
     low, high = args.workers

@@ -58,6 +58,11 @@ class TrainConfig:
     the run naming the step and the rank (``--on-nonfinite``)."""
     max_nonfinite_steps: int = 5
     """With ``skip``: fail after this many consecutive skipped steps (``--max-nonfinite-steps``)."""
+    prefetch: bool | None = None
+    """Collate the next step's batch on a background thread while the current step computes
+    (``--prefetch`` / ``--no-prefetch``). None: on a GPU, where the training thread waits for
+    the device and the copy from pinned memory overlaps; not on a CPU, where the two threads
+    contend for Python's GIL (measured: docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"steps must be >= 0, got {self.steps} (--steps)")

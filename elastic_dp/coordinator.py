@@ -90,6 +90,7 @@ class Coordinator:
         self.save_due = False
         self._saved_step: int | None = None
         self._decision_event: dict | None = None
+        self._pause_at: int | None = None  # run_until's step
         """The step of the last checkpoint committed or in flight (None: none)."""
         self.failure: Failure | None = None
         self.decision: MembershipDecision | None = None
@@ -125,8 +126,12 @@ class Coordinator:
 
     def run_until(self, step: int) -> None:
         """Iterate until ``step`` steps have committed (or the run ended). For benchmarks."""
-        while not self.state.is_terminal and (self.step < step or self.state is not RunState.RUNNING):
-            self.iterate()
+        self._pause_at = step  # a window of steps ends there
+        try:
+            while not self.state.is_terminal and (self.step < step or self.state is not RunState.RUNNING):
+                self.iterate()
+        finally:
+            self._pause_at = None
 
     def close(self) -> None:
         """Stop every worker (killing the actors releases their process groups with them)."""
@@ -202,7 +207,7 @@ class Coordinator:
     def _window_limit(self) -> int:
         """Where the next window of steps must end at the latest: the last step, the next
         checkpoint, the next injected join."""
-        limit = self.steps
+        limit = self.steps if self._pause_at is None else min(self.steps, max(self._pause_at, self.step + 1))
         every = self.ckpt_cfg.every
         if self.store is not None and every:
             limit = min(limit, (self.step // every + 1) * every)

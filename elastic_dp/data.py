@@ -69,6 +69,15 @@ def split(indices: np.ndarray, world_size: int) -> list[np.ndarray]:
     return list(np.array_split(np.asarray(indices), world_size))
 
 
+def rank_slice(indices: np.ndarray, world_size: int, rank: int) -> np.ndarray:
+    """``split(indices, world_size)[rank]``, without building the other slices."""
+    if len(indices) < world_size:
+        split(indices, world_size)  # raises the error that names the settings
+    base, extra = divmod(len(indices), world_size)
+    start = rank * base + min(rank, extra)
+    return indices[start:start + base + (rank < extra)]
+
+
 def micro_batches(indices: np.ndarray, micro_batch: int | None) -> list[np.ndarray]:
     """Consecutive chunks of at most ``micro_batch`` indices (one chunk when None)."""
     if micro_batch is None or len(indices) <= micro_batch:

@@ -6,7 +6,7 @@ Per committed step: ``train/loss``, ``train/lr`` (the first param group's),
 ``train/grad_norm`` (with clipping), ``throughput/samples_per_s``, ``throughput/tokens_per_s``
 and ``throughput/mfu`` (when the task declares them), ``cluster/world_size``,
 ``time/step_s`` and the breakdown ``time/compute_s``, ``time/reduce_wait_s``,
-``time/optimizer_s``, ``time/snapshot_s``, ``time/coordinator_s``. Membership changes,
+``time/optimizer_s``, ``time/snapshot_s``, ``time/other_s``. Membership changes,
 restores are marked: ``cluster/membership_changes`` counts them at the step they took
 effect; the ``events`` text tab says what each was, and what else happened (skipped
 non-finite steps, a resume, re-formations interrupted, faults that never fired).
@@ -24,7 +24,7 @@ SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm
            "samples_per_s": "throughput/samples_per_s", "tokens_per_s": "throughput/tokens_per_s",
            "mfu": "throughput/mfu", "world_size": "cluster/world_size", "step_s": "time/step_s",
            "compute_s": "time/compute_s", "reduce_wait_s": "time/reduce_wait_s", "optimizer_s": "time/optimizer_s",
-           "snapshot_s": "time/snapshot_s", "coordinator_s": "time/coordinator_s"}
+           "snapshot_s": "time/snapshot_s", "other_s": "time/other_s"}
 CHANGES = ("membership_changed", "restored_from_checkpoint")
 MARKED = (*CHANGES, "nonfinite_step", "resumed", "reform_interrupted", "fault_not_fired")
 
@@ -76,7 +76,7 @@ class TensorBoard:
 
 
 GAUGES = ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "mfu", "world_size", "generation", "step_s",
-          "compute_s", "reduce_wait_s", "optimizer_s", "snapshot_s", "coordinator_s")
+          "compute_s", "reduce_wait_s", "optimizer_s", "snapshot_s", "other_s")
 COUNTERS = {"steps": "committed steps (a step trained again counts again)",
             "failures": "failures recovered from (workers lost in a step, a save or a re-formation)",
             "reformations": "groups formed after a failure or a join",

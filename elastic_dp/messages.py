@@ -28,6 +28,9 @@ class StepResult:
     """Some rank saw a non-finite loss or gradient: no rank applied the update (the step
     committed as a no-op)."""
     timings: dict[str, float] = field(default_factory=dict)
+    step_s: float | None = None
+    """In a window: the worker's wall time from the end of its previous step (or the
+    window's start) to the end of this one."""
     error: BaseException | None = None
 
 

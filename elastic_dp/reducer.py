@@ -31,8 +31,8 @@ global-batch gradient exactly (DESIGN invariant 2), with no division by the worl
 
 The step's commit vote travels in the last bucket: its buffer carries ``VOTE`` more
 elements, in which each rank puts whether its step raised (``note_error``) and whether
-any of its losses (``note_loss``) or local gradients (checked as each bucket is
-launched) is not finite. The SUM over ranks arrives with the last bucket's reduction;
+any of its losses (``note_nonfinite``) or local gradients (the sum of each bucket, taken
+as it is launched, is not finite) is not finite. The SUM over ranks arrives with the last bucket's reduction;
 ``finish()`` returns it. In scatter mode, where every rank receives only its chunk, the
 last bucket is reduce-scattered from a copy in which each rank's chunk is followed by the
 vote, so every rank receives the whole tally. No collective is spent on the vote alone.
@@ -95,6 +95,8 @@ class GradientReducer:
         device = self.buckets[-1].params[0].device if self.buckets else torch.device("cpu")
         self._local = torch.zeros(VOTE, dtype=torch.float32, device=device)
         """This rank's vote, filled in during the step."""
+        self._sums = torch.zeros(len(self.buckets), dtype=torch.float32, device=device)
+        """Per bucket, the sum of this rank's gradients (checked for NaN and infinity)."""
         self._tally = torch.zeros(VOTE)
         self._scatter_out: torch.Tensor | None = None  # scatter mode: the last chunk and the tally
         self._bucket_of: dict[int, int] = {}
@@ -139,9 +141,9 @@ class GradientReducer:
             bucket.pending, bucket.ready, bucket.work = len(bucket.params), False, None
             bucket.seen.clear()
 
-    def note_loss(self, loss: torch.Tensor) -> None:
-        """Count a micro-batch's loss in the vote if it is not finite (no host sync)."""
-        self._local[1] += (~torch.isfinite(loss.detach().float())).any().float()
+    def note_nonfinite(self) -> None:
+        """A loss of this rank's step is not finite: it votes to skip the update."""
+        self._local[1] += 1.0
 
     def note_error(self) -> None:
         """This rank's step raised: it votes against the commit (call before ``finish``)."""
@@ -173,8 +175,10 @@ class GradientReducer:
                 view.zero_()
             elif p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
-        self._local[1] += (~torch.isfinite(bucket.buffer)).any().float()  # this rank's gradients
+        self._sums[index] = bucket.buffer.sum(dtype=torch.float32)  # non-finite if any element is
         last = index == len(self.buckets) - 1
+        if last:  # this rank's gradients: a NaN or an infinity anywhere votes to skip
+            self._local[1] += (~torch.isfinite(self._sums)).any()
         if self.scatter_into is not None:
             for p in bucket.params:
                 p.grad = None  # the full gradient is in the buffer now; release it

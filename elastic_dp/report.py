@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from .errors import ElasticDPError
 from .exporters import CHANGES
 
-PHASES = ("compute_s", "reduce_wait_s", "optimizer_s", "snapshot_s", "coordinator_s")
+PHASES = ("compute_s", "reduce_wait_s", "optimizer_s", "snapshot_s", "other_s")
 
 
 class ReportError(ElasticDPError):

@@ -29,8 +29,8 @@ class Strategy(Protocol):
     def before_last_backward(self) -> None:
         """Called before the backward of a step's last micro-batch."""
 
-    def note_loss(self, loss: torch.Tensor) -> None:
-        """A micro-batch's loss, for the commit vote (a non-finite one votes to skip)."""
+    def note_nonfinite(self) -> None:
+        """A loss of this step was not finite: this rank votes to skip the update."""
 
     def note_error(self) -> None:
         """This rank's step raised: it votes against the commit."""
@@ -49,10 +49,6 @@ class Strategy(Protocol):
     @property
     def param_groups(self) -> list[dict]:
         """The optimizer param groups that are stepped (the learning rate is set on these)."""
-
-    def grads_finite(self) -> bool:
-        """After the reduction: the reduced gradient is finite, decided alike on every rank
-        without a collective (catches a sum of finite gradients that overflowed)."""
 
     def optimizer_step(self, step: int) -> None:
         """Apply the update of committed step ``step`` (only after the commit vote passed)."""
@@ -113,8 +109,8 @@ class BucketedGradients:
     def before_last_backward(self) -> None:
         self.reducer.arm()
 
-    def note_loss(self, loss: torch.Tensor) -> None:
-        self.reducer.note_loss(loss)
+    def note_nonfinite(self) -> None:
+        self.reducer.note_nonfinite()
 
     def note_error(self) -> None:
         self.reducer.note_error()
@@ -147,10 +143,6 @@ class Replicated(BucketedGradients):
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
-
-    def grads_finite(self) -> bool:
-        # the reduced buffers are bitwise the same on every rank: each reaches the same answer
-        return all_finite([b.buffer for b in self.reducer.buckets])
 
     def optimizer_step(self, step: int) -> None:
         self.optimizer.step()
@@ -187,11 +179,6 @@ class Replicated(BucketedGradients):
                    for k, v in state.optimizer_tensors.items()
                    if not k.endswith("/master")}  # fp32 masters are ZeRO's; stage 0 has none
         load_optimizer_state(self.optimizer, self.names, tensors, state.optimizer_meta)
-
-
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Every element of ``tensors`` is finite (one device sync, not one per tensor)."""
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
 
 
 def nbytes(tensors) -> int:

@@ -27,7 +27,7 @@ import torch
 from .checkpoint import Checkpoint, Part, TrainingState, cut_part
 from .collective import CollectiveGroup
 from .config import TrainConfig
-from .data import ElasticSampler, micro_batches, split
+from .data import ElasticSampler, micro_batches, rank_slice
 from .errors import CollectiveError, ElasticDPError, TaskError, WorkerError
 from .faults import Fault, trigger
 from .loop import Grants, Prefetcher, WindowPlan
@@ -37,8 +37,14 @@ from .task import Task
 
 logger = logging.getLogger(__name__)
 
+REPORT_INTERVAL_S = 0.05
+"""In a window a worker reports its committed steps at most this often (a failure, and
+the end of its grant, at once): short steps are reported many at a time."""
+
 
 def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch  # collated on the CPU already
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
@@ -83,6 +89,7 @@ class Replica:
         self.progress = Progress()
         self.grants = Grants()
         self.prefetcher = Prefetcher(self._collate)
+        self.prefetch = config.prefetch if config.prefetch is not None else device.type == "cuda"
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(dataset_len=len(self.dataset),
@@ -148,12 +155,13 @@ class Replica:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise TaskError(f"the task's loss returned {shape}, expected a scalar floating-point "
                                 "tensor: return the mean loss over the batch (e.g. .mean())")
-            self.strategy.note_loss(loss)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                result.loss_finite = False
+                self.strategy.note_nonfinite()  # the commit vote: before the last bucket leaves
             if i == len(batches) - 1:
                 self.strategy.before_last_backward()
             (loss.reshape(()) * (samples / self.config.global_batch)).backward()
-            value = float(loss.detach())
-            result.loss_finite = result.loss_finite and math.isfinite(value)
             result.loss_sum += value * samples
             result.samples += samples
             self.progress.tick()
@@ -170,38 +178,51 @@ class Replica:
         finally:
             self.progress.enter("idle")
 
-    def run_window(self, plan: WindowPlan) -> Iterator[StepResult]:
-        """Train the steps the coordinator grants, from ``plan.start``, one result per
-        step, until the window ends (the last grant reached, or an abort) or a step does
-        not commit. Each step's slice is computed here, and the next one's collated ahead."""
+    def run_window(self, plan: WindowPlan) -> Iterator[list[StepResult]]:
+        """Train the steps the coordinator grants, from ``plan.start``, until the window
+        ends (the last grant reached, or an abort) or a step does not commit. Results are
+        reported every ``REPORT_INTERVAL_S``, and at once when a step did not commit or the
+        grant runs out. Each step's slice is computed here, and the next one's
+        collated ahead."""
         sampler = ElasticSampler(plan.sampler["dataset_len"], global_batch=plan.sampler["global_batch"],
                                  seed=plan.sampler["seed"])
         rank, world, generation = self.group.rank, self.group.world_size, self.group.generation
 
         def slice_of(step: int) -> np.ndarray:
-            return split(sampler.batch(step), world)[rank]
+            return rank_slice(sampler.batch(step), world, rank)
 
         self.grants.open(plan)
-        step = plan.start
-        while self.grants.wait_for(step):
+        step, report = plan.start, []
+        last = reported = time.perf_counter()
+        while True:
+            if report and (last - reported >= REPORT_INTERVAL_S or not self.grants.granted(step)):
+                yield report  # before waiting for a grant: the coordinator grants on reports
+                report, reported = [], last
+            if not self.grants.wait_for(step):
+                break
             indices = slice_of(step)
             try:
                 batches = self.prefetcher.take((generation, step, rank, world), indices)
             except Exception as exc:  # the task's dataset or collate raised: the step records it
                 batches = exc
-            if self.grants.granted(step + 1):
+            if self.prefetch and self.grants.granted(step + 1):
                 self.prefetcher.submit((generation, step + 1, rank, world), slice_of(step + 1))
             result = self.step(step, indices, self.grants.fault(step), batches)
-            yield result
+            now = time.perf_counter()
+            result.step_s, last = now - last, now
+            report.append(result)
             if not result.committed:
-                return
+                break
             step += 1
+        if report:
+            yield report
 
     def _step(self, step: int, indices: np.ndarray, fault: Fault | None,
               batches: list[tuple[int, Any]] | BaseException | None) -> StepResult:
         result = StepResult(step=step, rank=self.group.rank, generation=self.group.generation,
                             committed=False)
-        self.model.train()
+        if not self.model.training:
+            self.model.train()
         self.strategy.zero_grad()
         self.progress.enter("compute")
         t0 = time.perf_counter()
@@ -250,10 +271,7 @@ class Replica:
                 self.strategy.note_error()
                 self.strategy.before_last_backward()  # keep collectives in lockstep
             trigger(fault, "allreduce")
-            errors, nonfinite = self.strategy.reduce_gradients()
-            if not errors and not nonfinite and not self.strategy.grads_finite():
-                nonfinite = 1.0  # finite gradients whose sum overflowed: every rank sees it alike
-            return [errors, nonfinite]
+            return self.strategy.reduce_gradients()
         except Exception as exc:  # the group itself failed: no vote is possible
             self.strategy.abandon()
             result.error = local_error and _portable(local_error, result.rank, step)

@@ -45,7 +45,7 @@ from .errors import CollectiveError, ConfigError
 from .faults import Fault, trigger
 from .reducer import GradientReducer, make_buckets
 from .shards import ShardState, Snapshot, cut, keep, needed_sources, pack, unpack
-from .strategy import BucketedGradients, all_finite, broadcast_tensors, inside, nbytes
+from .strategy import BucketedGradients, broadcast_tensors, inside, nbytes
 
 # Optimizers whose update of an element depends only on that element's parameter, gradient
 # and state (and on scalars such as the step count): sharding them is exact.
@@ -157,11 +157,6 @@ class Sharded(BucketedGradients):
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return float(total)
-
-    def grads_finite(self) -> bool:
-        if self.stage == 2:  # each rank holds only its chunk: the vote's local check must do
-            return True
-        return all_finite([b.buffer for b in self.reducer.buckets])  # the same on every rank
 
     def skip_update(self, step: int) -> None:
         self.live_step = step + 1  # the chunk is unchanged, and now the state of step + 1

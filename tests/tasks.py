@@ -78,17 +78,22 @@ class PacedLoss:
     """The MLP's loss on ``IndexedRegression``, after sleeping ``seconds`` per call, or
     ``slow_seconds`` when the batch holds a sample of ``slow``. With ``block``: the first
     call that meets that sample blocks forever (the marker file records that one did), its
-    process still answering."""
+    process still answering. With ``record`` (a directory): each call appends the sample
+    indices it trained to ``record/<pid>.txt``, one micro-batch per line."""
 
     seconds: float = 0.0
     slow: frozenset[int] = frozenset()
     slow_seconds: float = 0.0
     block: int | None = None
     marker: str | None = None
+    record: str | None = None
 
     def __call__(self, model: nn.Module, batch) -> torch.Tensor:
         x, y, index = batch
         held = set(index.tolist())
+        if self.record is not None:
+            with open(os.path.join(self.record, f"{os.getpid()}.txt"), "a") as f:
+                f.write(" ".join(map(str, index.tolist())) + "\n")
         if self.block in held and not os.path.exists(self.marker):
             open(self.marker, "w").close()
             threading.Event().wait()

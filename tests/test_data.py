@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from elastic_dp import ConfigError, ElasticSampler, split
-from elastic_dp.data import micro_batches
+from elastic_dp.data import micro_batches, rank_slice
 
 
 def test_batches_follow_the_documented_rule():
@@ -37,11 +37,15 @@ def test_split_is_contiguous_balanced_and_complete(world):
     assert np.array_equal(np.concatenate(parts), indices)
     sizes = [len(p) for p in parts]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    for rank in range(world):  # what each worker computes for itself in a window
+        assert np.array_equal(rank_slice(indices, world, rank), parts[rank])
 
 
 def test_split_refuses_more_workers_than_samples():
     with pytest.raises(ConfigError, match="--global-batch"):
         split(np.arange(2), 3)
+    with pytest.raises(ConfigError, match="--global-batch"):
+        rank_slice(np.arange(2), 3, 0)
 
 
 def test_micro_batches():

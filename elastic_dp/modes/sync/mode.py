@@ -48,7 +48,6 @@ class SyncMode:
         self.layout = make_layout(train.zero, self.gens, self._sampler_state)
         self.guard = NonFiniteGuard(train.on_nonfinite, train.max_nonfinite_steps, recorder)
         self.sampler: ElasticSampler | None = None
-        self._attempt_started: dict[int, float] = {}  # step -> first attempt's start
         self._last: dict[Any, StepResult] = {}  # the results of the last failed attempt
         self._windows = 0
         self.saves: Saves | None = None
@@ -129,13 +128,13 @@ class SyncMode:
         return Window(self, self._windows, step, step + 1 if limit is None else limit, keep_going).run()
 
     def _record(self, step: int, results: list[StepResult]) -> None:
-        seconds = time.perf_counter() - self._attempt_started.pop(step)
+        seconds = max((r.step_s for r in results if r.step_s is not None), default=0.0)
         samples = sum(r.samples for r in results)
         skipped = any(r.nonfinite for r in results)
         loss = None if skipped else sum(r.loss_sum for r in results) / samples
         timings = {k: round(max(r.timings.get(k, 0.0) for r in results), 6) for k in results[0].timings}
-        if results[0].timings:  # the rest of the step: dispatch, gather, and this coordinator's own work
-            timings["coordinator_s"] = round(max(0.0, seconds - max(sum(r.timings.values()) for r in results)), 6)
+        if results[0].timings:  # the rest of the step: waiting for its batch or a grant, reporting
+            timings["other_s"] = round(max(0.0, seconds - max(sum(r.timings.values()) for r in results)), 6)
         # every sample of the step was trained (the gradients of a rank lost after the vote
         # were in the all-reduce), even when fewer results came back
         self.recorder.step(step=step, loss=loss, samples=self.train.global_batch, step_s=seconds,
@@ -162,12 +161,9 @@ class SyncMode:
             results = [r for r in self._last.values() if r.committed] or [r for r in self._last.values()
                                                                            if r.samples]
             self._record(failure.step, results)
-        if result.outcome is not Recovery.RERUN:
-            self._attempt_started.clear()  # a step run again after a rollback is timed afresh
         return result
 
     def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
-        self._attempt_started.clear()
         self.layout.restore(self.layout.rank_order(members), checkpoint)
 
     def save(self, store: CheckpointStore, step: int) -> None:

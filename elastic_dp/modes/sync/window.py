@@ -1,9 +1,9 @@
 """A window of steps, seen from the coordinator: no call and no wait per step.
 
-The coordinator starts every member's ``run_window`` (a Ray streaming call: one
-``StepResult`` per step streams back as the step commits) with the first ``LOOKAHEAD``
-steps granted, and grants more as the committed steps come in, so the workers never wait
-for it. It stops granting at the boundary it chooses: ``limit`` (the last step, a
+The coordinator starts every member's ``run_window`` (a Ray streaming call: the
+``StepResult``s of committed steps stream back, a few at a time) with the first steps
+granted (``LOOKAHEAD_S`` of them), and grants more as the committed steps come in, so the
+workers never wait for it. It stops granting at the boundary it chooses: ``limit`` (the last step, a
 checkpoint, an injected join), or the first boundary after ``keep_going`` says no (a
 worker is ready to join). A failure in step ``s`` stops the window there: the others
 are aborted as after a failed step call, and ``MembersLost`` names ``s``, the step the
@@ -13,6 +13,7 @@ recovery starts from.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable
@@ -31,9 +32,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LOOKAHEAD = 8
-"""Steps granted beyond the last one committed everywhere; the grant is extended when
-fewer than half of them remain (one message per member every LOOKAHEAD / 2 steps)."""
+LOOKAHEAD_S = 0.25
+"""How far ahead steps are granted, in the run's typical step time: enough that reports
+(every ``worker.REPORT_INTERVAL_S``) and the next grant arrive before the workers run out;
+the grant is extended when less than half of it remains. Between ``MIN_LOOKAHEAD`` and
+``MAX_LOOKAHEAD`` steps: a join waits for at most that many."""
+MIN_LOOKAHEAD, MAX_LOOKAHEAD = 8, 256
 
 
 class Window:
@@ -44,6 +48,9 @@ class Window:
         self.mode, self.number, self.start, self.limit, self.keep_going = mode, number, start, limit, keep_going
         self.members = list(mode.members)
         self.granted, self.final = start, False
+        typical = mode.gens.calls.typical_step_s
+        self.lookahead = MIN_LOOKAHEAD if not typical else max(MIN_LOOKAHEAD,
+                                                                min(MAX_LOOKAHEAD, math.ceil(LOOKAHEAD_S / typical)))
         self.handed: dict[int, dict[int, Any]] = defaultdict(dict)  # step -> rank -> fault
         self.next = start
         """The first step not yet committed by every member."""
@@ -60,13 +67,13 @@ class Window:
 
     def _extend(self) -> None:
         """After a commit: grant up to LOOKAHEAD steps ahead, or make the grant final."""
-        if self.final or self.granted - self.next >= LOOKAHEAD // 2:
+        if self.final or self.granted - self.next >= self.lookahead // 2:
             return
         if self.granted >= self.limit or not self.keep_going():
             self.final = True
             faults: dict[int, dict[int, Any]] = {}
         else:
-            faults = self._grant_to(min(self.limit, self.next + LOOKAHEAD))
+            faults = self._grant_to(min(self.limit, self.next + self.lookahead))
             self.final = self.granted >= self.limit
         for rank, m in enumerate(self.members):
             m.actor.grant.remote(self.number, self.granted, self.final, faults.get(rank, {}))
@@ -74,7 +81,7 @@ class Window:
     def run(self) -> int:
         """Train until the window ends; the committed steps afterwards."""
         mode, members = self.mode, self.members
-        faults = self._grant_to(min(self.limit, self.start + LOOKAHEAD))
+        faults = self._grant_to(min(self.limit, self.start + self.lookahead))
         self.final = self.granted >= self.limit
         sampler = mode._sampler_state()
         streams = {m.actor.run_window.remote(WindowPlan(self.number, self.start, self.granted, self.final, sampler,
@@ -88,7 +95,6 @@ class Window:
         cause, detect_s, aborted = None, None, False
         started = time.monotonic()
         deadline = started + calls.deadline_s
-        step_started = time.perf_counter()  # of the window's first step
 
         def signal(why: str) -> None:
             nonlocal cause, detect_s, aborted, deadline
@@ -99,7 +105,6 @@ class Window:
                     m.actor.abort_group.remote(mode.generation)
                 aborted, deadline = True, time.monotonic() + calls.grace_s
 
-        mode._attempt_started.setdefault(self.start, step_started)
         while streams:
             wait_s = max(0.0, deadline - time.monotonic())
             ready, _ = ray.wait(list(streams), num_returns=1, timeout=min(wait_s, watchdog.due_in()))
@@ -120,7 +125,7 @@ class Window:
                 if member is None:
                     continue
                 try:
-                    result = ray.get(next(gen))
+                    report = ray.get(next(gen))
                 except StopIteration:
                     del streams[gen]  # this member's window ended
                     continue
@@ -134,11 +139,11 @@ class Window:
                     errors[member] = exc.as_instanceof_cause()
                     signal(f"{member!r} raised {type(exc.cause).__name__}")
                     continue
-                reports[result.step][member] = result
-                if not result.committed:
-                    why = (f"collective error on {member!r}: {result.error}"
-                           if isinstance(result.error, CollectiveError) else "the step did not commit")
-                    signal(why)
+                for result in report:
+                    reports[result.step][member] = result
+                    if not result.committed:
+                        signal(f"collective error on {member!r}: {result.error}"
+                               if isinstance(result.error, CollectiveError) else "the step did not commit")
             while len(reports[self.next]) == len(members) and all(r.committed for r in reports[self.next].values()):
                 results = reports.pop(self.next)
                 mode.layout.stepped(self.next, results)
@@ -146,7 +151,6 @@ class Window:
                 mode.faults.put_back(self.handed.pop(self.next, {}).values())  # none fired
                 watchdog.typical_step_s = calls.typical_step_s
                 self.next += 1
-                mode._attempt_started.setdefault(self.next, time.perf_counter())
                 if not aborted:
                     deadline = time.monotonic() + calls.deadline_s
                     self._extend()
@@ -158,10 +162,21 @@ class Window:
         return self._failed(reports, lost, errors, cause or "the window ended early", detect_s or 0.0)
 
     def _failed(self, reports, lost, errors, cause: str, detect_s: float) -> int:
-        """Step ``self.next`` failed: put back the faults that did not fire, and raise."""
-        mode, step = self.mode, self.next
-        results = {m: r for m, r in reports.get(step, {}).items() if m not in lost}
+        """A step failed: record the steps every survivor committed before it (a step
+        commits on no rank before every rank voted, so they committed everywhere; a lost
+        worker's reports of them may have died with it), put back the faults that did not
+        fire, and raise ``MembersLost`` naming the first step that did not commit."""
+        mode = self.mode
         alive = [m for m in self.members if m not in lost]
+        while alive and all(m in reports.get(self.next, {}) and reports[self.next][m].committed for m in alive):
+            results = {m: r for m, r in reports.pop(self.next).items() if m not in lost}
+            mode.layout.stepped(self.next, results)
+            mode._record(self.next, list(results.values()))
+            mode.faults.put_back(f for rank, f in self.handed.pop(self.next, {}).items()
+                                 if self.members[rank] in alive)  # a lost member's fault fired
+            self.next += 1
+        step = self.next
+        results = {m: r for m, r in reports.get(step, {}).items() if m not in lost}
         for s, by_rank in self.handed.items():  # faults of survivors, and of steps never run
             mode.faults.put_back(f for rank, f in by_rank.items() if s > step or self.members[rank] in alive
                                  and self.members[rank] in results)

@@ -1,0 +1,81 @@
+"""Workers run windows of steps on their own (elastic_dp.loop, modes/sync/window.py): a kill
+(with the next batch being prepared), a hang and a join that land in the middle of a
+window, at stage 0 and under ZeRO-2, end where the plain PyTorch replay ends; prepared
+batches (prefetch forced on, as on a GPU) never train a stale slice after the membership
+changed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from elastic_dp import ClusterConfig, ElasticSampler, Trainer
+from elastic_dp.modes.sync.window import MIN_LOOKAHEAD
+from tests.reference import max_abs_diff, replay
+from tests.tasks import PacedLoss, paced_task
+
+TOL = 2e-5  # SGD on the MLP: float32 reduction order only (as in test_hangs)
+STEPS = 24
+
+
+def _run(out, inject, *, zero=0, record=None, workers=2, min_workers=1, seconds=0.01, **cluster):
+    task = paced_task(PacedLoss(seconds=seconds, record=record))
+    config = dataclasses.replace(task.defaults, steps=STEPS, zero=zero, prefetch=True)
+    Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=min_workers, **cluster),
+            out_dir=str(out), progress=False, inject=inject).fit()
+    unpaced = dataclasses.replace(task, loss=PacedLoss())
+    diff = max_abs_diff(load_file(out / "final.safetensors"), replay(unpaced, config, str(out / "initial.safetensors")))
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return diff, events, metrics
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_a_kill_and_the_replacements_join_mid_window_end_on_the_replay(ray_cluster, tmp_path, zero):
+    """One window runs from step 0 to the end: the kill (step 5) and the join of the
+    replacement, at whatever step it is ready, both land inside a window. Rank 1 dies in
+    step 5's forward with step 6's batch being collated beside it; rank 0 drops its own
+    prepared batch of step 6 and collates it afresh for the new group."""
+    diff, events, metrics = _run(tmp_path, ["kill:step=5:rank=1"], zero=zero, seconds=0.04)  # time to join
+    assert diff < TOL
+    changes = [e for e in events if e["kind"] == "membership_changed"]
+    lost = next(e for e in changes if e["lost"])
+    joined = next(e for e in changes if e.get("joined"))
+    assert lost["step"] == 5 and lost["lost_ranks"] == [1] and lost["steps_rerun"] == 1
+    assert 5 < joined["step"] < STEPS and joined["world_size"] == 2
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert {m["world_size"] for m in metrics} == {1, 2}
+
+
+def test_a_hang_in_a_window_is_found_and_the_run_ends_on_the_replay(ray_cluster, tmp_path):
+    # frozen in its forward: with the vote in the last bucket, a rank frozen once its buckets
+    # left may have let the others commit the step (they then go on from the next one)
+    diff, events, metrics = _run(tmp_path, ["hang:step=7:rank=0:phase=forward"], heartbeat_timeout_s=2.0)
+    assert diff < TOL
+    change = next(e for e in events if e["kind"] == "membership_changed")
+    assert change["step"] == 7 and change["lost_ranks"] == [0] and "heartbeats" in change["cause"]
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+
+
+def test_after_a_resize_no_prepared_slice_of_the_old_membership_is_trained(ray_cluster, tmp_path):
+    """Workers join mid-window (1 -> 3) with prefetch on: every sample of every step is
+    trained exactly once by the workers together, so no slice prepared for the old split
+    was used after the split changed."""
+    record = tmp_path / "trained"
+    record.mkdir()
+    diff, events, metrics = _run(tmp_path / "out", ["join:step=5", "join:step=11"], record=str(record),
+                                 workers=3, min_workers=1)
+    assert diff < TOL
+    assert [m["world_size"] for m in metrics][::STEPS - 1] == [1, 3]
+    trained = Counter(int(i) for f in record.iterdir() for line in f.read_text().splitlines()
+                      for i in line.split())
+    task = paced_task(PacedLoss())
+    sampler = ElasticSampler(len(task.dataset()), global_batch=task.defaults.global_batch, seed=task.defaults.seed)
+    expected = Counter(int(i) for s in range(STEPS) for i in sampler.batch(s))
+    assert trained == expected  # nothing trained twice, nothing missed
+    assert MIN_LOOKAHEAD < STEPS and np.all(np.diff([m["step"] for m in metrics]) == 1)
