@@ -46,7 +46,9 @@ def test_kill_in_a_phase_reforms_in_place_and_ends_where_the_uninterrupted_run_e
     assert diff < TOL
     changes = [e for e in events if e["kind"] == "membership_changed"]
     assert changes and changes[0]["lost_ranks"] == [1] and changes[0]["generation"] == 1
-    assert changes[0]["steps_rerun"] == (0 if phase == "optimizer" else 1)
+    # killed after the vote, rank 1 let the others commit step 2; they went on into step 3
+    # (a window does not wait for the coordinator), which is the one re-run
+    assert changes[0]["step"] == (3 if phase == "optimizer" else 2) and changes[0]["steps_rerun"] == 1
     assert [m["step"] for m in metrics] == list(range(6))
     assert summary.samples == 6 * TINY_GPT_TASK.defaults.global_batch
     assert metrics[1]["generation"] == 0 and metrics[-1]["generation"] >= 1
@@ -165,8 +167,11 @@ def test_all_workers_lost_restarts_from_the_latest_checkpoint(ray_cluster, tmp_p
                                                         ["kill:step=3:rank=0", "kill:step=3:rank=1"], checkpoint=ckpt)
     assert diff < TOL
     restored = [e for e in events if e["kind"] == "restored_from_checkpoint"]
-    assert len(restored) == 1 and restored[0]["step"] == 2 and restored[0]["steps_rerun"] == 2
-    assert [m["step"] for m in metrics] == [0, 1, 2, 2, 3, 4, 5]  # steps 2 and 3 re-run after the restore
+    # steps 2 and 3 are trained again; whether step 2 was reported before both workers died
+    # depends on when they last reported (every 50 ms in a window)
+    assert len(restored) == 1 and restored[0]["step"] == 2 and restored[0]["steps_rerun"] in (1, 2)
+    steps = [m["step"] for m in metrics]
+    assert steps[:2] == [0, 1] and steps[-4:] == [2, 3, 4, 5] and len(steps) in (6, 7)
 
 
 def test_a_worker_lost_while_the_group_reforms_is_one_more_failure(ray_cluster, tmp_path):

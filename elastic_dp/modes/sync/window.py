@@ -177,9 +177,9 @@ class Window:
             self.next += 1
         step = self.next
         results = {m: r for m, r in reports.get(step, {}).items() if m not in lost}
-        for s, by_rank in self.handed.items():  # faults of survivors, and of steps never run
-            mode.faults.put_back(f for rank, f in by_rank.items() if s > step or self.members[rank] in alive
-                                 and self.members[rank] in results)
+        for by_rank in self.handed.values():  # a survivor's faults did not fire (a fired one loses its worker)
+            mode.faults.put_back(f for rank, f in by_rank.items() if self.members[rank] in alive)
+        # a lost worker's are not handed out again: it may have run past the steps it reported
         for s in range(step + 1, self.granted):
             mode.faults.forget_step(s, len(self.members))  # granted, never run
         task_errors = [r.error for r in results.values() if r.error is not None
