@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.peers import DDPWorker, local_ray, remote
-from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, split
+from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler
 from elastic_dp.api import build_coordinator
 from elastic_dp.metrics import RunRecorder
 from elastic_dp.plan import MemoryPlan
@@ -96,7 +96,7 @@ def bench_memory(args: argparse.Namespace) -> list[dict]:
 
 
 class _TorchPeer:
-    """torch DDP, or DDP with ZeroRedundancyOptimizer, stepped like a coordinator."""
+    """torch DDP, or DDP with ZeroRedundancyOptimizer, each rank looping over its own steps."""
 
     def __init__(self, workers: int, zero: bool) -> None:
         store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False)
@@ -108,10 +108,9 @@ class _TorchPeer:
         self.step = 0
 
     def run_steps(self, count: int) -> None:
-        for _ in range(count):
-            slices = split(self.sampler.batch(self.step), len(self.workers))
-            ray.get([w.step.remote(s, TASK.defaults.global_batch) for w, s in zip(self.workers, slices)])
-            self.step += 1
+        """Each rank loops over its own ``count`` steps (torchrun-style), no driver in between."""
+        ray.get([w.run.remote(self.step, count) for w in self.workers])
+        self.step += count
 
     def close(self) -> None:
         for w in self.workers:

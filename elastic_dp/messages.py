@@ -31,6 +31,8 @@ class StepResult:
     step_s: float | None = None
     """In a window: the worker's wall time from the end of its previous step (or the
     window's start) to the end of this one."""
+    time: float | None = None
+    """In a window: when the step ended on this worker (Unix seconds)."""
     error: BaseException | None = None
 
 

@@ -165,9 +165,10 @@ class RunRecorder:
 
     def step(self, *, step: int, loss: float | None, samples: int, step_s: float, world_size: int,
              generation: int, timings: dict[str, float] | None = None, nonfinite: bool = False,
-             lr: float | None = None, grad_norm: float | None = None) -> None:
-        """A committed step; ``nonfinite``: skipped as a no-op (its loss is recorded as null)."""
-        record = {"step": step, "time": time.time(), "loss": loss, "samples": samples, "step_s": step_s,
+             lr: float | None = None, grad_norm: float | None = None, at: float | None = None) -> None:
+        """A committed step; ``nonfinite``: skipped as a no-op (its loss is recorded as null);
+        ``at``: when it committed (Unix seconds; default now)."""
+        record = {"step": step, "time": at if at is not None else time.time(), "loss": loss, "samples": samples, "step_s": step_s,
                   "world_size": world_size, "generation": generation, **(timings or {}),
                   **self.throughput.figures(samples, step_s, world_size)}
         record.update({k: v for k, v in (("lr", lr), ("grad_norm", grad_norm), ("nonfinite", nonfinite or None))

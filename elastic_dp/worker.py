@@ -209,7 +209,7 @@ class Replica:
                 self.prefetcher.submit((generation, step + 1, rank, world), slice_of(step + 1))
             result = self.step(step, indices, self.grants.fault(step), batches)
             now = time.perf_counter()
-            result.step_s, last = now - last, now
+            result.step_s, result.time, last = now - last, time.time(), now
             report.append(result)
             if not result.committed:
                 break

@@ -139,7 +139,8 @@ class SyncMode:
         # were in the all-reduce), even when fewer results came back
         self.recorder.step(step=step, loss=loss, samples=self.train.global_batch, step_s=seconds,
                            world_size=len(self.members), generation=self.generation, timings=timings,
-                           nonfinite=skipped, lr=results[0].lr, grad_norm=results[0].grad_norm)
+                           nonfinite=skipped, lr=results[0].lr, grad_norm=results[0].grad_norm,
+                           at=max((r.time for r in results if r.time is not None), default=None))
         self._step_times.append(seconds)
         self.gens.calls.typical_step_s = statistics.median(self._step_times)
         self.guard.check(step, results)

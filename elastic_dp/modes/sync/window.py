@@ -93,13 +93,15 @@ class Window:
         lost: list[Any] = []
         errors: dict[Any, BaseException] = {}
         cause, detect_s, aborted = None, None, False
-        started = time.monotonic()
-        deadline = started + calls.deadline_s
+        last_commit = time.time()  # detection is timed from the end of the last step known to commit
+        deadline = time.monotonic() + calls.deadline_s
 
         def signal(why: str) -> None:
             nonlocal cause, detect_s, aborted, deadline
             if cause is None:
-                cause, detect_s = why, time.monotonic() - started
+                newest = max((r.time for rs in reports.values() for r in rs.values() if r.time and r.committed),
+                             default=0.0)
+                cause, detect_s = why, max(0.0, time.time() - max(last_commit, newest))
             if not aborted:
                 for m in streams.values():
                     m.actor.abort_group.remote(mode.generation)
@@ -148,6 +150,7 @@ class Window:
                 results = reports.pop(self.next)
                 mode.layout.stepped(self.next, results)
                 mode._record(self.next, list(results.values()))
+                last_commit = max([last_commit, *(r.time for r in results.values() if r.time)])
                 mode.faults.put_back(self.handed.pop(self.next, {}).values())  # none fired
                 watchdog.typical_step_s = calls.typical_step_s
                 self.next += 1
