@@ -66,7 +66,7 @@ class Window:
         return by_rank
 
     def _extend(self) -> None:
-        """After a commit: grant up to LOOKAHEAD steps ahead, or make the grant final."""
+        """After a commit: grant ``lookahead`` steps ahead, or make the grant final."""
         if self.final or self.granted - self.next >= self.lookahead // 2:
             return
         if self.granted >= self.limit or not self.keep_going():
