@@ -40,6 +40,80 @@ class CallOutcome:
     """Seconds from the call to the first failure signal."""
 
 
+class Waiting:
+    """Calls in flight on members (``pending``: ref or stream -> member) under a deadline,
+    watched by ``watchdog``; on the first failure signal every member still in a call is
+    aborted (``abort``) and the deadline becomes the grace period. ``gather`` waits for
+    one result per member; a window of steps (``modes.sync.window``) for a stream each.
+    ``detect`` measures the first signal (default: seconds since the wait began)."""
+
+    def __init__(self, pending: dict[object, Any], *, deadline_s: float, grace_s: float,
+                 abort: Callable[[list[Any]], None], watchdog: Watchdog | None = None, what: str = "call",
+                 detect: Callable[[], float] | None = None) -> None:
+        self.pending, self.outcome = dict(pending), CallOutcome()
+        self.deadline_s, self.grace_s, self.abort, self.watchdog, self.what = deadline_s, grace_s, abort, watchdog, what
+        start = time.monotonic()
+        self.detect = detect or (lambda: time.monotonic() - start)
+        self.deadline = start + deadline_s
+        self.aborted = False
+
+    def signal(self, cause: str) -> None:
+        if self.outcome.cause is None:
+            self.outcome.cause, self.outcome.detect_s = cause, self.detect()
+        if not self.aborted and self.pending:
+            self.abort(list(self.pending.values()))
+            self.aborted = True
+            self.deadline = time.monotonic() + self.grace_s
+
+    def renew(self) -> None:
+        """Progress was made: the deadline starts again (not once aborted: the grace stands)."""
+        if not self.aborted:
+            self.deadline = time.monotonic() + self.deadline_s
+
+    def ready(self) -> list[object] | None:
+        """Wait until the next heartbeat round or a ready call; the ready ones (maybe none),
+        or None when the grace period after an abort is over."""
+        wait_s = max(0.0, self.deadline - time.monotonic())
+        watchdog = self.watchdog
+        done, _ = ray.wait(list(self.pending), num_returns=1,
+                           timeout=min(wait_s, watchdog.due_in()) if watchdog else wait_s)
+        for member, why in watchdog.check(set(self.pending.values())) if watchdog else ():
+            for key in [k for k, m in self.pending.items() if m is member]:
+                del self.pending[key]
+            self.outcome.lost.append(member)
+            self.signal(why)
+        if done or time.monotonic() < self.deadline:
+            return [key for key in done if key in self.pending]  # not one found hung meanwhile
+        if self.aborted:
+            return None  # whoever has not answered is hung
+        self.signal(f"{self.what} deadline of {self.deadline_s:.1f} s passed (hung worker)")
+        return []
+
+    def take(self, key: object, fetch: Callable[[object], Any] = ray.get) -> tuple[bool, Any]:
+        """``(True, fetch(key))``, or ``(False, None)`` when the member died or its call
+        raised (recorded, signalled, and no longer pending)."""
+        member = self.pending[key]
+        try:
+            return True, fetch(key)
+        except ray.exceptions.RayActorError:
+            del self.pending[key]
+            self.outcome.lost.append(member)
+            self.signal(f"{member!r} died")
+        except ray.exceptions.RayTaskError as exc:
+            del self.pending[key]
+            self.outcome.errors[member] = exc.as_instanceof_cause()
+            self.signal(f"{member!r} raised {type(exc.cause).__name__}")
+        return False, None
+
+    def give_up(self) -> CallOutcome:
+        """The members still pending are hung; the outcome."""
+        for member in self.pending.values():
+            logger.warning("%r did not answer within the grace period after the abort: treating it as hung", member)
+            self.outcome.lost.append(member)
+        self.pending = {}
+        return self.outcome
+
+
 def gather(calls: dict[object, Any], *, deadline_s: float, grace_s: float,
            abort: Callable[[list[Any]], None], failed: Callable[[Any, Any], str | None] = lambda m, r: None,
            what: str = "call", watchdog: Watchdog | None = None) -> CallOutcome:
@@ -50,59 +124,21 @@ def gather(calls: dict[object, Any], *, deadline_s: float, grace_s: float,
     reported in its result (None: none). ``what`` names the call in the deadline's cause.
     ``watchdog`` finds hung members before the deadline (they are lost at once).
     """
-    start = time.monotonic()
-    deadline = start + deadline_s
-    outcome = CallOutcome()
-    pending = dict(calls)
-    aborted = False
-
-    def signal(cause: str) -> None:
-        nonlocal aborted, deadline
-        if outcome.cause is None:
-            outcome.cause, outcome.detect_s = cause, time.monotonic() - start
-        if not aborted and pending:
-            abort(list(pending.values()))
-            aborted = True
-            deadline = time.monotonic() + grace_s
-
-    while pending:
-        wait_s = max(0.0, deadline - time.monotonic())
-        done, _ = ray.wait(list(pending), num_returns=1,
-                           timeout=min(wait_s, watchdog.due_in()) if watchdog else wait_s)
-        for member, why in watchdog.check(set(pending.values())) if watchdog else ():
-            for ref in [r for r, m in pending.items() if m is member]:
-                del pending[ref]
-            outcome.lost.append(member)
-            signal(why)
-        if not done:
-            if time.monotonic() < deadline:
+    waiting = Waiting(calls, deadline_s=deadline_s, grace_s=grace_s, abort=abort, watchdog=watchdog, what=what)
+    while waiting.pending:
+        ready = waiting.ready()
+        if ready is None:
+            break
+        for ref in ready:
+            ok, result = waiting.take(ref)
+            if not ok:
                 continue
-            if aborted:
-                break  # the grace period is over: whoever has not answered is hung
-            signal(f"{what} deadline of {deadline_s:.1f} s passed (hung worker)")
-            continue
-        for ref in done:
-            if ref not in pending:
-                continue  # its member was found hung meanwhile
-            member = pending.pop(ref)
-            try:
-                result = ray.get(ref)
-            except ray.exceptions.RayActorError:
-                outcome.lost.append(member)
-                signal(f"{member!r} died")
-                continue
-            except ray.exceptions.RayTaskError as exc:
-                outcome.errors[member] = exc.as_instanceof_cause()
-                signal(f"{member!r} raised {type(exc.cause).__name__}")
-                continue
-            outcome.results[member] = result
+            member = waiting.pending.pop(ref)
+            waiting.outcome.results[member] = result
             reported = failed(member, result)
             if reported:
-                signal(reported)
-    for member in pending.values():
-        logger.warning("%r did not answer within the grace period after the abort: treating it as hung", member)
-        outcome.lost.append(member)
-    return outcome
+                waiting.signal(reported)
+    return waiting.give_up()
 
 
 class Calls:

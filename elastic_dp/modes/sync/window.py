@@ -12,7 +12,6 @@ recovery starts from.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections import defaultdict
@@ -25,12 +24,11 @@ from ...faults import STEP_PHASES
 from ...loop import WindowPlan
 from ...messages import StepResult
 from ..base import MembersLost
+from ..calls import Waiting
 from ..watchdog import Watchdog
 
 if TYPE_CHECKING:
     from .mode import SyncMode
-
-logger = logging.getLogger(__name__)
 
 LOOKAHEAD_S = 0.25
 """How far ahead steps are granted, in the run's typical step time: enough that reports
@@ -88,81 +86,52 @@ class Window:
                                                         faults.get(rank, {}))): m
                    for rank, m in enumerate(members)}
         calls = mode.gens.calls
-        watchdog = Watchdog(calls.bounds, calls.typical_step_s)
         reports: dict[int, dict[Any, StepResult]] = defaultdict(dict)
-        lost: list[Any] = []
-        errors: dict[Any, BaseException] = {}
-        cause, detect_s, aborted = None, None, False
         last_commit = time.time()  # detection is timed from the end of the last step known to commit
-        deadline = time.monotonic() + calls.deadline_s
 
-        def signal(why: str) -> None:
-            nonlocal cause, detect_s, aborted, deadline
-            if cause is None:
-                newest = max((r.time for rs in reports.values() for r in rs.values() if r.time and r.committed),
-                             default=0.0)
-                cause, detect_s = why, max(0.0, time.time() - max(last_commit, newest))
-            if not aborted:
-                for m in streams.values():
-                    m.actor.abort_group.remote(mode.generation)
-                aborted, deadline = True, time.monotonic() + calls.grace_s
+        def detect() -> float:
+            newest = max((r.time for rs in reports.values() for r in rs.values() if r.time and r.committed),
+                         default=0.0)
+            return max(0.0, time.time() - max(last_commit, newest))
 
-        while streams:
-            wait_s = max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(streams), num_returns=1, timeout=min(wait_s, watchdog.due_in()))
-            for member, why in watchdog.check(set(streams.values())):
-                for gen in [g for g, m in streams.items() if m is member]:
-                    del streams[gen]
-                lost.append(member)
-                signal(why)
-            if not ready:
-                if time.monotonic() < deadline:
-                    continue
-                if aborted:
-                    break  # the grace period is over: whoever has not finished is hung
-                signal(f"step deadline of {calls.deadline_s:.1f} s passed (hung worker)")
-                continue
+        def abort(running: list[Any]) -> None:
+            for m in running:
+                m.actor.abort_group.remote(mode.generation)  # also ends a wait for a grant
+
+        waiting = Waiting(streams, deadline_s=calls.deadline_s, grace_s=calls.grace_s, abort=abort,
+                          watchdog=Watchdog(calls.bounds, calls.typical_step_s), what="step", detect=detect)
+        while waiting.pending:
+            ready = waiting.ready()
+            if ready is None:
+                break
             for gen in ready:
-                member = streams.get(gen)
-                if member is None:
-                    continue
+                member = waiting.pending[gen]
                 try:
-                    report = ray.get(next(gen))
+                    ok, report = waiting.take(gen, lambda g: ray.get(next(g)))
                 except StopIteration:
-                    del streams[gen]  # this member's window ended
+                    del waiting.pending[gen]  # this member's window ended
                     continue
-                except ray.exceptions.RayActorError:
-                    del streams[gen]
-                    lost.append(member)
-                    signal(f"{member!r} died")
-                    continue
-                except ray.exceptions.RayTaskError as exc:
-                    del streams[gen]
-                    errors[member] = exc.as_instanceof_cause()
-                    signal(f"{member!r} raised {type(exc.cause).__name__}")
-                    continue
-                for result in report:
+                for result in report if ok else ():
                     reports[result.step][member] = result
                     if not result.committed:
-                        signal(f"collective error on {member!r}: {result.error}"
-                               if isinstance(result.error, CollectiveError) else "the step did not commit")
+                        waiting.signal(f"collective error on {member!r}: {result.error}"
+                                       if isinstance(result.error, CollectiveError) else "the step did not commit")
             while len(reports[self.next]) == len(members) and all(r.committed for r in reports[self.next].values()):
                 results = reports.pop(self.next)
                 mode.layout.stepped(self.next, results)
                 mode._record(self.next, list(results.values()))
                 last_commit = max([last_commit, *(r.time for r in results.values() if r.time)])
                 mode.faults.put_back(self.handed.pop(self.next, {}).values())  # none fired
-                watchdog.typical_step_s = calls.typical_step_s
+                waiting.watchdog.typical_step_s = calls.typical_step_s
                 self.next += 1
-                if not aborted:
-                    deadline = time.monotonic() + calls.deadline_s
+                if not waiting.aborted:
+                    waiting.renew()
                     self._extend()
-        for member in streams.values():
-            logger.warning("%r did not answer within the grace period after the abort: treating it as hung", member)
-            lost.append(member)
-        if cause is None and self.next == self.granted:
+        outcome = waiting.give_up()
+        if outcome.cause is None and self.next == self.granted:
             return self.next
-        return self._failed(reports, lost, errors, cause or "the window ended early", detect_s or 0.0)
+        return self._failed(reports, outcome.lost, outcome.errors, outcome.cause or "the window ended early",
+                            outcome.detect_s or 0.0)
 
     def _failed(self, reports, lost, errors, cause: str, detect_s: float) -> int:
         """A step failed: record the steps every survivor committed before it (a step
