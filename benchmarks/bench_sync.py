@@ -9,7 +9,9 @@
    one window. The two alternate in rounds of ``--steps-per-round`` steps so that machine
    noise hits both alike; the first round of each is warm-up and not counted. Reported per
    task: median step time of each, their ratio (elastic_dp / DDP), the median of the
-   per-round ratios, and the difference in milliseconds per step.
+   per-round ratios, the difference in milliseconds per step, and the CPU time the
+   driver (the coordinator, all its threads) spends per step: on a machine whose cores
+   the workers share, it is taken from them.
 2. All-reduce bandwidth: elastic_dp's bucketed gradient reduction (copy into buckets,
    all-reduce, copy back) against one raw torch.distributed all_reduce of a flat buffer
    of the same size, on the same gloo group. Reported as bus bandwidth
@@ -50,12 +52,13 @@ def bench_step_time(args: argparse.Namespace, name: str, steps_per_round: int) -
     store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False)
     ddp = [remote(DDPWorker).remote(ray.util.get_node_ip_address(), store.port, r, args.workers, False, task)
            for r in range(args.workers)]
-    ours, theirs, ddp_step = [], [], 0
+    ours, theirs, driver_cpu, ddp_step = [], [], [], 0
     try:
         for round_ in range(args.rounds):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             coordinator.run_until(coordinator.step + steps_per_round)
             t_ours = (time.perf_counter() - start) / steps_per_round
+            driver_cpu.append((time.process_time() - cpu) / steps_per_round)
             start = time.perf_counter()
             ray.get([w.run.remote(ddp_step, steps_per_round) for w in ddp])
             ddp_step += steps_per_round
@@ -74,6 +77,7 @@ def bench_step_time(args: argparse.Namespace, name: str, steps_per_round: int) -
             "ratio": round(statistics.median(ours) / statistics.median(theirs), 3),
             "median_round_ratio": round(statistics.median(a / b for a, b in zip(ours, theirs)), 3),
             "overhead_ms": round(1e3 * (statistics.median(ours) - statistics.median(theirs)), 3),
+            "driver_cpu_ms_per_step": round(1e3 * statistics.median(driver_cpu[1:]), 3),
             "per_round_ratios": [round(a / b, 3) for a, b in zip(ours, theirs)]}
 
 

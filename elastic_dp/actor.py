@@ -53,6 +53,8 @@ class WorkerActor:
                         fault: Fault | None = None) -> None:
         """Join ``generation`` as ``rank`` (``fault``: phase ``reform``, fired first)."""
         trigger(fault, "reform")
+        if self.replica is not None:
+            self.replica.strategy.drop_pending()
         self.group.configure(host, port, generation=generation, rank=rank, world_size=world_size)
 
     def broadcast_state(self, src: int) -> None:
@@ -86,7 +88,7 @@ class WorkerActor:
 
     def write_weights(self, storage: Storage, name: str) -> None:
         """Write the model's state dict as the safetensors file ``name`` of ``storage``."""
-        save_tensors(storage, name, self.replica.model.state_dict())
+        save_tensors(storage, name, self.replica.settled_model().state_dict())
 
     # -- checkpoints: every rank writes its own part --------------------------------------
     def stage_checkpoint(self, directory: str, step: int, sampler: dict[str, int],
@@ -152,7 +154,7 @@ class WorkerActor:
     def sample(self) -> str | None:
         """The task's sample of what the model does now (None when the task has none)."""
         task = self.replica.task
-        return task.sample(self.replica.model) if task.sample is not None else None
+        return task.sample(self.replica.settled_model()) if task.sample is not None else None
 
 
 def remote_worker_class():

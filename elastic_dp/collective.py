@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 class _Done:
     """A completed work handle, for the single-rank group."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         return True
 
 
@@ -163,15 +163,14 @@ class CollectiveGroup:
             return _Done()
         return pg._allgather_base(output, input)
 
-    def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
-        """Send ``send`` to rank ``dst`` while receiving rank ``src``'s tensor into ``recv``."""
+    def exchange_async(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> list:
+        """Start sending ``send`` to rank ``dst`` and receiving rank ``src``'s tensor into
+        ``recv``; the two handles. ``send`` must not change until both are waited for."""
         pg = self._require()
         if pg is None:
             recv.copy_(send)
-            return
-        works = [pg.send([send], dst, 0), pg.recv([recv], src, 0)]
-        for work in works:
-            work.wait()
+            return [_Done()]
+        return [pg.send([send], dst, 0), pg.recv([recv], src, 0)]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""

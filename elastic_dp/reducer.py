@@ -50,6 +50,11 @@ loss or local gradient]."""
 
 from .collective import CollectiveGroup
 
+FIRST_BUCKET_BYTES = 2**20
+"""The first bucket is closed at 1 MiB (as DDP's): the last layers' gradients then start
+their all-reduce while backward still runs through the rest, even when the model fits in
+one ``bucket_mb`` bucket."""
+
 
 @dataclass(slots=True)
 class _Bucket:
@@ -245,7 +250,8 @@ def _attach(bucket: _Bucket, buffer: torch.Tensor, carry_vote: bool = False) -> 
 
 def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp32: bool, *,
                  group_of: dict[int, int] | None = None, pad_to: int = 1) -> list[_Bucket]:
-    """Pack ``params``, last first, into buckets of about ``bucket_bytes`` (no buffers yet).
+    """Pack ``params``, last first, into buckets of about ``bucket_bytes`` (the first closes
+    at ``FIRST_BUCKET_BYTES`` already; no buffers yet).
 
     A bucket holds parameters of one dtype on one device and, with ``group_of``
     (``id(param)`` -> param group), of one param group. Each such kind has one open
@@ -279,7 +285,7 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp3
         members, size = open_.pop(kind(p), ([], 0))
         members.append(p)
         size += p.numel() * torch.empty((), dtype=buffer_dtype(p)).element_size()
-        if size >= bucket_bytes:
+        if size >= (bucket_bytes if buckets else min(bucket_bytes, FIRST_BUCKET_BYTES)):
             buckets.append(bucket(members))
         else:
             open_[kind(p)] = (members, size)  # re-inserted: open buckets stay ordered by last use

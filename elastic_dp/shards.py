@@ -44,15 +44,26 @@ def keep(snapshots: list[Snapshot], snapshot: Snapshot) -> None:
     snapshots[:] = [s for s in snapshots if s.step != snapshot.step][-(SNAPSHOTS_KEPT - 1):] + [snapshot]
 
 
-def pack(shard: ShardState) -> Snapshot:
-    """A chunk as one flat fp32 vector (what a peer snapshot sends)."""
+def pack(shard: ShardState, out: torch.Tensor | None = None) -> Snapshot:
+    """A chunk as one flat fp32 vector (what a peer snapshot sends); into ``out`` when it
+    has the right size (reusing a buffer spares the page faults of a fresh one: on a CPU
+    they cost more than the copy)."""
     keys = tuple(sorted((k, v[0].dim() == 0) for k, v in shard.state.items()))
     parts = []
     for b, master in enumerate(shard.master):
         parts.append(master.reshape(-1))
         parts.extend(shard.state[k][b].reshape(-1).float() for k, _ in keys)
-    flat = torch.cat(parts) if parts else torch.zeros(0)
-    return Snapshot(shard.step, flat, keys)
+    if not parts:
+        return Snapshot(shard.step, torch.zeros(0), keys)
+    if out is not None and out.numel() == sum(p.numel() for p in parts) and out.dtype == torch.float32:
+        return Snapshot(shard.step, torch.cat(parts, out=out), keys)
+    return Snapshot(shard.step, torch.cat(parts), keys)
+
+
+def spare(snapshots: list[Snapshot]) -> torch.Tensor | None:
+    """Take the oldest snapshot out of a full ``snapshots`` and return its buffer for
+    reuse (the next snapshot would drop it anyway); None when not full."""
+    return snapshots.pop(0).flat if len(snapshots) >= SNAPSHOTS_KEPT else None
 
 
 def unpack(snap: Snapshot, chunks: list[int], world_size: int, rank: int) -> ShardState:

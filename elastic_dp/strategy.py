@@ -62,6 +62,13 @@ class Strategy(Protocol):
     def state_bytes(self) -> dict[str, int]:
         """Bytes this worker holds for parameters, gradients and optimizer state (with masters)."""
 
+    def settle(self) -> None:
+        """Wait for what the last step left in flight that the parameters depend on,
+        before they are read outside a step (ZeRO's parameter all-gather)."""
+
+    def drop_pending(self) -> None:
+        """The group is about to be re-configured: abandon what is in flight on it."""
+
     # -- state: initial sync, checkpoint parts, loading ---------------------------------------
     def sync_from(self, src: int) -> None:
         """A collective: make this worker's state equal rank ``src``'s fresh model's."""
@@ -152,6 +159,12 @@ class Replicated(BucketedGradients):
 
     def after_commit(self, step: int, fault=None) -> None:
         pass  # every worker holds the whole state: nothing to snapshot
+
+    def settle(self) -> None:
+        pass  # a step leaves nothing in flight
+
+    def drop_pending(self) -> None:
+        pass
 
     def state_bytes(self) -> dict[str, int]:
         buffers = [b.buffer for b in self.reducer.buckets]

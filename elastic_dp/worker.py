@@ -37,7 +37,7 @@ from .task import Task
 
 logger = logging.getLogger(__name__)
 
-REPORT_INTERVAL_S = 0.05
+REPORT_INTERVAL_S = 0.1
 """In a window a worker reports its committed steps at most this often (a failure, and
 the end of its grant, at once): short steps are reported many at a time."""
 
@@ -99,11 +99,13 @@ class Replica:
     def broadcast_state(self, src: int) -> None:
         """Make this replica's state equal rank ``src``'s (a collective). With ZeRO the
         optimizer state starts empty; each rank then takes its chunk of the parameters."""
+        self.strategy.settle()
         self.strategy.sync_from(src)
 
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
         """This worker's state, copied: the whole of it at ZeRO stage 0 (for a joiner);
         with ZeRO only this rank's part of the optimizer state (``merge_shards`` joins them)."""
+        self.strategy.settle()
         tensors, meta = self.strategy.state_part()
         return TrainingState(step=step, model=self.model_state(),
                              optimizer_tensors={k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
@@ -113,6 +115,7 @@ class Replica:
     def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
         """This rank's share of a checkpoint, copied into host memory: only the pieces it
         writes are copied (``checkpoint.cut_part``)."""
+        self.strategy.settle()
         tensors, meta = self.strategy.state_part()
         live = TrainingState(step=step, model=self.model.state_dict(), optimizer_tensors=tensors,
                              optimizer_meta=meta, sampler=sampler, world_size=self.group.world_size,
@@ -121,6 +124,7 @@ class Replica:
 
     def load_state(self, state: TrainingState) -> None:
         """Load a whole (world-size-independent) training state; with ZeRO a collective."""
+        self.strategy.settle()  # no gather still in flight may overwrite what is loaded
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.model.items()})
         self.strategy.load(state)
         torch.set_rng_state(state.rng)
@@ -131,7 +135,12 @@ class Replica:
         self.load_state(checkpoint.read(self.strategy.wanted()))
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in self.settled_model().state_dict().items()}
+
+    def settled_model(self) -> torch.nn.Module:
+        """The model, once parameters the last step left in flight have arrived."""
+        self.strategy.settle()
+        return self.model
 
     # -- the step ------------------------------------------------------------------------
     def _collate(self, indices: np.ndarray) -> list[tuple[int, Any]]:

@@ -17,13 +17,25 @@ Per rank and bucket the strategy holds:
   stage 2: only the gradient chunk (the bucket is reduce-scattered as backward produces it
   and the full gradients are released).
 
-A committed step updates the chunk with the optimizer, then all-gathers each bucket's
-parameters. The chunk (master + optimizer state) is the state; the full parameters are
-derived from it.
+A committed step updates the chunk with the optimizer, then starts the all-gather of each
+bucket's parameters, in the order the forward uses them, and does not wait: the next
+step's forward waits for a bucket in the forward pre-hook of the first module that holds
+one of its parameters (as FSDP2 does), so the gather overlaps whatever comes before that
+module's forward. Whether that is safe is learnt in the first step, whose gather was
+waited for: only if every parameter belongs to a module whose forward ran (a parameter
+read outside its module's forward would be read before its bucket arrives) are later
+gathers left in flight; otherwise each gather is waited for at the end of its step, and
+a warning names the parameters. Anything else that reads the parameters (a checkpoint,
+the weights, a sample) first waits for them (``settle``). The chunk (master + optimizer
+state) is the state; the full parameters are derived from it.
 
 Peer redundancy (DESIGN invariant 6): every ``snapshot_every`` committed steps each rank
-copies its chunk into host memory and sends it to rank ``r+1``; each rank keeps the two
-newest snapshots of its own chunk and of rank ``r-1``'s. After a failure the coordinator
+copies its chunk into host memory and starts sending it to rank ``r+1`` while it receives
+rank ``r-1``'s; the transfer runs while the next step trains, and is waited for at the
+next snapshot (or when the coordinator asks what the rank holds). Each rank keeps the two
+newest snapshots of its own chunk and of rank ``r-1``'s: a received one counts only once
+it has arrived whole. A receive from a peer that died never completes: the group's abort
+makes it fail, and it is dropped. After a failure the coordinator
 asks the survivors what they hold (``holdings()``) and picks the newest step at which
 every old rank's chunk is held somewhere (``modes.sync.sharded.shard_sources``). Survivors
 then export those chunks (``export()``), and the new generation's ranks each cut their new
@@ -34,7 +46,11 @@ arithmetic is in ``elastic_dp.shards``).
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,8 +60,26 @@ from .config import TrainConfig
 from .errors import CollectiveError, ConfigError
 from .faults import Fault, trigger
 from .reducer import GradientReducer, make_buckets
-from .shards import ShardState, Snapshot, cut, keep, needed_sources, pack, unpack
+from .shards import ShardState, Snapshot, cut, keep, needed_sources, pack, spare, unpack
 from .strategy import BucketedGradients, broadcast_tensors, inside, nbytes
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_WAIT_S = 5.0
+"""How long ``holdings`` waits for a peer snapshot still in flight (a healthy peer's
+arrives in milliseconds; after an abort the wait fails at once)."""
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """A peer snapshot on its way: ours to rank r+1 (``own``), rank r-1's into ``received``."""
+
+    step: int
+    own: Snapshot
+    received: torch.Tensor
+    done: Future
+    """Completes when both transfers have."""
+
 
 # Optimizers whose update of an element depends only on that element's parameter, gradient
 # and state (and on scalars such as the step count): sharding them is exact.
@@ -61,6 +95,11 @@ def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
         raise ConfigError(f"--zero {stage} shards optimizer state element by element, and "
                           f"{type(optimizer).__module__}.{type(optimizer).__name__} is not an element-wise "
                           f"optimizer elastic_dp knows ({names}): use one of those or run with --zero 0")
+
+
+def _exchange(group: CollectiveGroup, send: torch.Tensor, dst: int, received: torch.Tensor, src: int) -> None:
+    for work in group.exchange_async(send, dst, received, src):
+        work.wait()
 
 
 class Sharded(BucketedGradients):
@@ -79,6 +118,16 @@ class Sharded(BucketedGradients):
         self.generation: int | None = None  # of the layout below; None: not built yet
         self.own: list[Snapshot] = []
         self.peer: list[Snapshot] = []
+        self._gathers: dict[int, Any] = {}  # bucket -> its parameter all-gather, in flight
+        self._exchange: _Exchange | None = None  # the last peer snapshot, in flight
+        self._sender: ThreadPoolExecutor | None = None  # its thread
+        self.defer_gather: bool | None = None
+        """Whether a step leaves its all-gather to the next forward (None: not learnt yet)."""
+        self._seen: set[int] = set()  # parameters whose module ran forward (while learning)
+        for module in model.modules():
+            ids = [id(p) for p in module.parameters(recurse=False)]
+            if ids:
+                module.register_forward_pre_hook(lambda _module, _args, ids=ids: self._before_forward(ids))
 
     def _current(self) -> None:
         """Re-cut the layout for the group's generation, if it changed."""
@@ -88,6 +137,7 @@ class Sharded(BucketedGradients):
             self._build()
 
     def _build(self) -> None:
+        self._gathers, self._exchange = {}, None  # the last generation's (``drop_pending``)
         stage, group, config, optimizer = self.stage, self.group, self.config, self.base_optimizer
         self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -98,6 +148,10 @@ class Sharded(BucketedGradients):
         self.chunks = [b.padded // self.world_size for b in self.buckets]
         self.numels = [b.numel for b in self.buckets]
         self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
+        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        order = {id(p): i for i, p in enumerate(self.params)}
+        self.forward_order = sorted(range(len(self.buckets)),  # the first used first
+                                    key=lambda b: min(order[id(p)] for p in self.buckets[b].params))
 
         # parameters become views into one flat buffer per bucket (gathered in place)
         self.param_buffers: list[torch.Tensor] = []
@@ -163,7 +217,16 @@ class Sharded(BucketedGradients):
 
     @torch.no_grad()
     def optimizer_step(self, step: int) -> None:
-        """Update the chunk for committed step ``step``, then all-gather the parameters."""
+        """Update the chunk for committed step ``step``, then start the all-gather of the
+        parameters (waited for in the next forward, or now: ``defer_gather``)."""
+        self._wait_gathers()  # a bucket no forward used (a parameter without a gradient)
+        if self.defer_gather is None:
+            unseen = [self.names[id(p)] for p in self.params if id(p) not in self._seen]
+            self.defer_gather, self._seen = not unseen, set()
+            if unseen:
+                logger.warning("ZeRO: parameters %s are not used by the forward of the module that holds them; "
+                               "the parameter all-gather is waited for at the end of each step",
+                               ", ".join(unseen[:5]) + (" ..." if len(unseen) > 5 else ""))
         for b, master in enumerate(self.masters):
             grad = self._grad_chunk(b)
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
@@ -174,20 +237,59 @@ class Sharded(BucketedGradients):
             if own.data_ptr() != master.data_ptr():
                 own.copy_(master)
         self.live_step = step + 1
-        self._gather_params()
+        self._start_gathers()
+        if not self.defer_gather:
+            self._wait_gathers()
 
     def _own_params(self, b: int) -> torch.Tensor:
         chunk = self.chunks[b]
         return self.param_buffers[b][self.rank * chunk:(self.rank + 1) * chunk]
 
-    def _gather_params(self) -> None:
+    def _start_gathers(self) -> None:
         try:
-            works = [self.group.all_gather_async(buffer, self._own_params(b))
-                     for b, buffer in enumerate(self.param_buffers)]
-            for work in works:
-                work.wait()
+            for b in self.forward_order:
+                self._gathers[b] = self.group.all_gather_async(self.param_buffers[b], self._own_params(b))
         except Exception as exc:
             raise self._collective_error("parameter all-gather", exc) from None
+
+    def _wait_gathers(self, buckets=None) -> None:
+        """Wait for the all-gathers of ``buckets`` (default: all) still in flight."""
+        for b in list(self._gathers) if buckets is None else buckets:
+            work = self._gathers.pop(b, None)
+            if work is not None:
+                try:
+                    work.wait()
+                except Exception as exc:
+                    raise self._collective_error("parameter all-gather", exc) from None
+
+    def _gather_params(self) -> None:
+        self._start_gathers()
+        self._wait_gathers()
+
+    def _before_forward(self, ids: list[int]) -> None:
+        """A module's forward pre-hook: the buckets of its parameters must have arrived."""
+        if self.defer_gather is None:
+            self._seen.update(ids)
+        if self._gathers:
+            self._wait_gathers({self.bucket_of[i] for i in ids if i in self.bucket_of})
+
+    def settle(self) -> None:
+        """Wait for the parameters still being gathered (before they are read outside a step)."""
+        self._wait_gathers()
+
+    def drop_pending(self) -> None:
+        """Before the group is re-configured: forget what is in flight on it (a new
+        generation re-gathers the parameters from the chunks it is given). The group is
+        aborted first when anything is: a peer may be gone, and tearing the group down
+        must not wait for it."""
+        if (self._gathers or self._exchange is not None) and self.group.configured:
+            self.group.abort(self.group.generation)
+        if self._exchange is not None:  # its thread is done with the old group before it goes
+            try:
+                self._exchange.done.result(timeout=SNAPSHOT_WAIT_S)
+            except Exception:
+                pass  # aborted: dropped
+        self._gathers, self._exchange = {}, None
 
     def _collective_error(self, what: str, exc: Exception) -> CollectiveError:
         return CollectiveError(f"gen {self.generation} rank {self.rank} step {self.live_step}: {what} failed: "
@@ -206,23 +308,47 @@ class Sharded(BucketedGradients):
 
     # -- peer snapshots ----------------------------------------------------------------------
     def after_commit(self, step: int, fault: Fault | None = None) -> None:
-        """At state step ``step`` (committed steps), snapshot to the right neighbour when due."""
+        """At state step ``step`` (committed steps), when a snapshot is due: wait for the
+        last one to arrive, copy the chunk and start sending it to the right neighbour."""
         if self.world_size == 1 or step % self.config.snapshot_every:
             return
-        own = pack(self.export("live", step))
+        self._receive_snapshot()
+        own = pack(self.export("live", step), out=spare(self.own))
         keep(self.own, own)
         trigger(fault, "snapshot")
         send = own.flat.to(self.masters[0].device) if self.masters else own.flat  # NCCL sends from the GPU
-        received = torch.empty_like(send)
+        received = spare(self.peer)  # not held while it is overwritten
+        if received is None or received.device != send.device or received.shape != send.shape:
+            received = torch.empty_like(send)
+        dst, src = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-dp-snapshot")
+        if self.group.backend == "gloo":  # gloo writes what the socket takes in the caller's thread
+            done = self._sender.submit(_exchange, self.group, send, dst, received, src)
+        else:  # NCCL ops are ordered on the training thread's stream and queued at once
+            works = self.group.exchange_async(send, dst, received, src)
+            done = self._sender.submit(lambda: [work.wait() for work in works])
+        self._exchange = _Exchange(step, Snapshot(step, send, own.keys), received, done)
+
+    def _receive_snapshot(self, timeout_s: float | None = None) -> None:
+        """Wait for the peer snapshot in flight (up to ``timeout_s``) and keep it; a failed
+        or timed-out transfer raises CollectiveError (and is not kept)."""
+        pending, self._exchange = self._exchange, None
+        if pending is None:
+            return
         try:
-            self.group.exchange(send, (self.rank + 1) % self.world_size,
-                                received, (self.rank - 1) % self.world_size)
+            pending.done.result(timeout=timeout_s)
         except Exception as exc:
-            raise self._collective_error("peer snapshot", exc) from None
-        keep(self.peer, Snapshot(step, received.cpu(), own.keys))
+            raise self._collective_error(f"peer snapshot of step {pending.step}", exc) from None
+        keep(self.peer, Snapshot(pending.step, pending.received.cpu(), pending.own.keys))
 
     def holdings(self) -> dict[str, object]:
-        """What this rank can export: its live chunk's step and its snapshots' steps."""
+        """What this rank can export: its live chunk's step and its snapshots' steps (a
+        peer snapshot still in flight is waited for briefly; one that fails is dropped)."""
+        try:
+            self._receive_snapshot(SNAPSHOT_WAIT_S)
+        except CollectiveError as exc:
+            logger.info("%s: dropped", exc)
         return {"rank": self.rank, "live": self.live_step, "own": [s.step for s in self.own],
                 "peer": [s.step for s in self.peer],
                 "snapshot_bytes": self.own[-1].flat.numel() * self.own[-1].flat.element_size() if self.own else 0}
@@ -281,6 +407,7 @@ class Sharded(BucketedGradients):
 
     @torch.no_grad()
     def _set_live(self, shard: ShardState) -> None:
+        self.settle()
         for b, master in enumerate(self.masters):
             master.copy_(shard.master[b])
             own = self._own_params(b)

@@ -61,6 +61,36 @@ def test_sharded_stages_reach_the_parameters_of_stage_0(task, zero, world):
     reference, _, _ = _train(task, config, world, range(6), initial)
     sharded, _, replicas = _train(task, dataclasses.replace(config, zero=zero), world, range(6), initial)
     assert len(replicas[0].strategy.buckets) > 2
+    assert all(r.strategy.defer_gather for r in replicas)  # each gather waited for in the next forward
+    assert _max_diff(sharded, reference) < 2e-5
+
+
+class _HeadOutsideForward(nn.Module):
+    """The loss reads ``head``'s parameters without calling ``head``: no forward pre-hook
+    of theirs runs, so their bucket must arrive before the step ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = mlp(), nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _head_outside_loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(nn.functional.linear(model(x), model.head.weight, model.head.bias), y)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_parameters_read_outside_their_modules_forward_are_gathered_at_the_end_of_the_step(zero):
+    task = dataclasses.replace(MLP_TASK, model=_HeadOutsideForward, loss=_head_outside_loss,
+                               optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    config = dataclasses.replace(task.defaults, steps=5, bucket_mb=0.0001)
+    initial = _initial(task, config.seed)
+    reference, _, _ = _train(task, config, 2, range(5), initial)
+    sharded, _, replicas = _train(task, dataclasses.replace(config, zero=zero), 2, range(5), initial)
+    assert [r.strategy.defer_gather for r in replicas] == [False, False]
     assert _max_diff(sharded, reference) < 2e-5
 
 

@@ -30,7 +30,7 @@ from ..watchdog import Watchdog
 if TYPE_CHECKING:
     from .mode import SyncMode
 
-LOOKAHEAD_S = 0.25
+LOOKAHEAD_S = 0.5
 """How far ahead steps are granted, in the run's typical step time: enough that reports
 (every ``worker.REPORT_INTERVAL_S``) and the next grant arrive before the workers run out;
 the grant is extended when less than half of it remains. Between ``MIN_LOOKAHEAD`` and
