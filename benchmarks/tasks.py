@@ -41,3 +41,34 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 TINY_MLP_TASK = Task(model=tiny_mlp, dataset=Regression32, loss=mse, optimizer=sgd,
                      defaults=TrainConfig(global_batch=64, seed=0))
+
+
+# -- a GPT that fills one large GPU (benchmarks/bench_gpu.py's utilisation figure) --------
+FILL_CONTEXT, FILL_DIM, FILL_LAYERS, FILL_HEADS = 1024, 2048, 16, 16
+
+
+def fill_gpt() -> nn.Module:
+    from jobs.gpt import GPT
+
+    return GPT(context=FILL_CONTEXT, dim=FILL_DIM, layers=FILL_LAYERS, heads=FILL_HEADS)
+
+
+def fill_windows() -> Dataset:
+    from jobs.gpt import ByteWindows, corpus
+
+    return ByteWindows(corpus(), context=FILL_CONTEXT)
+
+
+def _fill_task() -> Task:
+    from jobs.gpt import loss, build_optimizer
+
+    # FLOPs per window as jobs.gpt counts them: 6 x parameters per token plus attention
+    params = 12 * FILL_LAYERS * FILL_DIM**2 + 13 * FILL_LAYERS * FILL_DIM + 256 * FILL_DIM \
+        + FILL_CONTEXT * FILL_DIM + 2 * FILL_DIM
+    flops = FILL_CONTEXT * (6 * params + 12 * FILL_LAYERS * FILL_DIM * FILL_CONTEXT)
+    return Task(model=fill_gpt, dataset=fill_windows, loss=loss, optimizer=build_optimizer,
+                tokens_per_sample=FILL_CONTEXT, flops_per_sample=flops,
+                defaults=TrainConfig(steps=30, global_batch=16, micro_batch=16, precision="bf16"))
+
+
+FILL_GPT_TASK = _fill_task()

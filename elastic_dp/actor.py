@@ -29,15 +29,14 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerActor:
-    """One model replica on one GPU (NCCL) or one CPU slot (gloo)."""
+    """One model replica on one GPU (NCCL; gloo where workers share a GPU) or one CPU slot (gloo)."""
 
-    def __init__(self, *, device: str, num_threads: int, collective_timeout_s: float) -> None:
+    def __init__(self, *, device: str, backend: str, num_threads: int, collective_timeout_s: float) -> None:
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         if device == "cuda":
             torch.cuda.set_device(self.device)
-        self.group = CollectiveGroup(backend="nccl" if device == "cuda" else "gloo",
-                                     timeout_s=collective_timeout_s)
+        self.group = CollectiveGroup(backend=backend, timeout_s=collective_timeout_s)
         self.replica: Replica | None = None
         self._staged: dict[str, tuple[Part, Fault | None]] = {}
         """Checkpoint parts copied at a step boundary, waiting for their upload."""

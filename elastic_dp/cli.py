@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--no-reduce-fp32", dest="reduce_fp32", action="store_false", default=None,
                        help="reduce bf16 gradients in bf16 instead of fp32")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    train.add_argument("--gpus-per-worker", type=float, default=1.0,
+                       help="with cuda, each worker's share of a GPU in (0, 1]; below 1 workers share GPUs over gloo")
+    train.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                       help="collective backend (auto: NCCL for whole GPUs, else gloo)")
     train.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or embedded local Ray)")
     train.add_argument("--placement-timeout", type=float, default=60.0, help="seconds to wait for worker slots")
     train.add_argument("--step-timeout", type=float, default=600.0,
@@ -130,6 +134,7 @@ def _train(args: argparse.Namespace) -> int:
     train = dataclasses.replace(task.defaults, **overrides)
     low, high = args.workers
     cluster = ClusterConfig(workers=high, min_workers=low, device=args.device, address=args.address,
+                            gpus_per_worker=args.gpus_per_worker, backend=args.backend,
                             placement_timeout_s=args.placement_timeout, step_timeout_s=args.step_timeout,
                             collective_timeout_s=args.collective_timeout, min_wait_timeout_s=args.min_wait_timeout,
                             abort_grace_s=args.abort_grace, heartbeat_timeout_s=args.heartbeat_timeout,

@@ -17,6 +17,10 @@ new generation is just a new object.
 
 With one rank there is nothing to communicate: the same calls complete at once, so the
 single-worker case runs the same code as any other.
+
+gloo with CUDA tensors (workers sharing one GPU, which NCCL refuses): each call copies its
+tensors to host memory, runs there, and ``wait()`` copies the result back, so the callers
+use one code path for every backend and device.
 """
 
 from __future__ import annotations
@@ -41,6 +45,26 @@ class _Done:
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         return True
+
+
+class _Staged:
+    """A gloo call on host copies of CUDA tensors: ``wait()`` copies the results back."""
+
+    def __init__(self, work, results: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.work, self.results = work, results  # (device tensor, its host copy)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout)
+        for device, host in self.results:
+            device.copy_(host)
+        return True
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
 
 
 class CollectiveGroup:
@@ -127,11 +151,17 @@ class CollectiveGroup:
             raise RuntimeError("the collective group is not configured")
         return self._pg
 
+    def _staging(self, tensor: torch.Tensor) -> bool:
+        return self.backend == "gloo" and tensor.is_cuda
+
     def all_reduce_async(self, tensor: torch.Tensor):
         """Start a SUM all-reduce of ``tensor`` in place; returns a handle with ``wait()``."""
         pg = self._require()
         if pg is None:
             return _Done()
+        if self._staging(tensor):
+            host = _host(tensor)
+            return _Staged(pg.allreduce([host]), [(tensor, host)])
         return pg.allreduce([tensor])
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -149,6 +179,9 @@ class CollectiveGroup:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
+        if self._staging(input):
+            host = torch.empty(output.shape, dtype=output.dtype)
+            return _Staged(pg._reduce_scatter_base(host, _host(input)), [(output, host)])
         return pg._reduce_scatter_base(output, input)
 
     def all_gather_async(self, output: torch.Tensor, input: torch.Tensor):
@@ -161,6 +194,9 @@ class CollectiveGroup:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
+        if self._staging(output):
+            host = torch.empty(output.shape, dtype=output.dtype)
+            return _Staged(pg._allgather_base(host, _host(input)), [(output, host)])
         return pg._allgather_base(output, input)
 
     def exchange_async(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> list:
@@ -170,6 +206,9 @@ class CollectiveGroup:
         if pg is None:
             recv.copy_(send)
             return [_Done()]
+        if self._staging(send) or self._staging(recv):
+            host = torch.empty(recv.shape, dtype=recv.dtype)
+            return [_Staged(pg.send([_host(send)], dst, 0), []), _Staged(pg.recv([host], src, 0), [(recv, host)])]
         return [pg.send([send], dst, 0), pg.recv([recv], src, 0)]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -178,7 +217,11 @@ class CollectiveGroup:
         if pg is not None:
             opts = dist.BroadcastOptions()
             opts.rootRank = src
-            pg.broadcast([tensor], opts).wait()
+            if self._staging(tensor):
+                host = _host(tensor)
+                _Staged(pg.broadcast([host], opts), [(tensor, host)]).wait()
+            else:
+                pg.broadcast([tensor], opts).wait()
         return tensor
 
     def abort(self, generation: int | None = None) -> None:

@@ -114,6 +114,13 @@ class ClusterConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``cuda``: one GPU per worker with NCCL; ``cpu``: one CPU slot per worker with gloo;
     ``auto``: cuda when the cluster has GPUs (``--device``)."""
+    gpus_per_worker: float = 1.0
+    """With ``cuda``: the share of a GPU each worker holds, in (0, 1]; below 1, several
+    workers share one GPU and talk through gloo, since NCCL refuses two ranks on one
+    device (``--gpus-per-worker``)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """The collective backend: ``auto`` is NCCL for workers that each hold a whole GPU,
+    gloo otherwise; gloo with CUDA tensors stages them through host memory (``--backend``)."""
     address: str | None = None
     """Ray cluster to attach to; None: ``RAY_ADDRESS`` if set, else an embedded local
     Ray (``--address``)."""
@@ -144,6 +151,14 @@ class ClusterConfig:
                  f"min_wait_timeout_s must be >= 0, got {self.min_wait_timeout_s} (--min-wait-timeout)")
         _require(self.device in ("auto", "cpu", "cuda"),
                  f"device must be auto, cpu or cuda, got {self.device!r} (--device)")
+        _require(0 < self.gpus_per_worker <= 1,
+                 f"gpus_per_worker must be in (0, 1], got {self.gpus_per_worker}: a worker holds one model "
+                 "replica on one GPU (--gpus-per-worker)")
+        _require(self.backend in ("auto", "nccl", "gloo"),
+                 f"backend must be auto, nccl or gloo, got {self.backend!r} (--backend)")
+        _require(not (self.backend == "nccl" and self.gpus_per_worker < 1),
+                 f"NCCL refuses two ranks on one GPU, and --gpus-per-worker {self.gpus_per_worker} puts several "
+                 "workers on one: use --backend gloo (or auto), or --gpus-per-worker 1")
         if self.min_workers is None:
             self.min_workers = self.workers
         for name, flag in (("placement_timeout_s", "--placement-timeout"), ("step_timeout_s", "--step-timeout"),
@@ -151,6 +166,15 @@ class ClusterConfig:
                            ("heartbeat_timeout_s", "--heartbeat-timeout"), ("stall_floor_s", "--stall-floor"),
                            ("stall_factor", "--stall-factor")):
             _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)} ({flag})")
+
+    def backend_for(self, device: str) -> str:
+        """The collective backend of workers on ``device`` (``cpu`` or ``cuda``)."""
+        if self.backend == "nccl" and device != "cuda":
+            raise ConfigError("--backend nccl needs GPUs, and the workers run on the CPU: use --backend gloo "
+                              "(or auto), or --device cuda")
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if device == "cuda" and self.gpus_per_worker >= 1 else "gloo"
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,5 +18,6 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def worker_bundle(device: str) -> dict[str, float]:
-    return {"CPU": 1, "GPU": 1} if device == "cuda" else {"CPU": 1}
+def worker_bundle(device: str, gpus: float = 1.0) -> dict[str, float]:
+    """One worker's resources: a CPU slot, and on ``cuda`` its share ``gpus`` of a GPU."""
+    return {"CPU": 1, "GPU": gpus} if device == "cuda" else {"CPU": 1}

@@ -316,7 +316,8 @@ class Sharded(BucketedGradients):
         own = pack(self.export("live", step), out=spare(self.own))
         keep(self.own, own)
         trigger(fault, "snapshot")
-        send = own.flat.to(self.masters[0].device) if self.masters else own.flat  # NCCL sends from the GPU
+        on_device = self.group.backend == "nccl" and self.masters  # NCCL sends from the GPU; gloo from the host
+        send = own.flat.to(self.masters[0].device) if on_device else own.flat
         received = spare(self.peer)  # not held while it is overwritten
         if received is None or received.device != send.device or received.shape != send.shape:
             received = torch.empty_like(send)

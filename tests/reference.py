@@ -14,18 +14,30 @@ from safetensors.torch import load_file
 from elastic_dp import ElasticSampler, Task, TrainConfig
 
 
-def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None = None) -> dict[str, torch.Tensor]:
-    """Train from the weights in ``initial`` and return the final state dict."""
+def _to(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch
+
+
+def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None = None,
+           device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Train from the weights in ``initial`` on ``device`` and return the final state dict
+    (on the CPU)."""
     torch.manual_seed(config.seed)
-    model = task.model()
+    model = task.model().to(device)
     model.load_state_dict(load_file(initial))
     dataset = task.dataset()
     optimizer = task.optimizer(model)
     base = [g["lr"] for g in optimizer.param_groups]
     sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.precision == "bf16")
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
     for step in range(config.steps if steps is None else steps):
-        batch = task.collate([dataset[int(i)] for i in sampler.batch(step)])
+        batch = _to(task.collate([dataset[int(i)] for i in sampler.batch(step)]), torch.device(device))
         optimizer.zero_grad()
         with autocast:
             loss = task.loss(model, batch)
@@ -38,7 +50,7 @@ def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None =
         for group, lr in zip(optimizer.param_groups, base):
             group["lr"] = lr * config.lr_factor(step)
         optimizer.step()
-    return model.state_dict()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

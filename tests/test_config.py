@@ -26,6 +26,25 @@ def test_cluster_and_checkpoint_config_errors():
         CheckpointConfig(dir="x", every=-1)
 
 
+@pytest.mark.parametrize("gpus", [0, -0.5, 1.5])
+def test_a_worker_holds_at_most_one_gpu(gpus):
+    with pytest.raises(ConfigError, match=r"--gpus-per-worker"):
+        ClusterConfig(gpus_per_worker=gpus)
+
+
+def test_workers_sharing_a_gpu_talk_through_gloo():
+    assert ClusterConfig().backend_for("cuda") == "nccl"
+    assert ClusterConfig(gpus_per_worker=0.5).backend_for("cuda") == "gloo"
+    assert ClusterConfig().backend_for("cpu") == "gloo"
+    assert ClusterConfig(backend="gloo").backend_for("cuda") == "gloo"
+    with pytest.raises(ConfigError, match="NCCL refuses two ranks on one GPU.*--backend gloo"):
+        ClusterConfig(gpus_per_worker=0.25, backend="nccl")
+    with pytest.raises(ConfigError, match="--backend nccl needs GPUs.*--device cuda"):
+        ClusterConfig(backend="nccl").backend_for("cpu")
+    with pytest.raises(ConfigError, match="--backend"):
+        ClusterConfig(backend="mpi")
+
+
 def test_lr_factor_warmup_and_linear_scaling():
     config = TrainConfig(global_batch=64, warmup_steps=4, lr_reference_batch=32)
     assert [config.lr_factor(s) for s in range(6)] == [0.5, 1.0, 1.5, 2.0, 2.0, 2.0]

@@ -223,3 +223,26 @@ def test_non_elementwise_optimizer_is_refused_with_zero():
 def test_unknown_stage_is_refused(stage):
     with pytest.raises(ConfigError, match="--zero"):
         TrainConfig(zero=stage)
+
+
+def test_gloo_with_cuda_tensors_stages_every_call_through_host_copies(monkeypatch):
+    """Workers that share a GPU talk through gloo, which takes CUDA tensors only by way of
+    host copies (collective._Staged). No GPU here: every tensor is taken for one, so each
+    all-reduce, reduce-scatter, all-gather, broadcast and snapshot exchange of a ZeRO-2 run
+    goes through the copies and their copy back; it must still end on stage 0's parameters."""
+    from elastic_dp import collective
+
+    staged = []
+
+    def staging(self, tensor):
+        staged.append(tensor.numel())
+        return True
+
+    monkeypatch.setattr(collective.CollectiveGroup, "_staging", staging)
+    config = dataclasses.replace(MLP_TASK.defaults, steps=5, bucket_mb=0.0001)
+    initial = _initial(MLP_TASK, config.seed)
+    sharded, _, _ = _train(MLP_TASK, dataclasses.replace(config, zero=2), 2, range(5), initial)
+    assert staged
+    monkeypatch.undo()
+    reference, _, _ = _train(MLP_TASK, config, 2, range(5), initial)
+    assert _max_diff(sharded, reference) < 2e-5

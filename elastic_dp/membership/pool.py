@@ -65,13 +65,15 @@ class WorkerPool:
     def device(self) -> str:
         """``cpu`` or ``cuda``: the cluster config's device, ``auto`` resolved."""
         if self._device is None:
-            self._device = resolve_device(self.cluster.device)
+            device = resolve_device(self.cluster.device)
+            self.cluster.backend_for(device)  # --backend nccl on CPU workers is refused here
+            self._device = device
         return self._device
 
     def start(self, count: int) -> None:
         """Request ``count`` more workers; they become ready when placed and built."""
         for _ in range(count):
-            member = Member(id=next(self._ids), group=placement_group([worker_bundle(self.device)]))
+            member = Member(id=next(self._ids), group=placement_group([worker_bundle(self.device, self.cluster.gpus_per_worker)]))
             member.placed_ref = member.group.ready()
             self.pending.append(member)
             self.all.append(member)
@@ -83,12 +85,13 @@ class WorkerPool:
             if member.actor is None:
                 if not ray.wait([member.placed_ref], timeout=0)[0]:
                     continue
-                gpu = 1 if self.device == "cuda" else 0
+                gpu = self.cluster.gpus_per_worker if self.device == "cuda" else 0
                 member.actor = self._cls.options(
                     num_cpus=1, num_gpus=gpu, max_restarts=0, max_concurrency=3,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=member.group,
                                                                          placement_group_bundle_index=0),
-                ).remote(device=self.device, num_threads=1, collective_timeout_s=self.cluster.collective_timeout_s)
+                ).remote(device=self.device, backend=self.cluster.backend_for(self.device), num_threads=1,
+                         collective_timeout_s=self.cluster.collective_timeout_s)
                 member.setup_ref = member.actor.setup.remote(self.task, self.train)
             done, _ = ray.wait([member.setup_ref], timeout=0)
             if done:
@@ -139,14 +142,14 @@ class WorkerPool:
         cluster with room for ``count`` workers; 0 withdraws it. Without an autoscaler it
         only records the request."""
         try:
-            request_resources(bundles=[worker_bundle(self.device)] * count)
+            request_resources(bundles=[worker_bundle(self.device, self.cluster.gpus_per_worker)] * count)
         except Exception as exc:  # an older or unusual cluster: the run goes on without it
             logger.warning("could not ask the autoscaler for %d workers: %s", count, exc)
 
     def placement_error(self, wanted: int, timeout_s: float, ready: int) -> PlacementError:
         """The error for ``wanted`` workers not placed within ``timeout_s`` (``ready`` are)."""
         placed = ready + self.placed_but_starting()
-        bundle = worker_bundle(self.device)
+        bundle = worker_bundle(self.device, self.cluster.gpus_per_worker)
         total = int(min(ray.cluster_resources().get(k, 0) // v for k, v in bundle.items()))
         return PlacementError(
             f"could not place {wanted} workers ({bundle} each) within {timeout_s:.0f} s: {placed} were "

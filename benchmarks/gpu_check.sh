@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The CUDA path, on a machine with one or more NVIDIA GPUs, in one go (within 8 minutes on
+# one GPU): the tests marked cuda (tests/test_cuda.py: a 1-worker NCCL group, two workers
+# sharing one GPU through gloo, fused AdamW's step counters on the device through a
+# restore, bf16 autocast, pinned-memory batches; a 2-GPU NCCL group where there are 2),
+# then benchmarks/bench_gpu.py (the GPT job's step against plain PyTorch on the same GPU,
+# and model FLOPs utilisation of a GPT that fills the device). Prints the figures; the
+# JSON also goes to $OUT/bench_gpu.json when OUT is set.
+#
+#   benchmarks/gpu_check.sh            # with the python that has torch (CUDA) and ray
+#   PYTHON=.venv/bin/python benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+"$PY" - <<'PYEOF' || exit 2
+import importlib.util, sys
+import torch
+missing = [m for m in ("ray", "safetensors", "pyarrow", "pytest", "pytest_timeout") if importlib.util.find_spec(m) is None]
+print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, GPUs: {torch.cuda.device_count()}")
+if torch.cuda.is_available():
+    print("device:", torch.cuda.get_device_name(0))
+if missing:
+    sys.exit(f"missing Python packages: {', '.join(missing)} (install elastic_dp's test extra into this python)")
+if not torch.cuda.is_available():
+    sys.exit("no CUDA GPU is visible: nothing to check here")
+PYEOF
+
+status=0
+timeout 300 "$PY" -m pytest -m cuda -ra -v tests/test_cuda.py 2>&1 | tee "${OUT:-/tmp}/gpu_tests.log" || status=1
+timeout 240 "$PY" -m benchmarks.bench_gpu --rounds 6 --steps-per-round 20 --fill-steps-per-round 8 \
+    2>&1 | tee "${OUT:-/tmp}/bench_gpu.log" || status=1
+exit $status
