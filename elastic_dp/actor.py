@@ -67,9 +67,11 @@ class WorkerActor:
         """Training thread: run the granted steps, streaming one ``StepResult`` per step."""
         yield from self.replica.run_window(plan)
 
-    def grant(self, window: int, until: int, final: bool, faults: dict[int, Fault]) -> None:
-        """Control thread: let ``window`` run the steps before ``until`` (``final``: and no more)."""
-        self.replica.grants.extend(window, until, final, faults)
+    def grant(self, window: int, until: int, final: bool, faults: dict[int, Fault],
+              sizes: tuple[int, tuple[int, ...] | None] | None = None) -> None:
+        """Control thread: let ``window`` run the steps before ``until`` (``final``: and no
+        more); ``sizes``: (step, slice sizes) from which the slices change (``--balance``)."""
+        self.replica.grants.extend(window, until, final, faults, sizes)
 
     def heartbeat(self) -> Heartbeat:
         """Control thread: this worker answers, and how far its training thread has come."""

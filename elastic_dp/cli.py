@@ -82,9 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--prefetch", dest="prefetch", action="store_true", default=None,
                        help="collate the next step's batch on a background thread (default: on a GPU only)")
     train.add_argument("--no-prefetch", dest="prefetch", action="store_false")
+    train.add_argument("--balance", dest="balance", action="store_true", default=None,
+                       help="slices of each step's batch follow the workers' measured speed (stragglers get fewer)")
     train.add_argument("--inject", action="append", default=[], metavar="SPEC",
                        help="fault injection, repeatable: kill:step=S:rank=R[:phase=forward|allreduce|"
-                            "optimizer|snapshot|checkpoint|upload|reform], hang:step=S:rank=R, join:step=S")
+                            "optimizer|snapshot|checkpoint|upload|reform], hang:step=S:rank=R, join:step=S, "
+                            "slow:rank=R:factor=F[:from=S][:to=S2]")
     train.add_argument("--checkpoint-dir", default=None, help="local directory (or shared mount) for checkpoints")
     train.add_argument("--storage", default=None, metavar="URI",
                        help="checkpoints under URI/RUN_NAME: a path or a pyarrow filesystem URI such as "
@@ -129,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     task = load_task(args.job)
-    overrides = {name: getattr(args, name) for name in [*_TRAIN_FLAGS, "reduce_fp32", "prefetch"]
+    overrides = {name: getattr(args, name) for name in [*_TRAIN_FLAGS, "reduce_fp32", "prefetch", "balance"]
                  if getattr(args, name) is not None}
     train = dataclasses.replace(task.defaults, **overrides)
     low, high = args.workers

@@ -58,6 +58,10 @@ class TrainConfig:
     the run naming the step and the rank (``--on-nonfinite``)."""
     max_nonfinite_steps: int = 5
     """With ``skip``: fail after this many consecutive skipped steps (``--max-nonfinite-steps``)."""
+    balance: bool = False
+    """Split each step's global batch in proportion to the workers' measured speed, so that
+    a slow worker gets fewer samples; the result is the same as with equal slices
+    (``--balance``; docs/sync.md)."""
     prefetch: bool | None = None
     """Collate the next step's batch on a background thread while the current step computes
     (``--prefetch`` / ``--no-prefetch``). None: on a GPU, where the training thread waits for

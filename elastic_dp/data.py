@@ -69,8 +69,16 @@ def split(indices: np.ndarray, world_size: int) -> list[np.ndarray]:
     return list(np.array_split(np.asarray(indices), world_size))
 
 
-def rank_slice(indices: np.ndarray, world_size: int, rank: int) -> np.ndarray:
-    """``split(indices, world_size)[rank]``, without building the other slices."""
+def rank_slice(indices: np.ndarray, world_size: int, rank: int,
+               sizes: tuple[int, ...] | None = None) -> np.ndarray:
+    """``split(indices, world_size)[rank]``, without building the other slices; with
+    ``sizes`` (one per rank, summing to the batch: ``--balance``) the contiguous slice of
+    ``sizes[rank]`` samples after the lower ranks' instead."""
+    if sizes is not None:
+        if len(sizes) != world_size or sum(sizes) != len(indices) or min(sizes) < 1:
+            raise ValueError(f"slice sizes {sizes} do not split a batch of {len(indices)} over {world_size} ranks")
+        start = sum(sizes[:rank])
+        return indices[start:start + sizes[rank]]
     if len(indices) < world_size:
         split(indices, world_size)  # raises the error that names the settings
     base, extra = divmod(len(indices), world_size)

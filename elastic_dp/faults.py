@@ -8,6 +8,10 @@
                                     generation formed after another fault at step S, as it joins)
     hang:step=S:rank=R[:phase=P]   the worker stops (SIGSTOP) and never answers again
     join:step=S                    one more worker joins before step S
+    slow:rank=R:factor=F[:from=S][:to=S2]
+                                   rank R computes F times slower in steps S..S2-1 (default:
+                                   from 0, to the end): after its forward and backward it
+                                   sleeps F-1 times as long as they took (a straggler)
 
 ``parse_faults`` refuses, with the reason, a fault that can never fire in the configured
 run. The modes hand each fault to its worker once; a fault whose worker came back without
@@ -29,34 +33,49 @@ from .errors import ConfigError
 STEP_PHASES = ("forward", "allreduce", "optimizer", "snapshot")
 SAVE_PHASES = ("checkpoint", "upload")
 PHASES = (*STEP_PHASES, *SAVE_PHASES, "reform")
-KINDS = ("kill", "hang", "join")
+KINDS = ("kill", "hang", "join", "slow")
 
 
 @dataclass(frozen=True, slots=True)
 class Fault:
     kind: str
     step: int
+    """The step it fires in; for ``slow``, the first step it slows."""
     rank: int | None = None
     phase: str = "forward"
+    factor: float = 1.0
+    """``slow``: how many times longer the rank's compute takes."""
+    until: int | None = None
+    """``slow``: the first step it no longer slows (None: to the end)."""
 
     def __str__(self) -> str:
         if self.kind == "join":
             return f"join:step={self.step}"
+        if self.kind == "slow":
+            return (f"slow:rank={self.rank}:factor={self.factor:g}:from={self.step}"
+                    + (f":to={self.until}" if self.until is not None else ""))
         return f"{self.kind}:step={self.step}:rank={self.rank}:phase={self.phase}"
+
+    def slows(self, step: int) -> bool:
+        """A ``slow`` fault that applies to ``step``."""
+        return self.kind == "slow" and self.step <= step and (self.until is None or step < self.until)
 
     @classmethod
     def parse(cls, spec: str) -> "Fault":
         kind, *fields = spec.split(":")
         usage = (f"--inject takes kill:step=S:rank=R[:phase={'|'.join(PHASES)}], "
-                 f"hang:step=S:rank=R or join:step=S; got {spec!r}")
+                 f"hang:step=S:rank=R, join:step=S or slow:rank=R:factor=F[:from=S][:to=S2]; got {spec!r}")
         if kind not in KINDS:
             raise ConfigError(usage)
         values: dict[str, str] = {}
+        keys = ("rank", "factor", "from", "to") if kind == "slow" else ("step", "rank", "phase")
         for f in fields:
             key, sep, value = f.partition("=")
-            if not sep or key not in ("step", "rank", "phase") or key in values:
+            if not sep or key not in keys or key in values:
                 raise ConfigError(usage)
             values[key] = value
+        if kind == "slow":
+            return cls._parse_slow(values, usage)
         try:
             step = int(values["step"])
             rank = int(values["rank"]) if "rank" in values else None
@@ -69,6 +88,18 @@ class Fault:
             raise ConfigError(usage)
         return cls(kind=kind, step=step, rank=rank, phase=phase)
 
+    @classmethod
+    def _parse_slow(cls, values: dict[str, str], usage: str) -> "Fault":
+        try:
+            rank, factor = int(values["rank"]), float(values["factor"])
+            start = int(values.get("from", 0))
+            until = int(values["to"]) if "to" in values else None
+        except (KeyError, ValueError):
+            raise ConfigError(usage) from None
+        if rank < 0 or start < 0 or not factor >= 1 or (until is not None and until <= start):
+            raise ConfigError(f"{usage} (rank >= 0, factor >= 1, 0 <= from < to)")
+        return cls(kind="slow", step=start, rank=rank, phase="forward", factor=factor, until=until)
+
 
 def parse_faults(specs: Iterable[str | Fault], train: TrainConfig, cluster: ClusterConfig,
                  checkpoint: CheckpointConfig) -> list[Fault]:
@@ -76,6 +107,9 @@ def parse_faults(specs: Iterable[str | Fault], train: TrainConfig, cluster: Clus
     faults = [f if isinstance(f, Fault) else Fault.parse(f) for f in specs]
     for f in faults:
         _check(f, faults, train, cluster, checkpoint)
+    slow = [f.rank for f in faults if f.kind == "slow"]
+    if len(slow) != len(set(slow)):
+        raise ConfigError("--inject slow: one spec per rank (give a rank one factor, from and to)")
     joins = sum(f.kind == "join" for f in faults)
     room = cluster.workers - cluster.min_workers
     if joins > room:
@@ -126,7 +160,10 @@ class FaultPlan:
     """The faults still to inject, and what the run did with them."""
 
     def __init__(self, faults: Iterable[Fault] = ()) -> None:
-        self._pending = list(faults)
+        faults = list(faults)
+        self.slow = {f.rank: f for f in faults if f.kind == "slow"}
+        """Stragglers, by rank: they apply for a range of steps and are never used up."""
+        self._pending = [f for f in faults if f.kind != "slow"]
         self._sizes: dict[tuple[str, int], set[int]] = defaultdict(set)  # (what, step) -> world sizes
 
     def take(self, step: int, rank: int, phases: tuple[str, ...]) -> Fault | None:

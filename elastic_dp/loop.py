@@ -44,6 +44,11 @@ class WindowPlan:
     """``seed``, ``global_batch``, ``dataset_len``: each rank computes its own slices."""
     faults: dict[int, Fault] = field(default_factory=dict)
     """This rank's faults, by step."""
+    slow: Fault | None = None
+    """This rank's straggler fault (``slow``), if any."""
+    sizes: tuple[int, ...] | None = None
+    """Slice sizes by rank (``--balance``), from ``start`` until a grant changes them;
+    None: equal slices."""
 
 
 class Grants:
@@ -53,27 +58,40 @@ class Grants:
         self._cv = threading.Condition()
         self._window, self._until, self._final, self._cancelled = -1, 0, True, False
         self._faults: dict[int, Fault] = {}
-        self._early: list[tuple[int, int, bool, dict[int, Fault]]] = []  # grants before their window
+        self._sizes: list[tuple[int, tuple[int, ...] | None]] = []  # (from step, slice sizes), in order
+        self._early: list[tuple] = []  # grants before their window
 
     def open(self, plan: WindowPlan) -> None:
         with self._cv:
             self._window, self._until, self._final, self._cancelled = plan.window, plan.until, plan.final, False
             self._faults = dict(plan.faults)
+            self._sizes = [(plan.start, plan.sizes)]
             early, self._early = self._early, []
             for grant in early:
                 self._extend(*grant)
 
-    def extend(self, window: int, until: int, final: bool, faults: dict[int, Fault]) -> None:
+    def extend(self, window: int, until: int, final: bool, faults: dict[int, Fault],
+               sizes: tuple[int, tuple[int, ...] | None] | None = None) -> None:
+        """``sizes``: (first step, slice sizes) from which the slices change (``--balance``):
+        a step not granted before, so that every rank changes at the same step."""
         with self._cv:
-            self._extend(window, until, final, faults)
+            self._extend(window, until, final, faults, sizes)
             self._cv.notify_all()
 
-    def _extend(self, window: int, until: int, final: bool, faults: dict[int, Fault]) -> None:
+    def _extend(self, window: int, until: int, final: bool, faults: dict[int, Fault],
+                sizes: tuple[int, tuple[int, ...] | None] | None) -> None:
         if window > self._window:  # its window has not opened yet (calls may overtake each other)
-            self._early.append((window, until, final, faults))
+            self._early.append((window, until, final, faults, sizes))
         elif window == self._window and until >= self._until:
             self._until, self._final = until, final
             self._faults.update(faults)
+            if sizes is not None:
+                self._sizes.append(sizes)
+
+    def sizes(self, step: int) -> tuple[int, ...] | None:
+        """The slice sizes of ``step`` (None: equal slices)."""
+        with self._cv:
+            return next(sizes for start, sizes in reversed(self._sizes) if start <= step)
 
     def cancel(self) -> None:
         """End the window at the next step boundary (an abort: the group is going)."""

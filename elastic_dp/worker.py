@@ -90,6 +90,8 @@ class Replica:
         self.grants = Grants()
         self.prefetcher = Prefetcher(self._collate)
         self.prefetch = config.prefetch if config.prefetch is not None else device.type == "cuda"
+        self.slow: Fault | None = None
+        """The straggler fault slowing the current step (``--inject slow``), if any."""
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(dataset_len=len(self.dataset),
@@ -154,12 +156,15 @@ class Replica:
     def _forward_backward(self, batches: list[tuple[int, Any]], result: StepResult, fault: Fault | None) -> None:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=self.config.precision == "bf16")
+        start = time.perf_counter()
         for i, (samples, host_batch) in enumerate(batches):
             self.progress.tick()
             trigger(fault, "forward")
             batch = _to_device(host_batch, self.device)
+            forward = time.perf_counter()
             with autocast:
                 loss = self.task.loss(self.model, batch)
+            forward = time.perf_counter() - forward
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise TaskError(f"the task's loss returned {shape}, expected a scalar floating-point "
@@ -169,11 +174,19 @@ class Replica:
                 result.loss_finite = False
                 self.strategy.note_nonfinite()  # the commit vote: before the last bucket leaves
             if i == len(batches) - 1:
+                if self.slow is not None:  # a straggler: before its last gradients leave, so peers wait
+                    self._straggle(time.perf_counter() - start + 2 * forward)
                 self.strategy.before_last_backward()
             (loss.reshape(()) * (samples / self.config.global_batch)).backward()
             result.loss_sum += value * samples
             result.samples += samples
             self.progress.tick()
+
+    def _straggle(self, compute_s: float) -> None:
+        """``--inject slow``: make a step whose compute takes ``compute_s`` (the last
+        backward estimated at twice its forward) take ``factor`` times as long."""
+        time.sleep((self.slow.factor - 1) * compute_s)
+        self.progress.tick()
 
     def step(self, step: int, indices: np.ndarray, fault: Fault | None = None,
              batches: list[tuple[int, Any]] | None = None) -> StepResult:
@@ -198,7 +211,7 @@ class Replica:
         rank, world, generation = self.group.rank, self.group.world_size, self.group.generation
 
         def slice_of(step: int) -> np.ndarray:
-            return rank_slice(sampler.batch(step), world, rank)
+            return rank_slice(sampler.batch(step), world, rank, self.grants.sizes(step))
 
         self.grants.open(plan)
         step, report = plan.start, []
@@ -210,12 +223,14 @@ class Replica:
             if not self.grants.wait_for(step):
                 break
             indices = slice_of(step)
-            try:
-                batches = self.prefetcher.take((generation, step, rank, world), indices)
+            try:  # keyed by the slice's bounds too: --balance may change them from a step on
+                batches = self.prefetcher.take((generation, step, rank, world, self.grants.sizes(step)), indices)
             except Exception as exc:  # the task's dataset or collate raised: the step records it
                 batches = exc
             if self.prefetch and self.grants.granted(step + 1):
-                self.prefetcher.submit((generation, step + 1, rank, world), slice_of(step + 1))
+                self.prefetcher.submit((generation, step + 1, rank, world, self.grants.sizes(step + 1)),
+                                       slice_of(step + 1))
+            self.slow = plan.slow if plan.slow is not None and plan.slow.slows(step) else None
             result = self.step(step, indices, self.grants.fault(step), batches)
             now = time.perf_counter()
             result.step_s, result.time, last = now - last, time.time(), now
@@ -223,6 +238,7 @@ class Replica:
             if not result.committed:
                 break
             step += 1
+        self.slow = None
         if report:
             yield report
 

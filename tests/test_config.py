@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, TrainConfig
+from elastic_dp.faults import FaultPlan, parse_faults
 
 
 @pytest.mark.parametrize("field, value, flag", [
@@ -122,3 +123,35 @@ def test_a_fault_that_did_not_fire_is_handed_out_again_or_reported_with_the_reas
         "kill:step=3:rank=0:phase=checkpoint": "no checkpoint was saved after step 3 in this run",
         "kill:step=4:rank=1:phase=reform": "the generation re-formed after it had 1 workers: there was no rank 1",
         "kill:step=9:rank=0:phase=forward": "step 9 was never run in this run"}
+
+
+def test_a_straggler_spec_parses_and_applies_to_its_steps():
+    from elastic_dp.faults import Fault
+
+    f = Fault.parse("slow:rank=1:factor=3:from=2:to=5")
+    assert (f.kind, f.rank, f.factor, f.step, f.until) == ("slow", 1, 3.0, 2, 5)
+    assert [s for s in range(7) if f.slows(s)] == [2, 3, 4]
+    assert Fault.parse(str(f)) == f
+    assert Fault.parse("slow:rank=0:factor=2.5").slows(10**6)
+    plan = FaultPlan(parse_faults(["slow:rank=1:factor=3", "kill:step=2:rank=0"], TrainConfig(steps=4),
+                                  ClusterConfig(workers=2), CheckpointConfig()))
+    assert set(plan.slow) == {1} and [str(f) for f, _ in plan.unfired()] == ["kill:step=2:rank=0:phase=forward"]
+
+
+@pytest.mark.parametrize("spec", ["slow:rank=1", "slow:rank=1:factor=0.5", "slow:rank=1:factor=2:from=3:to=3",
+                                  "slow:rank=-1:factor=2", "slow:step=1:rank=0:factor=2",
+                                  "slow:rank=0:factor=2:phase=forward"])
+def test_bad_straggler_specs_name_the_form(spec):
+    with pytest.raises(ConfigError, match="slow:rank=R:factor=F"):
+        parse_faults([spec], TrainConfig(steps=4), ClusterConfig(workers=2), CheckpointConfig())
+
+
+def test_stragglers_that_cannot_slow_anything_are_refused():
+    with pytest.raises(ConfigError, match="ranks 0..1"):
+        parse_faults(["slow:rank=2:factor=2"], TrainConfig(steps=4), ClusterConfig(workers=2), CheckpointConfig())
+    with pytest.raises(ConfigError, match="--steps 4"):
+        parse_faults(["slow:rank=0:factor=2:from=4"], TrainConfig(steps=4), ClusterConfig(workers=2),
+                     CheckpointConfig())
+    with pytest.raises(ConfigError, match="one spec per rank"):
+        parse_faults(["slow:rank=0:factor=2", "slow:rank=0:factor=3"], TrainConfig(steps=4),
+                     ClusterConfig(workers=2), CheckpointConfig())

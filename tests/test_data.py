@@ -56,3 +56,38 @@ def test_micro_batches():
 def test_dataset_shorter_than_global_batch():
     with pytest.raises(ConfigError, match="fewer than one global batch.*--global-batch"):
         ElasticSampler(5, global_batch=8, seed=0)
+
+
+def test_rank_slices_of_given_sizes_cover_the_batch_in_order():
+    batch = np.arange(10) * 7
+    sizes = (6, 1, 3)
+    slices = [rank_slice(batch, 3, r, sizes) for r in range(3)]
+    assert [len(s) for s in slices] == [6, 1, 3]
+    assert np.array_equal(np.concatenate(slices), batch)
+    for bad in ((6, 1, 2), (5, 5), (10, 0, 0)):
+        with pytest.raises(ValueError, match="do not split"):
+            rank_slice(batch, 3, 0, bad)
+
+
+def test_balanced_slices_follow_the_speeds_and_ignore_noise():
+    from elastic_dp.messages import StepResult
+    from elastic_dp.modes.sync.balance import Balancer, apportion
+
+    assert apportion(10, [1, 1]) == (5, 5)
+    assert apportion(10, [1, 0.25]) == (8, 2) or apportion(10, [1, 0.25]) == (7, 3)
+    assert sum(apportion(32, [3.0, 1.0, 1e-9])) == 32 and min(apportion(32, [3.0, 1.0, 1e-9])) == 1
+    balancer = Balancer(global_batch=12)
+    members = ["a", "b", "c"]
+    assert balancer.sizes(members, None) is None  # not measured yet: equal slices
+
+    def step(seconds):
+        balancer.observe({m: StepResult(step=0, rank=r, generation=0, committed=True, samples=4,
+                                        timings={"compute_s": s}) for r, (m, s) in enumerate(zip(members, seconds))})
+
+    step([0.04, 0.04, 0.041])
+    assert balancer.sizes(members, None) is None  # within noise of the equal slices
+    for _ in range(20):
+        step([0.04, 0.04, 0.16])  # c is 4x slower per sample
+    sizes = balancer.sizes(members, None)
+    assert sum(sizes) == 12 and sizes[2] < sizes[0] == sizes[1]
+    assert balancer.sizes(members, sizes) is sizes  # stable once it follows the speeds

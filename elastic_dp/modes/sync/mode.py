@@ -30,6 +30,7 @@ from ..guard import NonFiniteGuard
 from ..saving import SaveOutcome, Saves
 from ..watchdog import HangBounds
 from .group import Generations
+from .balance import Balancer
 from .layouts import make_layout
 from .window import Window
 
@@ -50,6 +51,9 @@ class SyncMode:
         self.sampler: ElasticSampler | None = None
         self._last: dict[Any, StepResult] = {}  # the results of the last failed attempt
         self._windows = 0
+        self.balancer = Balancer(train.global_batch) if train.balance else None
+        self._sizes: tuple[int, ...] | None = None  # the last slicing recorded ...
+        self._sized: list[Any] = []  # ... and the members it was for
         self.saves: Saves | None = None
         self.asynchronous_saves = True
         self.settings: dict[str, Any] = {}
@@ -126,6 +130,17 @@ class SyncMode:
         naming the step it interrupted."""
         self._windows += 1
         return Window(self, self._windows, step, step + 1 if limit is None else limit, keep_going).run()
+
+    def slice_sizes(self, members: list[Any], step: int) -> tuple[int, ...] | None:
+        """The slice sizes of ``members`` (rank order) from ``step`` on (``--balance``;
+        None: equal slices); a change is recorded as a ``rebalanced`` event."""
+        if self.balancer is None:
+            return None
+        sizes = self.balancer.sizes(members, self._sizes if members == self._sized else None)
+        if sizes is not None and sizes != self._sizes:
+            self.recorder.event("rebalanced", step=step, sizes=list(sizes), world_size=len(members))
+        self._sizes, self._sized = sizes, list(members)
+        return sizes
 
     def _record(self, step: int, results: list[StepResult]) -> None:
         seconds = max((r.step_s for r in results if r.step_s is not None), default=0.0)

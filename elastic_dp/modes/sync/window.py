@@ -52,6 +52,8 @@ class Window:
         self.handed: dict[int, dict[int, Any]] = defaultdict(dict)  # step -> rank -> fault
         self.next = start
         """The first step not yet committed by every member."""
+        self.sizes = mode.slice_sizes(self.members, start)
+        """Slice sizes by rank (``--balance``); None: equal slices."""
 
     def _grant_to(self, until: int) -> dict[int, dict[int, Any]]:
         """Take the faults of the steps up to ``until``: rank -> step -> fault."""
@@ -67,14 +69,19 @@ class Window:
         """After a commit: grant ``lookahead`` steps ahead, or make the grant final."""
         if self.final or self.granted - self.next >= self.lookahead // 2:
             return
+        sizes = None
         if self.granted >= self.limit or not self.keep_going():
             self.final = True
             faults: dict[int, dict[int, Any]] = {}
         else:
+            first = self.granted
             faults = self._grant_to(min(self.limit, self.next + self.lookahead))
             self.final = self.granted >= self.limit
+            new = self.mode.slice_sizes(self.members, first)
+            if new != self.sizes:  # from the first step of this grant, which no rank has begun
+                self.sizes, sizes = new, (first, new)
         for rank, m in enumerate(self.members):
-            m.actor.grant.remote(self.number, self.granted, self.final, faults.get(rank, {}))
+            m.actor.grant.remote(self.number, self.granted, self.final, faults.get(rank, {}), sizes)
 
     def run(self) -> int:
         """Train until the window ends; the committed steps afterwards."""
@@ -83,7 +90,8 @@ class Window:
         self.final = self.granted >= self.limit
         sampler = mode._sampler_state()
         streams = {m.actor.run_window.remote(WindowPlan(self.number, self.start, self.granted, self.final, sampler,
-                                                        faults.get(rank, {}))): m
+                                                        faults.get(rank, {}), mode.faults.slow.get(rank),
+                                                        self.sizes)): m
                    for rank, m in enumerate(members)}
         calls = mode.gens.calls
         reports: dict[int, dict[Any, StepResult]] = defaultdict(dict)
@@ -120,6 +128,8 @@ class Window:
                 results = reports.pop(self.next)
                 mode.layout.stepped(self.next, results)
                 mode._record(self.next, list(results.values()))
+                if mode.balancer is not None:
+                    mode.balancer.observe(results)
                 last_commit = max([last_commit, *(r.time for r in results.values() if r.time)])
                 mode.faults.put_back(self.handed.pop(self.next, {}).values())  # none fired
                 waiting.watchdog.typical_step_s = calls.typical_step_s
