@@ -17,6 +17,7 @@ import torch
 from .checkpoint import Checkpoint, Part, TrainingState, save_tensors, write_part
 from .collective import CollectiveGroup
 from .config import TrainConfig
+from .data import ElasticSampler
 from .faults import Fault, trigger
 from .loop import WindowPlan
 from .messages import Heartbeat, StepResult, WorkerInfo
@@ -72,6 +73,15 @@ class WorkerActor:
         """Control thread: let ``window`` run the steps before ``until`` (``final``: and no
         more); ``sizes``: (step, slice sizes) from which the slices change (``--balance``)."""
         self.replica.grants.extend(window, until, final, faults, sizes)
+
+    def async_gradient(self, step: int, sampler: dict[str, int], bounds: list[int], fault: Fault | None,
+                       slow: Fault | None, *pieces: torch.Tensor):
+        """``--mode async``: the gradient of sampler step ``step`` on the pulled ``pieces``
+        (Ray resolved the shards' results); returns the report and one piece per shard."""
+        indices = ElasticSampler(sampler["dataset_len"], global_batch=sampler["global_batch"],
+                                 seed=sampler["seed"]).batch(step)
+        report, grads = self.replica.async_gradient(indices, list(pieces), bounds, fault, slow)
+        return (report, *grads)
 
     def heartbeat(self) -> Heartbeat:
         """Control thread: this worker answers, and how far its training thread has come."""

@@ -58,6 +58,19 @@ class TrainConfig:
     the run naming the step and the rank (``--on-nonfinite``)."""
     max_nonfinite_steps: int = 5
     """With ``skip``: fail after this many consecutive skipped steps (``--max-nonfinite-steps``)."""
+    mode: Literal["sync", "async"] = "sync"
+    """``sync``: every worker trains a slice of each step; ``async``: each worker trains
+    whole steps on the parameters it pulled from the parameter-server shards, and updates
+    are applied as they come, up to ``max_staleness`` stale (``--mode``; docs/async.md)."""
+    max_staleness: int = 4
+    """``async``: an update computed on a version more than this many updates old is not
+    applied; its worker pulls again and recomputes (``--max-staleness``)."""
+    staleness_lr: Literal["none", "inverse"] = "none"
+    """``async``: ``inverse`` divides an update's learning rate by staleness + 1
+    (``--staleness-lr``)."""
+    ps_shards: int = 1
+    """``async``: parameter-server shards, each a Ray actor holding a contiguous part of the
+    parameters and its optimizer state (``--ps-shards``)."""
     balance: bool = False
     """Split each step's global batch in proportion to the workers' measured speed, so that
     a slow worker gets fewer samples; the result is the same as with equal slices
@@ -85,6 +98,18 @@ class TrainConfig:
                  f"precision must be 'fp32' or 'bf16', got {self.precision!r} (--precision)")
         _require(self.bucket_mb > 0, f"bucket_mb must be positive, got {self.bucket_mb} (--bucket-mb)")
         _require(self.zero in (0, 1, 2), f"zero must be stage 0, 1 or 2, got {self.zero!r} (--zero)")
+        _require(self.mode in ("sync", "async"), f"mode must be sync or async, got {self.mode!r} (--mode)")
+        _require(self.max_staleness >= 0,
+                 f"max_staleness must be >= 0, got {self.max_staleness} (--max-staleness)")
+        _require(self.staleness_lr in ("none", "inverse"),
+                 f"staleness_lr must be none or inverse, got {self.staleness_lr!r} (--staleness-lr)")
+        _require(self.ps_shards >= 1, f"ps_shards must be >= 1, got {self.ps_shards} (--ps-shards)")
+        _require(not (self.mode == "async" and self.zero),
+                 f"--mode async shards the optimizer state on its parameter servers already: drop --zero "
+                 f"{self.zero} (or use --mode sync)")
+        _require(not (self.mode == "async" and self.balance),
+                 "--balance splits a synchronous step between workers; --mode async trains whole steps per "
+                 "worker: drop one of them")
         _require(self.snapshot_every >= 1,
                  f"snapshot_every must be >= 1, got {self.snapshot_every} (--snapshot-every)")
         _require(self.on_nonfinite in ("skip", "fail"),

@@ -44,6 +44,8 @@ class WorkerInfo:
     num_params: int
     ready_time: float
     """Wall-clock time at which the worker finished building its task (ready to join)."""
+    num_trainable: int = 0
+    """Elements of the parameters the optimizer steps (what ``--mode async`` shards)."""
     node_id: str = ""
     """The Ray node the worker runs on."""
     device_name: str = ""

@@ -123,6 +123,7 @@ class RunRecorder:
         else:
             self.out = Path(out_dir) if out_dir else None
         self._opened = False  # the output directory is touched only once there is output
+        self._files = ["metrics.jsonl", "events.jsonl"]
         self.summary = RunSummary(out_dir=self.storage.url() if self.storage else None)
         self.total_steps = total_steps
         self._t0 = time.perf_counter()
@@ -136,7 +137,7 @@ class RunRecorder:
     def _open(self) -> bool:
         if self.out is not None and not self._opened:
             self.out.mkdir(parents=True, exist_ok=True)
-            for name in ("metrics.jsonl", "events.jsonl"):
+            for name in self._files:
                 (self.out / name).write_text("")
             self._opened = True
         return self.out is not None
@@ -145,6 +146,14 @@ class RunRecorder:
         if self._open():
             with open(self.out / name, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def append(self, name: str, record: dict[str, Any]) -> None:
+        """One JSON line in ``<out>/name`` (``updates.jsonl`` of the asynchronous mode)."""
+        if name not in self._files:
+            self._files.append(name)
+            if self._opened:
+                (self.out / name).write_text("")
+        self._append(name, record)
 
     def start(self, first_step: int) -> None:
         """Training starts (at ``first_step`` when resuming): show the bar from here."""
@@ -209,7 +218,7 @@ class RunRecorder:
     def upload(self) -> None:
         """With an ``--out`` URI: copy the logs written so far to it."""
         if self.remote and self._opened:
-            for name in ("metrics.jsonl", "events.jsonl"):
+            for name in self._files:
                 self.storage.write(name, (self.out / name).read_bytes())
 
     def finish(self) -> RunSummary:

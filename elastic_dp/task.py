@@ -65,3 +65,10 @@ def load_task(job: str) -> Task:
         raise TaskError(f"job module {job!r} has no TASK of type elastic_dp.Task: define "
                         "TASK = Task(model=..., dataset=..., loss=..., optimizer=...) in it")
     return task
+
+
+def trainable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters the optimizer steps, by name in the model's order (a tied parameter
+    once): what ``--mode async`` flattens and shards over its parameter servers."""
+    stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in stepped]

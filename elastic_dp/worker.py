@@ -33,7 +33,7 @@ from .faults import Fault, trigger
 from .loop import Grants, Prefetcher, WindowPlan
 from .messages import Progress, StepResult, WorkerInfo
 from .strategy import Strategy, make_strategy
-from .task import Task
+from .task import Task, trainable
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,9 @@ class Replica:
         self.dataset = task.dataset()
         self.optimizer = task.optimizer(self.model)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        if config.mode == "async":  # its parameter servers shard the optimizer state, as ZeRO does
+            from .zero import check_shardable
+            check_shardable(self.optimizer, "async")
         self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device)
         self.progress = Progress()
         self.grants = Grants()
@@ -95,7 +98,9 @@ class Replica:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(dataset_len=len(self.dataset),
-                          num_params=sum(p.numel() for p in self.model.parameters()), ready_time=time.time())
+                          num_params=sum(p.numel() for p in self.model.parameters()),
+                          num_trainable=sum(p.numel() for _, p in trainable(self.model, self.optimizer)),
+                          ready_time=time.time())
 
     # -- state ---------------------------------------------------------------------------
     def broadcast_state(self, src: int) -> None:
@@ -153,7 +158,10 @@ class Replica:
             batches.append((len(chunk), _pinned(batch) if self.device.type == "cuda" else batch))
         return batches
 
-    def _forward_backward(self, batches: list[tuple[int, Any]], result: StepResult, fault: Fault | None) -> None:
+    def _forward_backward(self, batches: list[tuple[int, Any]], result: StepResult, fault: Fault | None,
+                          vote: bool = True) -> None:
+        """Every micro-batch's forward and backward; ``vote``: the synchronous step's (the
+        strategy hears of a non-finite loss, and its reduction starts in the last backward)."""
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=self.config.precision == "bf16")
         start = time.perf_counter()
@@ -172,11 +180,13 @@ class Replica:
             value = float(loss.detach())
             if not math.isfinite(value):
                 result.loss_finite = False
-                self.strategy.note_nonfinite()  # the commit vote: before the last bucket leaves
+                if vote:
+                    self.strategy.note_nonfinite()  # the commit vote: before the last bucket leaves
             if i == len(batches) - 1:
                 if self.slow is not None:  # a straggler: before its last gradients leave, so peers wait
                     self._straggle(time.perf_counter() - start + 2 * forward)
-                self.strategy.before_last_backward()
+                if vote:
+                    self.strategy.before_last_backward()
             (loss.reshape(()) * (samples / self.config.global_batch)).backward()
             result.loss_sum += value * samples
             result.samples += samples
@@ -241,6 +251,44 @@ class Replica:
         self.slow = None
         if report:
             yield report
+
+    def async_gradient(self, indices: np.ndarray, pieces: list[torch.Tensor], bounds: list[int],
+                       fault: Fault | None, slow: Fault | None) -> tuple[dict, list[torch.Tensor]]:
+        """``--mode async``: the gradient of a whole step's batch ``indices`` on the
+        parameters ``pieces`` (the shards' flat pieces of one version), clipped by its own
+        norm, cut at ``bounds`` into one flat piece per shard. Also a small report: loss,
+        whether loss and gradient are finite, the error of the task if it raised."""
+        params = [p for _, p in trainable(self.model, self.optimizer)]
+        flat = torch.cat([piece.reshape(-1) for piece in pieces])
+        with torch.no_grad():
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        if not self.model.training:
+            self.model.train()
+        self.strategy.zero_grad()  # the gradients live in its buckets; no collective is used
+        report = {"error": None, "finite": True, "loss": None, "grad_norm": None, "compute_s": 0.0}
+        result = StepResult(step=0, rank=0, generation=0, committed=False)
+        start = time.perf_counter()
+        self.slow = slow
+        try:
+            self._forward_backward(self._collate(indices), result, fault, vote=False)
+        except Exception as exc:
+            report["error"] = _portable(exc, 0, -1)
+            return report, [torch.zeros(0) for _ in bounds[1:]]
+        finally:
+            self.slow = None
+            self.progress.enter("idle")
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if self.config.clip_grad_norm is not None:
+            report["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm))
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat_grad = torch.cat([g.detach().reshape(-1).float() for g in grads]).cpu()
+        report["finite"] = result.loss_finite and bool(torch.isfinite(flat_grad).all())
+        report["loss"] = result.loss_sum / max(1, result.samples)
+        report["compute_s"] = time.perf_counter() - start
+        return report, [flat_grad[lo:hi].clone() for lo, hi in zip(bounds, bounds[1:])]
 
     def _step(self, step: int, indices: np.ndarray, fault: Fault | None,
               batches: list[tuple[int, Any]] | BaseException | None) -> StepResult:

@@ -88,13 +88,15 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.Rprop)
 
 
-def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
-    """Raise ConfigError unless ``optimizer`` updates each element independently."""
+def check_shardable(optimizer: torch.optim.Optimizer, stage: int | str) -> None:
+    """Raise ConfigError unless ``optimizer`` updates each element independently
+    (``stage``: the ZeRO stage, or ``"async"`` for the parameter-server shards)."""
     if type(optimizer) not in ELEMENTWISE:
         names = ", ".join(c.__name__ for c in ELEMENTWISE)
-        raise ConfigError(f"--zero {stage} shards optimizer state element by element, and "
+        what, fix = (("--mode async", "--mode sync") if stage == "async" else (f"--zero {stage}", "--zero 0"))
+        raise ConfigError(f"{what} shards optimizer state element by element, and "
                           f"{type(optimizer).__module__}.{type(optimizer).__name__} is not an element-wise "
-                          f"optimizer elastic_dp knows ({names}): use one of those or run with --zero 0")
+                          f"optimizer elastic_dp knows ({names}): use one of those or run with {fix}")
 
 
 def _exchange(group: CollectiveGroup, send: torch.Tensor, dst: int, received: torch.Tensor, src: int) -> None:

@@ -56,3 +56,38 @@ def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None =
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def replay_updates(task: Task, config: TrainConfig, initial: str, updates: list[dict]) -> dict[str, torch.Tensor]:
+    """``--mode async``'s replay contract: from the weights in ``initial``, each update's
+    gradient recomputed on the parameters of its ``base_version`` (the whole global batch
+    of its ``step``, clipped by its own norm), applied in ``version`` order with the base
+    learning rates times its ``lr_scale``; a later line with the same version replaces an
+    earlier one. Returns the final state dict."""
+    torch.manual_seed(config.seed)
+    model, scratch = task.model(), task.model()
+    model.load_state_dict(load_file(initial))
+    dataset = task.dataset()
+    optimizer = task.optimizer(model)
+    base = [g["lr"] for g in optimizer.param_groups]
+    sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
+    by_version = {u["version"]: u for u in updates}  # the last line of a version counts
+    history = {0: {k: v.clone() for k, v in model.state_dict().items()}}
+    for version in range(1, max(by_version, default=0) + 1):
+        u = by_version[version]
+        scratch.load_state_dict(history[u["base_version"]])
+        scratch.zero_grad()
+        batch = task.collate([dataset[int(i)] for i in sampler.batch(u["step"])])
+        loss = task.loss(scratch, batch)
+        loss.backward()
+        grads = [p.grad for p in scratch.parameters() if p.grad is not None]
+        if torch.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads):
+            if config.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(scratch.parameters(), config.clip_grad_norm)
+            for p, q in zip(model.parameters(), scratch.parameters()):
+                p.grad = None if q.grad is None else q.grad.clone()
+            for group, lr in zip(optimizer.param_groups, base):
+                group["lr"] = lr * u["lr_scale"]
+            optimizer.step()
+        history[version] = {k: v.clone() for k, v in model.state_dict().items()}
+    return model.state_dict()

@@ -155,3 +155,13 @@ def test_stragglers_that_cannot_slow_anything_are_refused():
     with pytest.raises(ConfigError, match="one spec per rank"):
         parse_faults(["slow:rank=0:factor=2", "slow:rank=0:factor=3"], TrainConfig(steps=4),
                      ClusterConfig(workers=2), CheckpointConfig())
+
+
+@pytest.mark.parametrize("fields, flag", [
+    ({"mode": "async", "max_staleness": -1}, "--max-staleness"), ({"mode": "async", "ps_shards": 0}, "--ps-shards"),
+    ({"mode": "async", "zero": 2}, "drop --zero 2"), ({"mode": "async", "balance": True}, "--balance"),
+    ({"mode": "hogwild"}, "--mode"), ({"mode": "async", "staleness_lr": "sqrt"}, "--staleness-lr"),
+])
+def test_async_settings_are_checked_naming_the_flag(fields, flag):
+    with pytest.raises(ConfigError, match=flag):
+        TrainConfig(**fields)

@@ -86,11 +86,11 @@ def test_a_worker_lost_while_uploading_its_part_abandons_that_checkpoint_only(ra
 @pytest.mark.parametrize("phase", ["forward", "allreduce"])  # outside and inside a collective
 def test_hang_is_found_by_the_deadline_and_the_worker_replaced(ray_cluster, tmp_path, phase):
     summary, diff, events, _ = run_against_replay(tmp_path, 2, [f"hang:step=1:rank=1:phase={phase}"],
-                                                  step_timeout_s=4.0, abort_grace_s=2.0)
+                                                  step_timeout_s=2.5, abort_grace_s=1.5)
     assert diff < TOL
     change = next(e for e in events if e["kind"] == "membership_changed")
     assert "deadline" in change["cause"] and change["lost_ranks"] == [1]
-    assert 3.9 <= change["detect_s"] < 5.0  # found by the 4 s deadline, not later
+    assert 2.4 <= change["detect_s"] < 3.5  # found by the 2.5 s deadline, not later
 
 
 def test_join_takes_state_from_a_survivor_and_ends_at_the_same_parameters(ray_cluster, tmp_path):

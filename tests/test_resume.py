@@ -46,9 +46,9 @@ def test_resume_at_other_worker_count_matches_uninterrupted_run(ray_cluster, tmp
     assert manifest["step"] == 6 and manifest["world_size"] == 2
 
 
-def test_zero_checkpoint_saved_at_3_resumes_at_2_and_at_4(ray_cluster, tmp_path):
-    """Every rank's shard is joined into one name-keyed checkpoint; it loads at any size.
-    (Stage 1 here; tests/test_zero.py does the same for stage 2 on thread ranks.)"""
+def test_zero_checkpoint_saved_at_3_resumes_at_2(ray_cluster, tmp_path):
+    """Every rank's shard is joined into one name-keyed checkpoint; it loads at another
+    size. (Stage 1 here; tests/test_zero.py loads stage 2's at 2 and 4 on thread ranks.)"""
     zero = 1
     _fit(1, tmp_path / "straight", steps=6)
     _fit(3, tmp_path / "first", steps=3, ckpt_dir=tmp_path / "ckpt", zero=zero)
@@ -58,7 +58,7 @@ def test_zero_checkpoint_saved_at_3_resumes_at_2_and_at_4(ray_cluster, tmp_path)
     assert sorted(f for f in manifest["files"] if f.startswith("optim-")) == [f"optim-0000{r}.safetensors"
                                                                               for r in range(3)]
     straight = load_file(tmp_path / "straight" / "final.safetensors")
-    for workers in (2, 4):
+    for workers in (2,):
         ckpt = tmp_path / f"ckpt-{workers}"
         shutil.copytree(tmp_path / "ckpt", ckpt)
         _fit(workers, tmp_path / f"at-{workers}", steps=6, ckpt_dir=ckpt, resume=True, zero=zero)

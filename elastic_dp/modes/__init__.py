@@ -15,8 +15,12 @@ from ..metrics import RunRecorder
 from .base import Failure, MembersLost, Recovery, RecoveryResult, TrainingMode
 
 
-def make_mode(train: TrainConfig, cluster: ClusterConfig, recorder: RunRecorder, faults: FaultPlan) -> TrainingMode:
-    """The training mode the configuration asks for."""
+def make_mode(train: TrainConfig, cluster: ClusterConfig, recorder: RunRecorder, faults: FaultPlan,
+              task=None) -> TrainingMode:
+    """The training mode the configuration asks for (``--mode``)."""
+    if train.mode == "async":
+        from .asyncsgd import AsyncMode
+        return AsyncMode(train, cluster, recorder, faults, task)
     from .sync import SyncMode
     return SyncMode(train, cluster, recorder, faults)
 

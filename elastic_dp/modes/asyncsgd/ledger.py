@@ -1,0 +1,100 @@
+"""The asynchronous mode's bookkeeping, without Ray or torch: which sampler step each
+worker holds, and the one global order of applied updates.
+
+Steps are leased in order (a step whose worker died is leased again first). When a
+worker's gradient of step ``k``, computed on model version ``b``, comes back while the
+model is at version ``V``, applying it would produce version ``V + 1`` with staleness
+``V - b`` (the updates applied in between). Staler than ``max_staleness``, it is refused
+and the worker computes the same step again on the current version (``recomputed``).
+Otherwise it gets version ``V + 1`` and its learning-rate multiplier: the run's warmup and
+batch scaling at update ``V`` (``TrainConfig.lr_factor``), divided by ``t + 1`` for
+staleness ``t >= 1`` with ``staleness_lr="inverse"``.
+
+With ``max_staleness`` 0 only one step is leased at a time: every gradient is computed on
+the version before it and updates are applied in step order, as in the synchronous mode.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """One applied update: a line of ``updates.jsonl``."""
+
+    version: int
+    """The model version it produced (1-based; 0 is the initial model)."""
+    step: int
+    """The sampler step whose global batch it trained."""
+    base_version: int
+    """The version its gradient was computed on."""
+    worker: int
+    staleness: int
+    lr_scale: float
+    """The multiplier on the optimizer's base learning rates."""
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Ledger:
+    """Leases and the order of updates, from ``version`` (updates applied so far)."""
+
+    def __init__(self, version: int, *, max_staleness: int, staleness_lr: str,
+                 lr_factor: Callable[[int], float]) -> None:
+        self.version = version
+        self.next_step = version  # steps before this were leased (and, once drained, applied)
+        self.max_staleness, self.staleness_lr, self.lr_factor = max_staleness, staleness_lr, lr_factor
+        self.again: list[int] = []  # steps to lease again (their worker died), sorted
+        self.leased: dict[Any, int] = {}  # worker -> its step
+        self.recomputed = 0
+        self.staleness = Counter()
+
+    def may_lease(self, limit: int) -> bool:
+        """Another step may be leased: one is left before ``limit``, and with staleness 0
+        none is out."""
+        if self.max_staleness == 0 and self.leased:
+            return False
+        return bool(self.again) or self.next_step < limit
+
+    def lease(self, worker: Any) -> int:
+        """Lease the next step to ``worker`` (which holds none)."""
+        assert worker not in self.leased, worker
+        if self.again:
+            step = self.again.pop(0)
+        else:
+            step, self.next_step = self.next_step, self.next_step + 1
+        self.leased[worker] = step
+        return step
+
+    def settle(self, worker: Any, base_version: int) -> Update | None:
+        """``worker``'s gradient of its step, computed on ``base_version``, arrived: the
+        update to apply, or None when it is too stale (the worker keeps its step)."""
+        staleness = self.version - base_version
+        if staleness > self.max_staleness:
+            self.recomputed += 1
+            return None
+        step = self.leased.pop(worker)
+        self.version += 1
+        scale = self.lr_factor(self.version - 1)
+        if self.staleness_lr == "inverse" and staleness >= 1:
+            scale /= staleness + 1
+        self.staleness[staleness] += 1
+        return Update(self.version, step, base_version, worker, staleness, scale)
+
+    def release(self, worker: Any) -> int | None:
+        """``worker`` is gone: its step is leased again first. Returns that step."""
+        step = self.leased.pop(worker, None)
+        if step is not None:
+            bisect.insort(self.again, step)
+        return step
+
+    @property
+    def idle(self) -> bool:
+        """No step is out: the applied updates are exactly steps ``0 .. version - 1``
+        (when nothing is to be leased again)."""
+        return not self.leased

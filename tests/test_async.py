@@ -1,0 +1,108 @@
+"""Asynchronous SGD (``--mode async``): the ledger's leases and staleness rule on their own,
+then runs on the local Ray cluster checked against plain PyTorch: staleness 0 equals the
+synchronous replay at any worker count, and a run with stale updates, a straggler and a
+kill ends where a plain loop that replays ``updates.jsonl`` ends, every step applied once."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from elastic_dp import ClusterConfig, ConfigError, Trainer
+from elastic_dp.modes.asyncsgd.ledger import Ledger
+from tests.reference import max_abs_diff, replay, replay_updates
+from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
+
+TOL = 2e-5  # float32 summation order (micro-batches against one full batch)
+
+
+def _ledger(staleness: int, lr: str = "none") -> Ledger:
+    return Ledger(0, max_staleness=staleness, staleness_lr=lr, lr_factor=lambda i: 1.0 if i >= 1 else 0.5)  # warmup: update 0 at half
+
+
+def test_steps_are_leased_in_order_and_a_dead_workers_step_first_again():
+    ledger = _ledger(4)
+    assert [ledger.lease(w) for w in "abc"] == [0, 1, 2]
+    assert ledger.release("b") == 1
+    assert ledger.lease("d") == 1 and ledger.lease("e") == 3
+
+
+def test_an_update_staler_than_the_bound_is_refused_and_its_step_kept():
+    ledger = _ledger(1, "inverse")
+    for w in "abc":
+        ledger.lease(w)  # all on version 0
+    first = ledger.settle("b", 0)
+    assert (first.version, first.step, first.staleness, first.lr_scale) == (1, 1, 0, 0.5)  # warmup only
+    second = ledger.settle("a", 0)
+    assert (second.version, second.step, second.staleness, second.lr_scale) == (2, 0, 1, 0.5)  # 1.0 / (1 + 1)
+    assert ledger.settle("c", 0) is None  # staleness 2 > 1: computed again, on version 2
+    assert ledger.recomputed == 1 and ledger.leased == {"c": 2}
+    third = ledger.settle("c", 2)
+    assert (third.version, third.step, third.base_version, third.staleness) == (3, 2, 2, 0)
+    assert ledger.staleness == Counter({0: 2, 1: 1}) and ledger.idle
+
+
+def test_staleness_0_leases_one_step_at_a_time():
+    ledger = _ledger(0)
+    assert ledger.may_lease(5)
+    ledger.lease("a")
+    assert not ledger.may_lease(5)
+    ledger.settle("a", 0)
+    assert ledger.may_lease(5) and not ledger.may_lease(1)
+
+
+def _train(tmp_path, task, *, workers, inject=(), **train):
+    config = dataclasses.replace(task.defaults, mode="async", **train)
+    summary = Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=1),
+                      out_dir=str(tmp_path), progress=False, inject=list(inject)).fit()
+    updates = [json.loads(line) for line in (tmp_path / "updates.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    return summary, config, updates, events
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_staleness_0_equals_the_synchronous_replay(ray_cluster, tmp_path, workers):
+    """Updates are then applied in step order, each on the version before it."""
+    summary, config, updates, _ = _train(tmp_path, TINY_GPT_TASK, workers=workers, max_staleness=0)
+    assert [(u["version"], u["step"], u["base_version"], u["staleness"]) for u in updates] == [
+        (v + 1, v, v, 0) for v in range(config.steps)]
+    expected = replay(TINY_GPT_TASK, dataclasses.replace(config, mode="sync"), str(tmp_path / "initial.safetensors"))
+    assert max_abs_diff(load_file(tmp_path / "final.safetensors"), expected) < TOL
+    assert summary.steps == config.steps
+
+
+def test_stale_updates_a_straggler_and_a_kill_replay_from_updates_jsonl(ray_cluster, tmp_path):
+    """3 workers, staleness up to 4, rank 1 slowed 3x, rank 2 killed in the forward of
+    step 6: a plain loop replaying updates.jsonl lands on final.safetensors, and every
+    step 0..U-1 has exactly one applied update. SGD with momentum over 24 updates: the
+    bound is float32 order, as in the synchronous tests on this task."""
+    task = paced_task(PacedLoss(seconds=0.01))
+    summary, config, updates, events = _train(
+        tmp_path, task, workers=3, steps=24, max_staleness=4, staleness_lr="inverse",
+        inject=["slow:rank=1:factor=3", "kill:step=6:rank=2"])
+    final = {u["version"]: u for u in updates}
+    assert sorted(final) == list(range(1, 25))
+    assert Counter(u["step"] for u in final.values()) == Counter(range(24))  # each step applied once
+    assert max(u["staleness"] for u in final.values()) <= 4
+    assert any(u["staleness"] > 0 for u in final.values())  # it did run asynchronously
+    for u in final.values():
+        assert u["staleness"] == u["version"] - 1 - u["base_version"]
+    assert any(e["kind"] == "membership_changed" and e["lost"] for e in events)
+    unpaced = dataclasses.replace(task, loss=PacedLoss())
+    expected = replay_updates(unpaced, config, str(tmp_path / "initial.safetensors"), list(final.values()))
+    assert max_abs_diff(load_file(tmp_path / "final.safetensors"), expected) < TOL
+
+
+def test_async_input_errors_name_the_setting(ray_cluster, tmp_path):
+    with pytest.raises(ConfigError, match="--ps-shards 100000 is more than the model's"):
+        _train(tmp_path / "a", TINY_GPT_TASK, workers=1, ps_shards=100_000)
+    lbfgs = dataclasses.replace(TINY_GPT_TASK, optimizer=lambda m: torch.optim.LBFGS(m.parameters()))
+    with pytest.raises(ConfigError, match="--mode async shards optimizer state element by element.*--mode sync"):
+        _train(tmp_path / "b", lbfgs, workers=1)
+    assert not (tmp_path / "a" / "initial.safetensors").exists()
+    assert not (tmp_path / "b" / "initial.safetensors").exists()
