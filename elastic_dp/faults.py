@@ -177,7 +177,6 @@ class FaultPlan:
     def take_due(self, step: int, rank: int) -> Fault | None:
         """``--mode async``: the first pending kill or hang of ``rank`` at ``step`` or an
         earlier step (a worker computes whole steps, and not every one of them)."""
-        self._sizes["step", step].add(rank + 1)
         for fault in self._pending:
             if fault.kind in ("kill", "hang") and fault.step <= step and fault.rank == rank:
                 self._pending.remove(fault)

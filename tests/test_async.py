@@ -56,9 +56,9 @@ def test_staleness_0_leases_one_step_at_a_time():
     assert ledger.may_lease(5) and not ledger.may_lease(1)
 
 
-def _train(tmp_path, task, *, workers, inject=(), **train):
+def _train(tmp_path, task, *, workers, inject=(), cluster=None, **train):
     config = dataclasses.replace(task.defaults, mode="async", **train)
-    summary = Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=1),
+    summary = Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=1, **(cluster or {})),
                       out_dir=str(tmp_path), progress=False, inject=list(inject)).fit()
     updates = [json.loads(line) for line in (tmp_path / "updates.jsonl").read_text().splitlines()]
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
@@ -77,14 +77,16 @@ def test_staleness_0_equals_the_synchronous_replay(ray_cluster, tmp_path, worker
 
 
 def test_stale_updates_a_straggler_and_a_kill_replay_from_updates_jsonl(ray_cluster, tmp_path):
-    """3 workers, staleness up to 4, rank 1 slowed 3x, rank 2 killed in the forward of
-    step 6: a plain loop replaying updates.jsonl lands on final.safetensors, and every
-    step 0..U-1 has exactly one applied update. SGD with momentum over 24 updates: the
-    bound is float32 order, as in the synchronous tests on this task."""
+    """3 workers, staleness up to 4, rank 1 slowed 3x, rank 2 killed in its first step from
+    step 6 on, rank 0 frozen (SIGSTOP) in its first from step 14 on and found by its
+    missed heartbeats: a plain loop replaying updates.jsonl lands on final.safetensors,
+    and every step 0..U-1 has exactly one applied update. SGD with momentum over 24
+    updates: the bound is float32 order, as in the synchronous tests on this task."""
     task = paced_task(PacedLoss(seconds=0.01))
     summary, config, updates, events = _train(
         tmp_path, task, workers=3, steps=24, max_staleness=4, staleness_lr="inverse",
-        inject=["slow:rank=1:factor=3", "kill:step=6:rank=2"])
+        inject=["slow:rank=1:factor=3", "kill:step=6:rank=2", "hang:step=14:rank=0"],
+        cluster={"heartbeat_timeout_s": 1.5})
     final = {u["version"]: u for u in updates}
     assert sorted(final) == list(range(1, 25))
     assert Counter(u["step"] for u in final.values()) == Counter(range(24))  # each step applied once
@@ -92,7 +94,8 @@ def test_stale_updates_a_straggler_and_a_kill_replay_from_updates_jsonl(ray_clus
     assert any(u["staleness"] > 0 for u in final.values())  # it did run asynchronously
     for u in final.values():
         assert u["staleness"] == u["version"] - 1 - u["base_version"]
-    assert any(e["kind"] == "membership_changed" and e["lost"] for e in events)
+    lost = [e for e in events if e["kind"] == "membership_changed" and e["lost"]]
+    assert len(lost) == 2 and "heartbeats" in lost[1]["cause"]
     unpaced = dataclasses.replace(task, loss=PacedLoss())
     expected = replay_updates(unpaced, config, str(tmp_path / "initial.safetensors"), list(final.values()))
     assert max_abs_diff(load_file(tmp_path / "final.safetensors"), expected) < TOL

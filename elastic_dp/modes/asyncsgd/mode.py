@@ -31,13 +31,14 @@ from ...errors import ConfigError, TaskError
 from ...faults import Fault, FaultPlan
 from ...metrics import RunRecorder
 from ..base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
+from ..watchdog import HangBounds, Watchdog
 from .ledger import Ledger, Update
 from .shard import ParameterShard, flat_bounds
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0
-"""How long the sequencer waits for a report before it checks the workers are alive."""
+"""The longest the sequencer waits for a report before it looks at the heartbeats."""
 
 
 @dataclass(slots=True)
@@ -66,6 +67,10 @@ class AsyncMode:
         self.jobs: dict[Any, _Job] = {}
         self.sampler_state: dict[str, int] = {}
         self._last_update = time.perf_counter()
+        self.watchdog = Watchdog(HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s,
+                                            stall_floor_s=cluster.stall_floor_s, stall_factor=cluster.stall_factor),
+                                 typical_step_s=None)
+        """Heartbeats to the workers computing: a frozen one is replaced, its step leased again."""
 
     # -- start and end -------------------------------------------------------------------
     def start(self, members: list[Any], resume: Any | None) -> int:
@@ -150,8 +155,14 @@ class AsyncMode:
     def _collect(self) -> None:
         """Wait for a report and act on it; raise ``MembersLost`` when a worker died."""
         by_meta = {job.meta: member for member, job in self.jobs.items()}
-        ready, _ = ray.wait(list(by_meta), num_returns=1, timeout=POLL_S)
+        ready, _ = ray.wait(list(by_meta), num_returns=1, timeout=min(POLL_S, self.watchdog.due_in()))
         if not ready:
+            hung = self.watchdog.check(list(self.jobs))
+            if hung:
+                for member, _ in hung:
+                    self.jobs.pop(member)
+                    self.ledger.release(member.id)
+                raise MembersLost(self.members, [m for m, _ in hung], hung[0][1], step=self.ledger.version)
             return
         member = by_meta[ready[0]]
         job = self.jobs.pop(member)
