@@ -21,7 +21,7 @@ from .checkpoint import CheckpointStore
 from .config import (CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig, check_batch_fits, run_name,
                      run_settings)
 from .coordinator import Coordinator
-from .errors import ClusterError, ConfigError
+from .errors import ClusterError
 from .exporters import RayMetrics
 from .faults import Fault, FaultPlan, parse_faults
 from .membership import Membership
@@ -103,9 +103,6 @@ def build_coordinator(task: Task, train: TrainConfig, cluster: ClusterConfig, ch
     elif checkpoint.storage is not None:
         store = CheckpointStore(Storage(checkpoint.storage, "--storage").child(name or run_name(settings)),
                                 keep=checkpoint.keep)
-    if train.mode == "async" and store is not None:
-        raise ConfigError("--mode async does not save or resume checkpoints yet: run it without "
-                          "--checkpoint-dir and --storage, or use --mode sync")
     mode = make_mode(train, cluster, recorder, plan, task)
     mode.settings, mode.asynchronous_saves = settings, checkpoint.asynchronous
     return Coordinator(mode, membership, train=train, recorder=recorder, faults=plan, store=store,

@@ -131,17 +131,31 @@ class Part:
     """Rank 0's optimizer param groups and non-tensor state (others: empty)."""
 
 
+def part_files(rank: int) -> tuple[str, str]:
+    """The model and optimizer file names of part ``rank``."""
+    return f"model-{rank:05d}.safetensors", f"optim-{rank:05d}.safetensors"
+
+
+def add_piece(part: Part, file: str, key: str, value: torch.Tensor, start: int, shape: list[int]) -> None:
+    """Put ``value``, the flat piece of tensor ``key`` (of ``shape``) from element ``start``
+    on, into ``file`` of ``part`` (a copy in host memory); nothing when it is empty."""
+    if value.numel():
+        part.files[file][key] = value.detach().reshape(-1).to("cpu", copy=True).contiguous()
+        part.index[key] = {"shape": shape, "dtype": _dtype_name(value.dtype), "pieces": [[file, start, value.numel()]]}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _dtype_name(dtype)
+
+
 def cut_part(state: TrainingState, rank: int, world_size: int) -> Part:
     """Rank ``rank``'s pieces of its (possibly partial) training ``state``: its range of
     every whole tensor, and the ZeRO slices it owns (``optimizer_meta["slices"]``)."""
-    model_file, optim_file = f"model-{rank:05d}.safetensors", f"optim-{rank:05d}.safetensors"
+    model_file, optim_file = part_files(rank)
     part = Part(rank=rank, files={model_file: {}, optim_file: {}}, index={}, scalars={})
 
     def add(file: str, key: str, value: torch.Tensor, start: int, shape: list[int]) -> None:
-        if value.numel():
-            part.files[file][key] = value.detach().reshape(-1).to("cpu", copy=True).contiguous()
-            part.index[key] = {"shape": shape, "dtype": _dtype_name(value.dtype),
-                               "pieces": [[file, start, value.numel()]]}
+        add_piece(part, file, key, value, start, shape)
 
     def add_share(file: str, key: str, value: torch.Tensor) -> None:
         n = value.numel()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elastic_dp import ClusterConfig, ConfigError, Trainer
+from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer
 from elastic_dp.modes.asyncsgd.ledger import Ledger
 from tests.reference import max_abs_diff, replay, replay_updates
 from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
@@ -65,10 +65,10 @@ def _train(tmp_path, task, *, workers, inject=(), cluster=None, **train):
     return summary, config, updates, events
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_staleness_0_equals_the_synchronous_replay(ray_cluster, tmp_path, workers):
-    """Updates are then applied in step order, each on the version before it."""
-    summary, config, updates, _ = _train(tmp_path, TINY_GPT_TASK, workers=workers, max_staleness=0)
+def test_staleness_0_equals_the_synchronous_replay(ray_cluster, tmp_path):
+    """Updates are then applied in step order, each on the version before it, at 3 workers
+    (one worker: the test below)."""
+    summary, config, updates, _ = _train(tmp_path, TINY_GPT_TASK, workers=3, max_staleness=0)
     assert [(u["version"], u["step"], u["base_version"], u["staleness"]) for u in updates] == [
         (v + 1, v, v, 0) for v in range(config.steps)]
     expected = replay(TINY_GPT_TASK, dataclasses.replace(config, mode="sync"), str(tmp_path / "initial.safetensors"))
@@ -109,3 +109,28 @@ def test_async_input_errors_name_the_setting(ray_cluster, tmp_path):
         _train(tmp_path / "b", lbfgs, workers=1)
     assert not (tmp_path / "a" / "initial.safetensors").exists()
     assert not (tmp_path / "b" / "initial.safetensors").exists()
+
+
+def test_one_worker_and_checkpoints_passed_between_the_modes_end_on_the_replay(ray_cluster, tmp_path):
+    """Async on one worker (default staleness bound, 2 shards: every update is computed on
+    the version before it) saves at step 2; sync at 2 workers resumes it and saves at 4;
+    async at staleness 0 resumes that to 6. The run ends on the plain replay of 6 steps."""
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, steps=6)
+    ckpt = tmp_path / "ckpt"
+
+    def fit(out, workers, steps, resume, **train):
+        Trainer(task, train=dataclasses.replace(config, steps=steps, **train),
+                cluster=ClusterConfig(workers=workers), out_dir=str(tmp_path / out), progress=False,
+                checkpoint=CheckpointConfig(dir=str(ckpt), every=2, resume=resume)).fit()
+
+    fit("async", 1, 2, "never", mode="async", ps_shards=2)
+    manifest = json.loads(next(ckpt.glob("step-00000002-*/manifest.json")).read_text())
+    assert sorted(manifest["files"]) == ["model-00000.safetensors", "model-00001.safetensors",
+                                         "optim-00000.safetensors", "optim-00001.safetensors"]  # a pair per shard
+    fit("sync", 2, 4, "latest")
+    fit("async-again", 2, 6, "latest", mode="async", max_staleness=0)
+    expected = replay(task, config, str(tmp_path / "async" / "initial.safetensors"))
+    assert max_abs_diff(load_file(tmp_path / "async-again" / "final.safetensors"), expected) < TOL
+    resumed = [json.loads(line) for line in (tmp_path / "async-again" / "updates.jsonl").read_text().splitlines()]
+    assert [(u["version"], u["step"]) for u in resumed] == [(5, 4), (6, 5)]

@@ -54,12 +54,12 @@ class Ledger:
         self.recomputed = 0
         self.staleness = Counter()
 
-    def may_lease(self, limit: int) -> bool:
-        """Another step may be leased: one is left before ``limit``, and with staleness 0
-        none is out."""
+    def may_lease(self, limit: int, new: bool = True) -> bool:
+        """Another step may be leased: one to lease again, or (``new``) one left before
+        ``limit``; with staleness 0 only while none is out."""
         if self.max_staleness == 0 and self.leased:
             return False
-        return bool(self.again) or self.next_step < limit
+        return bool(self.again) or (new and self.next_step < limit)
 
     def lease(self, worker: Any) -> int:
         """Lease the next step to ``worker`` (which holds none)."""

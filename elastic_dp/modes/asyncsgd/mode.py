@@ -26,7 +26,9 @@ from typing import Any, Callable
 
 import ray
 
+from ...checkpoint import manifest_of
 from ...config import ClusterConfig, TrainConfig
+from ...data import check_resumable
 from ...errors import ConfigError, TaskError
 from ...faults import Fault, FaultPlan
 from ...metrics import RunRecorder
@@ -66,6 +68,7 @@ class AsyncMode:
         self.ledger: Ledger | None = None
         self.jobs: dict[Any, _Job] = {}
         self.sampler_state: dict[str, int] = {}
+        self._saved: list[SaveOutcome] = []  # saves committed since settle_saves
         self._last_update = time.perf_counter()
         self.watchdog = Watchdog(HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s,
                                             stall_floor_s=cluster.stall_floor_s, stall_factor=cluster.stall_factor),
@@ -74,9 +77,6 @@ class AsyncMode:
 
     # -- start and end -------------------------------------------------------------------
     def start(self, members: list[Any], resume: Any | None) -> int:
-        if resume is not None:
-            raise ConfigError("--mode async does not resume checkpoints yet: run it without --resume, "
-                              "--checkpoint-dir and --storage")
         self.members = list(members)
         lengths = {m.info.dataset_len for m in members}
         if len(lengths) != 1:
@@ -92,12 +92,25 @@ class AsyncMode:
         shard = ray.remote(num_cpus=0, max_restarts=0)(ParameterShard)
         self.shards = [shard.remote(self.task, self.train, lo, hi) for lo, hi in zip(self.bounds, self.bounds[1:])]
         ray.get([s.params.remote() for s in self.shards])  # built (a refused optimizer raises here)
-        self.ledger = Ledger(0, max_staleness=self.train.max_staleness, staleness_lr=self.train.staleness_lr,
-                             lr_factor=self.train.lr_factor)
+        if resume is not None:
+            check_resumable(resume.sampler, self.train, dataset_len=self.sampler_state["dataset_len"])
+        self._restart(resume)
         self.recorder.event("group_formed", generation=0, world_size=len(members), ps_shards=len(self.shards),
                             mode="async")
+        if resume is not None:
+            self.recorder.event("resumed", step=resume.step, saved_world_size=resume.world_size,
+                                world_size=len(members), checkpoint=resume.url)
         self._write_weights("initial")
-        return 0
+        return self.ledger.version
+
+    def _restart(self, checkpoint: Any | None) -> None:
+        """Every shard at ``checkpoint``'s step (each reads its own pieces), or at 0."""
+        step = 0
+        if checkpoint is not None:
+            step = ray.get([s.load_checkpoint.remote(checkpoint) for s in self.shards])[0]
+        self.jobs = {}
+        self.ledger = Ledger(step, max_staleness=self.train.max_staleness, staleness_lr=self.train.staleness_lr,
+                             lr_factor=self.train.lr_factor)
 
     def finish(self) -> None:
         self._write_weights("final")
@@ -125,13 +138,15 @@ class AsyncMode:
     # -- the sequencer ------------------------------------------------------------------
     def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True) -> int:
         """Apply updates until ``limit`` of them are (default: one more), or, once
-        ``keep_going()`` says no, until those already leased are: a quiescent point."""
+        ``keep_going()`` says no, until those already leased are. Either way it returns at
+        a quiescent point: nothing is out, and the applied updates are exactly steps
+        ``0 .. version - 1`` (a lost worker's step is leased again even when no new one is)."""
         limit = step + 1 if limit is None else limit
         ledger = self.ledger
         while True:
             leasing = keep_going()
             for member in self.members:
-                if member not in self.jobs and leasing and ledger.may_lease(limit):
+                if member not in self.jobs and ledger.may_lease(limit, new=leasing):
                     self._lease(member)
             if not self.jobs:
                 return ledger.version
@@ -205,12 +220,27 @@ class AsyncMode:
         return RecoveryResult(Recovery.COMMITTED, self.ledger.version)
 
     def restore(self, members: list[Any], checkpoint: Any) -> None:
-        raise ConfigError("--mode async does not restore checkpoints yet")
+        self.members = list(members)
+        self._restart(checkpoint)
 
     def save(self, store: Any, step: int) -> None:
-        raise ConfigError("--mode async does not save checkpoints yet: run it without --checkpoint-dir and "
-                          "--storage")
+        """A checkpoint at a quiescent point (``advance`` returns at one): each shard writes
+        its pieces straight to the storage, in the synchronous mode's format, so either mode
+        resumes it at any worker count; this driver writes only the manifest."""
+        if self.jobs or self.ledger.version != step or self.ledger.again:
+            raise RuntimeError(f"an async checkpoint of step {step} needs a quiescent point "
+                               f"(version {self.ledger.version}, {len(self.jobs)} out)")
+        start = time.perf_counter()
+        directory = store.begin(step)
+        reports = ray.get([s.write_checkpoint.remote(store.storage, directory, i) for i, s in enumerate(self.shards)])
+        manifest = manifest_of(reports, step=step, sampler=self.sampler_state, world_size=len(self.members),
+                               settings=getattr(self, "settings", {}))
+        checkpoint = store.commit(directory, manifest)
+        seconds = time.perf_counter() - start
+        self._saved.append(SaveOutcome(step, checkpoint.url, seconds, seconds,
+                                       sum(f["bytes"] for f in manifest["files"].values())))
 
     def settle_saves(self, wait: bool = False) -> list[SaveOutcome]:
-        return []
+        saved, self._saved = self._saved, []
+        return saved
 

@@ -21,7 +21,9 @@ import inspect
 
 import torch
 
+from ...checkpoint import Checkpoint, Part, add_piece, dtype_name, optimizer_state, part_files, write_part
 from ...config import TrainConfig
+from ...storage import Storage
 from ...task import Task, trainable
 
 
@@ -52,6 +54,13 @@ class ParameterShard:
             by_tensor.setdefault(id(tensor), []).append(key)
         self.aliases = {name: by_tensor[id(p)] for name, p in model.named_parameters()}
         """Every state-dict key of a parameter (a tied one has several)."""
+        self.shapes = {name: (list(p.shape), p.dtype) for name, p in model.named_parameters()}
+        self.buffers = {k: v.detach().clone() for k, v in model.state_dict().items()
+                        if all(k not in keys for keys in self.aliases.values())}
+        """The model's other state (buffers): shard 0 writes it into checkpoints as built."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.groups = optimizer_state(optimizer, names)[1]["param_groups"]
+        """The task's param groups by parameter name, as a checkpoint records them."""
         self.pieces: list[tuple[str, int, int, int]] = []  # (name, start in the param, length, start in the shard)
         masters: list[list[torch.nn.Parameter]] = [[] for _ in optimizer.param_groups]
         self.masters: list[torch.nn.Parameter] = []
@@ -91,6 +100,62 @@ class ParameterShard:
                 master.grad = None
         self.version = version
         return version
+
+    # -- checkpoints: the same format as the synchronous mode's ----------------------------
+    def write_checkpoint(self, storage: Storage, directory: str, index: int) -> dict:
+        """Write this shard's pieces of the model and of the optimizer state as part
+        ``index`` of the checkpoint in ``directory``; what the manifest needs of it."""
+        model_file, optim_file = part_files(index)
+        part = Part(rank=index, files={model_file: {}, optim_file: {}}, index={}, scalars={})
+        for (name, start, _, _), master in zip(self.pieces, self.masters):
+            shape, dtype = self.shapes[name]
+            for key in self.aliases[name]:
+                add_piece(part, model_file, f"model/{key}", master.detach().to(dtype), start, shape)
+            for field, value in self.optimizer.state.get(master, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.dim() == 0:
+                    part.scalars[f"optim/{name}/{field}"] = [value.item(), dtype_name(value.dtype)]
+                else:
+                    add_piece(part, optim_file, f"optim/{name}/{field}", value, start, shape)
+        if index == 0:
+            for key, value in self.buffers.items():
+                add_piece(part, model_file, f"model/{key}", value, 0, list(value.shape))
+            add_piece(part, model_file, "rng", torch.get_rng_state(), 0, [torch.get_rng_state().numel()])
+            part.meta = {"param_groups": self.groups, "scalars": {}}
+        part.files = {f: t for f, t in part.files.items() if t}
+        return write_part(storage, directory, part)
+
+    @torch.no_grad()
+    def load_checkpoint(self, checkpoint: Checkpoint) -> int:
+        """Take this shard's pieces from ``checkpoint`` (saved by either mode, at any worker
+        or shard count); only the files holding them are read. Returns its step."""
+        names = {name for name, _, _, _ in self.pieces}
+        bounds = {name: (start, start + length) for name, start, length, _ in self.pieces}
+
+        def wanted(key: str, start: int, numel: int) -> bool:
+            kind, _, rest = key.partition("/")
+            name = rest if kind == "model" else rest.rpartition("/")[0]
+            if kind not in ("model", "optim") or name not in names:
+                return False
+            lo, hi = bounds[name]
+            return start < hi and lo < start + numel
+
+        state = checkpoint.read(wanted)
+        for (name, start, length, _), master in zip(self.pieces, self.masters):
+            master.copy_(state.model[name].reshape(-1)[start:start + length].float())
+            fields = {}
+            for key, value in state.optimizer_tensors.items():
+                param, _, field = key.rpartition("/")
+                if param == name:
+                    fields[field] = value.clone() if value.dim() == 0 else \
+                        value.reshape(-1)[start:start + length].to(master.dtype).clone()
+            if fields:
+                self.optimizer.state[master] = fields
+            else:
+                self.optimizer.state.pop(master, None)
+        self.version = checkpoint.step
+        return self.version
 
     def model_part(self) -> list[tuple[str, int, torch.Tensor]]:
         """(state-dict key, start within it, values) of every piece, under each key of a tied
