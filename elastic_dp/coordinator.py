@@ -134,7 +134,9 @@ class Coordinator:
             self._pause_at = None
 
     def close(self) -> None:
-        """Stop every worker (killing the actors releases their process groups with them)."""
+        """Stop every worker (killing the actors releases their process groups with them),
+        and whatever actors the mode has of its own."""
+        self.mode.close()
         self.membership.close()
 
     def _move(self, transition: Transition) -> None:

@@ -4,8 +4,10 @@
                                     P is forward (default), allreduce, optimizer, snapshot
                                     (ZeRO's peer snapshot), checkpoint (while rank R copies
                                     its part of the checkpoint after step S), upload (while
-                                    it writes that part in the background) or reform (rank R of the
+                                    it writes that part in the background), reform (rank R of the
                                     generation formed after another fault at step S, as it joins)
+                                    or shard (--mode async: parameter-server shard R, as it
+                                    applies update S, the one that makes version S + 1)
     hang:step=S:rank=R[:phase=P]   the worker stops (SIGSTOP) and never answers again
     join:step=S                    one more worker joins before step S
     slow:rank=R:factor=F[:from=S][:to=S2]
@@ -32,7 +34,7 @@ from .errors import ConfigError
 
 STEP_PHASES = ("forward", "allreduce", "optimizer", "snapshot")
 SAVE_PHASES = ("checkpoint", "upload")
-PHASES = (*STEP_PHASES, *SAVE_PHASES, "reform")
+PHASES = (*STEP_PHASES, *SAVE_PHASES, "reform", "shard")
 KINDS = ("kill", "hang", "join", "slow")
 
 
@@ -126,7 +128,11 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
 
     if f.step >= train.steps:
         refuse(f"the run trains steps 0..{train.steps - 1} (--steps {train.steps})")
-    if f.rank is not None and f.rank >= cluster.workers:
+    if f.phase == "shard":
+        if train.mode != "async" or f.rank >= train.ps_shards:
+            refuse(f"phase=shard kills parameter-server shard R of --mode async: the run has "
+                   f"{train.ps_shards if train.mode == 'async' else 'no'} shards (--ps-shards, --mode)")
+    elif f.rank is not None and f.rank >= cluster.workers:
         refuse(f"the run has at most {cluster.workers} workers, ranks 0..{cluster.workers - 1} (--workers)")
     if f.phase in SAVE_PHASES:
         every = checkpoint.every
@@ -178,7 +184,7 @@ class FaultPlan:
         """``--mode async``: the first pending kill or hang of ``rank`` at ``step`` or an
         earlier step (a worker computes whole steps, and not every one of them)."""
         for fault in self._pending:
-            if fault.kind in ("kill", "hang") and fault.step <= step and fault.rank == rank:
+            if fault.kind in ("kill", "hang") and fault.step <= step and fault.rank == rank and fault.phase != "shard":
                 self._pending.remove(fault)
                 return fault
         return None

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer
-from elastic_dp.modes.asyncsgd.ledger import Ledger
+from elastic_dp.modes.asyncsgd.ledger import Ledger, snapshot_plan
 from tests.reference import max_abs_diff, replay, replay_updates
 from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
 
@@ -56,10 +56,35 @@ def test_staleness_0_leases_one_step_at_a_time():
     assert ledger.may_lease(5) and not ledger.may_lease(1)
 
 
-def _train(tmp_path, task, *, workers, inject=(), cluster=None, **train):
+def test_a_roll_back_leases_the_undone_steps_and_those_out_again():
+    ledger = _ledger(4)
+    for w in "abcd":
+        ledger.lease(w)
+    for w in "bad":
+        ledger.settle(w, 0)  # versions 1..3 from steps 1, 0, 3
+    assert ledger.roll_back(1) == [0, 3, 2]  # undone: versions 2, 3; out: c's step 2
+    assert (ledger.version, ledger.leased, ledger.again) == (1, {}, [0, 2, 3])
+    assert [ledger.lease(w) for w in "xyzw"] == [0, 2, 3, 4]
+
+
+def test_the_newest_version_every_shard_still_holds_is_chosen():
+    keeper_of = {0: 1, 1: 2, 2: 0}.__getitem__  # shard i's snapshots are kept by shard i + 1
+    own = {0: [4, 6], 1: [4, 6], 2: [4, 6]}
+    kept = {1: {0: [4, 6]}, 2: {1: [4, 6]}, 0: {2: [4, 6]}}
+    # shard 1 lost after the snapshot of 6 reached its keeper, shard 2
+    assert snapshot_plan(3, {0, 2}, {0: own[0], 2: own[2]}, {0: kept[0], 2: kept[2]}, keeper_of) == (
+        6, [("own", 0), ("kept", 2), ("own", 2)])
+    # ... and before it did: back to 4
+    assert snapshot_plan(3, {0, 2}, {0: own[0], 2: own[2]}, {0: kept[0], 2: {1: [2, 4]}}, keeper_of)[0] == 4
+    # shards 1 and 2 lost together: shard 1's copy went with its keeper
+    assert snapshot_plan(3, {0}, {0: own[0]}, {0: kept[0]}, keeper_of) is None
+    assert snapshot_plan(1, set(), {}, {}, lambda i: "keeper") is None  # no snapshot yet
+
+
+def _train(tmp_path, task, *, workers, inject=(), cluster=None, checkpoint=None, **train):
     config = dataclasses.replace(task.defaults, mode="async", **train)
     summary = Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=1, **(cluster or {})),
-                      out_dir=str(tmp_path), progress=False, inject=list(inject)).fit()
+                      checkpoint=checkpoint, out_dir=str(tmp_path), progress=False, inject=list(inject)).fit()
     updates = [json.loads(line) for line in (tmp_path / "updates.jsonl").read_text().splitlines()]
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     return summary, config, updates, events
@@ -134,3 +159,29 @@ def test_one_worker_and_checkpoints_passed_between_the_modes_end_on_the_replay(r
     assert max_abs_diff(load_file(tmp_path / "async-again" / "final.safetensors"), expected) < TOL
     resumed = [json.loads(line) for line in (tmp_path / "async-again" / "updates.jsonl").read_text().splitlines()]
     assert [(u["version"], u["step"]) for u in resumed] == [(5, 4), (6, 5)]
+
+
+def _replayed(tmp_path, task, config, updates):
+    final = {u["version"]: u for u in updates}  # a later line of a version replaces an undone one
+    assert sorted(final) == list(range(1, config.steps + 1))
+    assert Counter(u["step"] for u in final.values()) == Counter(range(config.steps))  # each step once
+    expected = replay_updates(task, config, str(tmp_path / "initial.safetensors"), list(final.values()))
+    return max_abs_diff(load_file(tmp_path / "final.safetensors"), expected)
+
+
+def test_a_lost_parameter_server_shard_restores_the_checkpoint_or_rolls_back_to_a_snapshot(ray_cluster, tmp_path):
+    """Two shards, snapshots every 4 versions, a checkpoint every 2 steps. Shard 1 dies as
+    it applies update 3, before any snapshot: the run restores the checkpoint of step 2.
+    Shard 0 dies as it applies update 9: the model rolls back to version 8, the newest
+    snapshot both shards still hold (shard 1 its own, shard 0 the copy shard 1 keeps), and
+    the updates after it are undone and their steps trained again. The run ends on the
+    replay of updates.jsonl, every step applied once."""
+    task = paced_task(PacedLoss(seconds=0.005))
+    _, config, updates, events = _train(
+        tmp_path, task, workers=2, steps=12, max_staleness=2, ps_shards=2, snapshot_every=4,
+        inject=["kill:step=3:rank=1:phase=shard", "kill:step=9:rank=0:phase=shard"],
+        checkpoint=CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2))
+    assert next(e for e in events if e["kind"] == "restored_from_checkpoint")["step"] == 2
+    restored = next(e for e in events if e["kind"] == "ps_shards_restored")
+    assert restored["shards"] == [0] and restored["version"] == 8
+    assert _replayed(tmp_path, dataclasses.replace(task, loss=PacedLoss()), config, updates) < TOL

@@ -150,3 +150,6 @@ class TrainingMode(Protocol):
 
     def finish(self) -> None:
         """Write the final weights (and the task's sample) once the last step committed."""
+
+    def close(self) -> None:
+        """Stop the mode's own actors, if it has any (the coordinator stops the workers)."""

@@ -53,6 +53,7 @@ class Ledger:
         self.leased: dict[Any, int] = {}  # worker -> its step
         self.recomputed = 0
         self.staleness = Counter()
+        self.applied: dict[int, int] = {}  # version -> its step, for a roll-back
 
     def may_lease(self, limit: int, new: bool = True) -> bool:
         """Another step may be leased: one to lease again, or (``new``) one left before
@@ -84,7 +85,19 @@ class Ledger:
         if self.staleness_lr == "inverse" and staleness >= 1:
             scale /= staleness + 1
         self.staleness[staleness] += 1
+        self.applied[self.version] = step
         return Update(self.version, step, base_version, worker, staleness, scale)
+
+    def roll_back(self, version: int) -> list[int]:
+        """The model is back at ``version`` (a lost parameter-server shard rebuilt from a
+        snapshot): the steps of later updates, and every step out, are leased again.
+        Returns the steps to lease again."""
+        undone = [self.applied.pop(v) for v in range(version + 1, self.version + 1) if v in self.applied]
+        undone += list(self.leased.values())
+        self.leased.clear()
+        self.again = sorted(self.again + undone)
+        self.version = version
+        return undone
 
     def release(self, worker: Any) -> int | None:
         """``worker`` is gone: its step is leased again first. Returns that step."""
@@ -98,3 +111,24 @@ class Ledger:
         """No step is out: the applied updates are exactly steps ``0 .. version - 1``
         (when nothing is to be leased again)."""
         return not self.leased
+
+
+def snapshot_plan(shards: int, alive: set[int], own: dict[int, list[int]],
+                  kept: dict[Any, dict[int, list[int]]], keeper_of: Callable[[int], Any]) -> tuple[int, list] | None:
+    """The newest version at which every shard's state is still held: by the shard itself
+    (alive, ``own`` snapshot) or by its keeper (``kept[keeper_of(i)][i]``, the keeper alive:
+    only live keepers are in ``kept``). Returns it and, per shard, ``("own", i)`` or
+    ``("kept", keeper)``; None when some shard's state is lost with its keeper's copy."""
+    versions = {v for vs in own.values() for v in vs} | {v for k in kept.values() for vs in k.values() for v in vs}
+    for version in sorted(versions, reverse=True):
+        sources = []
+        for i in range(shards):
+            if i in alive and version in own.get(i, []):
+                sources.append(("own", i))
+            elif version in kept.get(keeper_of(i), {}).get(i, []):
+                sources.append(("kept", keeper_of(i)))
+            else:
+                break
+        else:
+            return version, sources
+    return None

@@ -34,11 +34,13 @@ from ...faults import Fault, FaultPlan
 from ...metrics import RunRecorder
 from ..base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
 from ..watchdog import HangBounds, Watchdog
-from .ledger import Ledger, Update
-from .shard import ParameterShard, flat_bounds
+from .ledger import Ledger, Update, snapshot_plan
+from .shard import Keeper, ParameterShard, flat_bounds
 
 logger = logging.getLogger(__name__)
 
+SPAWN_AHEAD = 8
+"""Shard actors started before the model's size is known (the rest once it is)."""
 POLL_S = 1.0
 """The longest the sequencer waits for a report before it looks at the heartbeats."""
 
@@ -52,6 +54,15 @@ class _Job:
     meta: Any
     pieces: list[Any]
     fault: Fault | None
+
+
+def _new_shard() -> Any:
+    """A parameter-server shard's actor (no CPU slot: it only applies updates)."""
+    return ray.remote(num_cpus=0, max_restarts=0)(ParameterShard).remote()
+
+
+def _new_keeper() -> Any:
+    return ray.remote(num_cpus=0, max_restarts=0)(Keeper).remote()
 
 
 class AsyncMode:
@@ -69,6 +80,13 @@ class AsyncMode:
         self.jobs: dict[Any, _Job] = {}
         self.sampler_state: dict[str, int] = {}
         self._saved: list[SaveOutcome] = []  # saves committed since settle_saves
+        self._applies: dict[int, list[Any]] = {}  # shard -> its apply calls not yet seen to succeed
+        self._lost_shards: set[int] = set()
+        up = ray.is_initialized()
+        self.keeper: Any = _new_keeper() if up and train.ps_shards == 1 else None
+        """The snapshots' keeper of a lone shard."""
+        self._spawned = [_new_shard() for _ in range(min(train.ps_shards, SPAWN_AHEAD))] if up else []
+        """Shard processes started at once: they import torch while the workers are placed."""
         self._last_update = time.perf_counter()
         self.watchdog = Watchdog(HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s,
                                             stall_floor_s=cluster.stall_floor_s, stall_factor=cluster.stall_factor),
@@ -89,9 +107,13 @@ class AsyncMode:
             raise ConfigError(f"--ps-shards {self.train.ps_shards} is more than the model's {numel} trainable "
                               "parameters: use at most that many shards")
         self.bounds = flat_bounds(numel, self.train.ps_shards)
-        shard = ray.remote(num_cpus=0, max_restarts=0)(ParameterShard)
-        self.shards = [shard.remote(self.task, self.train, lo, hi) for lo, hi in zip(self.bounds, self.bounds[1:])]
-        ray.get([s.params.remote() for s in self.shards])  # built (a refused optimizer raises here)
+        self.shards = self._spawned + [_new_shard() for _ in range(self.train.ps_shards - len(self._spawned))]
+        self._spawned = []
+        ray.get([s.setup.remote(self.task, self.train, lo, hi)
+                 for s, lo, hi in zip(self.shards, self.bounds, self.bounds[1:])])
+        self._applies = {i: [] for i in range(len(self.shards))}
+        if len(self.shards) == 1 and self.keeper is None:
+            self.keeper = _new_keeper()
         if resume is not None:
             check_resumable(resume.sampler, self.train, dataset_len=self.sampler_state["dataset_len"])
         self._restart(resume)
@@ -105,12 +127,18 @@ class AsyncMode:
 
     def _restart(self, checkpoint: Any | None) -> None:
         """Every shard at ``checkpoint``'s step (each reads its own pieces), or at 0."""
+        self._drain()
+        self._replace_lost()
         step = 0
         if checkpoint is not None:
             step = ray.get([s.load_checkpoint.remote(checkpoint) for s in self.shards])[0]
-        self.jobs = {}
         self.ledger = Ledger(step, max_staleness=self.train.max_staleness, staleness_lr=self.train.staleness_lr,
                              lr_factor=self.train.lr_factor)
+
+    def close(self) -> None:
+        for actor in [*self.shards, *self._spawned, *([self.keeper] if self.keeper is not None else [])]:
+            ray.kill(actor)
+        self.shards, self._spawned, self.keeper = [], [], None
 
     def finish(self) -> None:
         self._write_weights("final")
@@ -149,6 +177,7 @@ class AsyncMode:
                 if member not in self.jobs and ledger.may_lease(limit, new=leasing):
                     self._lease(member)
             if not self.jobs:
+                self._check_shards(wait_s=10.0)  # every update applied on every shard, or a shard lost
                 return ledger.version
             self._collect()
 
@@ -183,8 +212,11 @@ class AsyncMode:
         job = self.jobs.pop(member)
         try:
             meta = ray.get(job.meta)
-        except ray.exceptions.RayActorError as exc:
+        except ray.exceptions.RayError as exc:
             self.ledger.release(member.id)
+            self._check_shards()  # its pull from a dead shard failed: the worker may be fine
+            if not isinstance(exc, ray.exceptions.RayActorError):
+                raise
             raise MembersLost(self.members, [member], f"{member!r} died: {type(exc).__name__}",
                               step=self.ledger.version) from None
         if meta["error"] is not None:
@@ -194,9 +226,90 @@ class AsyncMode:
         if update is None:  # too stale: the same step again on the current version
             self._lease(member, job.step)
             return
-        for shard, piece in zip(self.shards, job.pieces):
-            shard.apply.remote(update.version, piece, update.lr_scale, not meta["finite"])
+        for i, (shard, piece) in enumerate(zip(self.shards, job.pieces)):
+            fault = self.faults.take(update.version - 1, i, ("shard",))
+            self._applies[i].append(shard.apply.remote(update.version, piece, update.lr_scale, not meta["finite"],
+                                                       fault))
         self._record(update, meta)
+        every = self.train.snapshot_every
+        if update.version % every == 0:  # every shard at exactly this version: consistent
+            snaps = [shard.snapshot.remote() for shard in self.shards]
+            for i, snap in enumerate(snaps):
+                self._holder(self._keeper_of(i)).keep.remote(i, snap)
+        self._check_shards(wait_s=0.0)
+
+    # -- a lost parameter-server shard -----------------------------------------------------
+    def _keeper_of(self, i: int) -> int | str:
+        """Who keeps shard ``i``'s snapshots: the next shard, or the keeper of a lone shard."""
+        return (i + 1) % len(self.shards) if len(self.shards) > 1 else "keeper"
+
+    def _holder(self, key: int | str) -> Any:
+        return self.keeper if key == "keeper" else self.shards[key]
+
+    def _check_shards(self, wait_s: float = 2.0) -> None:
+        """Raise ``MembersLost`` (no worker lost) when a shard died: an ``apply`` of it
+        failed, or (``wait_s`` > 0) it does not answer."""
+        dead = []
+        for i, shard in enumerate(self.shards):
+            refs = self._applies[i] if not wait_s else [*self._applies[i], shard.own_versions.remote()]
+            if not refs:
+                continue
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.append(i)
+                    break
+            self._applies[i] = [r for r in self._applies[i] if r not in done]
+        if dead:
+            self._lost_shards.update(dead)
+            raise MembersLost(self.members, [], f"parameter-server shard{'s' * (len(dead) > 1)} "
+                              f"{', '.join(map(str, dead))} died", step=self.ledger.version)
+
+    def _drain(self) -> None:
+        """Let the gradients out come back, and forget them (a worker computes one at a time)."""
+        if self.jobs:
+            ray.wait([job.meta for job in self.jobs.values()], num_returns=len(self.jobs), timeout=60)
+        self.jobs = {}
+
+    def _rebuild_shards(self, failure: Failure) -> RecoveryResult:
+        """Every shard back at the newest version of which each one's state is still held
+        (its own snapshot, or its keeper's copy); the updates after it are undone and their
+        steps leased again. None held: ``STATE_LOST``, the checkpoint's turn."""
+        lost, shards = sorted(self._lost_shards), len(self.shards)
+        alive = set(range(shards)) - set(lost)
+        own = dict(zip(sorted(alive), ray.get([self.shards[i].own_versions.remote() for i in sorted(alive)])))
+        keepers = sorted({self._keeper_of(i) for i in range(shards)} - set(lost), key=str)
+        kept = dict(zip(keepers, ray.get([self._holder(k).held.remote() for k in keepers])))
+        plan = snapshot_plan(shards, alive, own, kept, self._keeper_of)
+        if plan is None:
+            return RecoveryResult(Recovery.STATE_LOST, reason=(
+                f"parameter-server shard {', '.join(map(str, lost))} died before a snapshot of it was kept "
+                f"(--snapshot-every {self.train.snapshot_every})"))
+        version, sources = plan
+        snaps = [self.shards[i].own_snapshot.remote(version) if kind == "own" else
+                 self._holder(src).export.remote(i, version) for i, (kind, src) in enumerate(sources)]
+        ray.wait(snaps, num_returns=len(snaps), timeout=None)  # out of the survivors before anything changes
+        self._drain()
+        self._replace_lost()
+        ray.get([s.restore.remote(snap) for s, snap in zip(self.shards, snaps)])
+        for i, snap in enumerate(snaps):  # a rebuilt keeper holds its copies again
+            self._holder(self._keeper_of(i)).keep.remote(i, snap)
+        undone = self.ledger.roll_back(version)
+        self.recorder.event("ps_shards_restored", shards=lost, version=version, updates_undone=failure.step - version,
+                            steps_leased_again=sorted(undone))
+        return RecoveryResult(Recovery.COMMITTED if version == failure.step else Recovery.ROLLED_BACK, version,
+                              details={"restored_version": version, "lost_shards": lost})
+
+    def _replace_lost(self) -> None:
+        """A new actor for each lost shard (it builds the initial state; restore follows)."""
+        for i in sorted(self._lost_shards):
+            self.shards[i] = _new_shard()
+            self._applies[i] = []
+        ray.get([self.shards[i].setup.remote(self.task, self.train, self.bounds[i], self.bounds[i + 1])
+                 for i in self._lost_shards])
+        self._lost_shards.clear()
 
     def _record(self, update: Update, meta: dict) -> None:
         now = time.perf_counter()
@@ -217,6 +330,8 @@ class AsyncMode:
             self.jobs.pop(lost, None)
             self.ledger.release(lost.id)
         self.members = list(members)
+        if self._lost_shards:
+            return self._rebuild_shards(failure)
         return RecoveryResult(Recovery.COMMITTED, self.ledger.version)
 
     def restore(self, members: list[Any], checkpoint: Any) -> None:
@@ -232,7 +347,12 @@ class AsyncMode:
                                f"(version {self.ledger.version}, {len(self.jobs)} out)")
         start = time.perf_counter()
         directory = store.begin(step)
-        reports = ray.get([s.write_checkpoint.remote(store.storage, directory, i) for i, s in enumerate(self.shards)])
+        try:
+            reports = ray.get([s.write_checkpoint.remote(store.storage, directory, i)
+                               for i, s in enumerate(self.shards)])
+        except ray.exceptions.RayActorError:
+            self._check_shards()  # raises MembersLost naming the shard; the save never commits
+            raise
         manifest = manifest_of(reports, step=step, sampler=self.sampler_state, world_size=len(self.members),
                                settings=getattr(self, "settings", {}))
         checkpoint = store.commit(directory, manifest)

@@ -12,17 +12,22 @@ update exactly as the whole would.
 Its calls run one at a time in the order the coordinator submits them (a Ray actor's
 calls from one caller are ordered): ``apply`` the update of version ``v``, then a
 ``params`` submitted after it returns the pieces at exactly version ``v`` on every shard,
-so a worker always pulls one consistent model version.
+so a worker always pulls one consistent model version. A ``snapshot`` submitted there
+copies the shard's state at exactly ``v``, the same version on every shard: the shard
+keeps it, and another actor (``Keeper``: the next shard, or a keeper of its own when
+there is one shard) keeps a copy in its memory, so that a lost shard can be rebuilt.
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 
 from ...checkpoint import Checkpoint, Part, add_piece, dtype_name, optimizer_state, part_files, write_part
 from ...config import TrainConfig
+from ...faults import Fault, trigger
 from ...storage import Storage
 from ...task import Task, trainable
 
@@ -36,12 +41,44 @@ def flat_bounds(numel: int, shards: int) -> list[int]:
     return bounds
 
 
-class ParameterShard:
+SNAPSHOTS_KEPT = 2
+"""Snapshots kept of each shard, by the shard and by its keeper: the two newest."""
+
+State = dict[str, Any]
+"""A shard's state at one version: ``version``, ``masters`` and ``state`` (per piece, its
+optimizer state), in host memory."""
+
+
+class Keeper:
+    """Holds other shards' snapshots in its memory (each shard is one for the next)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, list[State]] = {}
+
+    def keep(self, index: int, snapshot: State) -> None:
+        """Keep shard ``index``'s ``snapshot`` (the two newest)."""
+        self.kept[index] = [s for s in self.kept.get(index, []) if s["version"] != snapshot["version"]][
+            -(SNAPSHOTS_KEPT - 1):] + [snapshot]
+
+    def held(self) -> dict[int, list[int]]:
+        """Shard index -> versions kept."""
+        return {i: [s["version"] for s in snaps] for i, snaps in self.kept.items()}
+
+    def export(self, index: int, version: int) -> State:
+        return next(s for s in self.kept[index] if s["version"] == version)
+
+
+class ParameterShard(Keeper):
     """Elements ``lo .. hi`` of the flattened parameters, and their optimizer state."""
 
-    def __init__(self, task: Task, config: TrainConfig, lo: int, hi: int) -> None:
+    def __init__(self) -> None:
+        super().__init__()  # the process starts (and imports torch) while the workers are placed
+
+    def setup(self, task: Task, config: TrainConfig, lo: int, hi: int) -> None:
+        """Build the model and optimizer, and take elements ``lo .. hi`` of them."""
         from ...zero import check_shardable
 
+        self.own: list[State] = []
         torch.set_num_threads(1)
         torch.manual_seed(config.seed)
         model = task.model()
@@ -84,9 +121,12 @@ class ParameterShard:
         return torch.cat([m.detach() for m in self.masters]) if self.masters else torch.zeros(0)
 
     @torch.no_grad()
-    def apply(self, version: int, grad: torch.Tensor, lr_scale: float, skip: bool = False) -> int:
+    def apply(self, version: int, grad: torch.Tensor, lr_scale: float, skip: bool = False,
+              fault: Fault | None = None) -> int:
         """Apply update ``version`` (the next one): ``grad`` is this shard's piece of the
-        gradient; ``skip``: a non-finite gradient, the version passes with no change."""
+        gradient; ``skip``: a non-finite gradient, the version passes with no change;
+        ``fault``: ``--inject kill:...:phase=shard``, fired first."""
+        trigger(fault, "shard")
         if version != self.version + 1:
             raise RuntimeError(f"shard [{self.lo}, {self.hi}) is at version {self.version}: update "
                                f"{version} arrived out of order")
@@ -100,6 +140,35 @@ class ParameterShard:
                 master.grad = None
         self.version = version
         return version
+
+    # -- snapshots: a lost shard is rebuilt from its keeper's copy ---------------------------
+    def snapshot(self) -> State:
+        """Copy this shard's state at its version into host memory; keep it and return it
+        (the coordinator hands it to this shard's keeper)."""
+        snap = {"version": self.version, "masters": [m.detach().clone() for m in self.masters],
+                "state": [{k: v.detach().clone() for k, v in self.optimizer.state.get(m, {}).items()
+                           if isinstance(v, torch.Tensor)} for m in self.masters]}
+        self.own = [s for s in self.own if s["version"] != self.version][-(SNAPSHOTS_KEPT - 1):] + [snap]
+        return snap
+
+    def own_versions(self) -> list[int]:
+        return [s["version"] for s in self.own]
+
+    def own_snapshot(self, version: int) -> State:
+        return next(s for s in self.own if s["version"] == version)
+
+    @torch.no_grad()
+    def restore(self, snap: State) -> int:
+        """Become the shard of ``snap`` (its own or its keeper's copy of it)."""
+        for master, value, state in zip(self.masters, snap["masters"], snap["state"]):
+            master.copy_(value)
+            if state:
+                self.optimizer.state[master] = {k: v.clone() for k, v in state.items()}
+            else:
+                self.optimizer.state.pop(master, None)
+        self.version = snap["version"]
+        self.own = [s for s in self.own if s["version"] <= self.version]
+        return self.version
 
     # -- checkpoints: the same format as the synchronous mode's ----------------------------
     def write_checkpoint(self, storage: Storage, directory: str, index: int) -> dict:

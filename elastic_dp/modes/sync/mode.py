@@ -118,6 +118,9 @@ class SyncMode:
         elif self.recorder.storage is not None:
             self.recorder.weights(name, self._from_rank0("model_state"))
 
+    def close(self) -> None:
+        pass  # the workers are all it has
+
     def finish(self) -> None:
         self._write_weights("final")
         self.recorder.summary.sample = self._from_rank0("sample")
