@@ -141,6 +141,9 @@ class FakeMode:
     def finish(self) -> None:
         self.calls.append(("finish", len(self.members)))
 
+    def close(self) -> None:
+        pass  # no actors of its own
+
 
 @dataclasses.dataclass
 class FakeState:
