@@ -132,6 +132,8 @@ class AsyncMode:
         step = 0
         if checkpoint is not None:
             step = ray.get([s.load_checkpoint.remote(checkpoint) for s in self.shards])[0]
+            if self.keeper is not None:
+                self.keeper.trim.remote(-1)
         self.ledger = Ledger(step, max_staleness=self.train.max_staleness, staleness_lr=self.train.staleness_lr,
                              lr_factor=self.train.lr_factor)
 
@@ -293,7 +295,9 @@ class AsyncMode:
         ray.wait(snaps, num_returns=len(snaps), timeout=None)  # out of the survivors before anything changes
         self._drain()
         self._replace_lost()
-        ray.get([s.restore.remote(snap) for s, snap in zip(self.shards, snaps)])
+        ray.get([s.restore.remote(snap) for s, snap in zip(self.shards, snaps)])  # each forgets later copies
+        if self.keeper is not None:
+            self.keeper.trim.remote(version)
         for i, snap in enumerate(snaps):  # a rebuilt keeper holds its copies again
             self._holder(self._keeper_of(i)).keep.remote(i, snap)
         undone = self.ledger.roll_back(version)

@@ -67,6 +67,11 @@ class Keeper:
     def export(self, index: int, version: int) -> State:
         return next(s for s in self.kept[index] if s["version"] == version)
 
+    def trim(self, version: int) -> None:
+        """Forget the copies of versions after ``version``: the model went back to it, and
+        a later version will be another (a roll-back, or a checkpoint restored)."""
+        self.kept = {i: [s for s in snaps if s["version"] <= version] for i, snaps in self.kept.items()}
+
 
 class ParameterShard(Keeper):
     """Elements ``lo .. hi`` of the flattened parameters, and their optimizer state."""
@@ -168,6 +173,7 @@ class ParameterShard(Keeper):
                 self.optimizer.state.pop(master, None)
         self.version = snap["version"]
         self.own = [s for s in self.own if s["version"] <= self.version]
+        self.trim(self.version)
         return self.version
 
     # -- checkpoints: the same format as the synchronous mode's ----------------------------
@@ -211,6 +217,7 @@ class ParameterShard(Keeper):
             return start < hi and lo < start + numel
 
         state = checkpoint.read(wanted)
+        self.own, self.kept = [], {}  # snapshots of another history
         for (name, start, length, _), master in zip(self.pieces, self.masters):
             master.copy_(state.model[name].reshape(-1)[start:start + length].float())
             fields = {}
