@@ -21,13 +21,14 @@ from .checkpoint import CheckpointStore
 from .config import (CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig, check_batch_fits, run_name,
                      run_settings)
 from .coordinator import Coordinator
-from .errors import ClusterError
+from .errors import ClusterError, ConfigError
 from .exporters import RayMetrics
 from .faults import Fault, FaultPlan, parse_faults
 from .membership import Membership
 from .membership.pool import WorkerPool
 from .metrics import RunRecorder, RunSummary, Throughput
 from .modes import make_mode
+from .modes.asyncsgd.mode import PS_GPU_SHARE
 from .storage import Storage
 from .task import Task
 
@@ -103,6 +104,9 @@ def build_coordinator(task: Task, train: TrainConfig, cluster: ClusterConfig, ch
     elif checkpoint.storage is not None:
         store = CheckpointStore(Storage(checkpoint.storage, "--storage").child(name or run_name(settings)),
                                 keep=checkpoint.keep)
+    if train.ps_device == "cuda" and ray.cluster_resources().get("GPU", 0) < PS_GPU_SHARE:
+        raise ConfigError("--ps-device cuda puts the parameter servers on a GPU, and the Ray cluster has none: "
+                          "use --ps-device cpu or attach to a cluster with GPUs (--address)")
     mode = make_mode(train, cluster, recorder, plan, task)
     mode.settings, mode.asynchronous_saves = settings, checkpoint.asynchronous
     return Coordinator(mode, membership, train=train, recorder=recorder, faults=plan, store=store,

@@ -34,7 +34,7 @@ _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": i
                 "warmup_steps": int, "lr_reference_batch": int, "clip_grad_norm": float,
                 "precision": str, "bucket_mb": float, "zero": int, "snapshot_every": int,
                 "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str, "max_staleness": int,
-                "staleness_lr": str, "ps_shards": int}
+                "staleness_lr": str, "ps_shards": int, "ps_device": str}
 
 
 def _worker_range(text: str) -> tuple[int, int]:
@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, kind in _TRAIN_FLAGS.items():
         extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2]},
                  "on_nonfinite": {"choices": ["skip", "fail"]}, "mode": {"choices": ["sync", "async"]},
-                 "staleness_lr": {"choices": ["none", "inverse"]}}.get(name, {})
+                 "staleness_lr": {"choices": ["none", "inverse"]},
+                 "ps_device": {"choices": ["cpu", "cuda"]}}.get(name, {})
         train.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
                            help=f"override the job's {name}", **extra)
     train.add_argument("--no-reduce-fp32", dest="reduce_fp32", action="store_false", default=None,

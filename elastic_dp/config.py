@@ -71,6 +71,10 @@ class TrainConfig:
     ps_shards: int = 1
     """``async``: parameter-server shards, each a Ray actor holding a contiguous part of the
     parameters and its optimizer state (``--ps-shards``)."""
+    ps_device: Literal["cpu", "cuda"] = "cpu"
+    """``async``: where the shards keep that state: ``cuda`` runs their optimizer steps on a
+    GPU (each shard takes ``PS_GPU_SHARE`` of one), at the price of GPU memory and capacity
+    the workers then do not have (``--ps-device``; docs/async.md)."""
     balance: bool = False
     """Split each step's global batch in proportion to the workers' measured speed, so that
     a slow worker gets fewer samples; the result is the same as with equal slices
@@ -104,6 +108,9 @@ class TrainConfig:
         _require(self.staleness_lr in ("none", "inverse"),
                  f"staleness_lr must be none or inverse, got {self.staleness_lr!r} (--staleness-lr)")
         _require(self.ps_shards >= 1, f"ps_shards must be >= 1, got {self.ps_shards} (--ps-shards)")
+        _require(self.ps_device in ("cpu", "cuda"), f"ps_device must be cpu or cuda, got {self.ps_device!r} (--ps-device)")
+        _require(self.ps_device == "cpu" or self.mode == "async",
+                 "--ps-device places the parameter servers of --mode async: add --mode async or drop it")
         _require(not (self.mode == "async" and self.zero),
                  f"--mode async shards the optimizer state on its parameter servers already: drop --zero "
                  f"{self.zero} (or use --mode sync)")

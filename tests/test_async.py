@@ -161,6 +161,14 @@ def test_one_worker_and_checkpoints_passed_between_the_modes_end_on_the_replay(r
     assert [(u["version"], u["step"]) for u in resumed] == [(5, 4), (6, 5)]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the refusal needs a cluster "
+                                                      "without one (tests/test_cuda.py runs shards on it)")
+def test_parameter_servers_on_a_gpu_are_refused_on_a_cluster_without_one(ray_cluster, tmp_path):
+    with pytest.raises(ConfigError, match="--ps-device cuda puts the parameter servers on a GPU.*--ps-device cpu"):
+        _train(tmp_path, TINY_GPT_TASK, workers=1, ps_device="cuda")
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
 def _replayed(tmp_path, task, config, updates):
     final = {u["version"]: u for u in updates}  # a later line of a version replaces an undone one
     assert sorted(final) == list(range(1, config.steps + 1))

@@ -165,3 +165,11 @@ def test_stragglers_that_cannot_slow_anything_are_refused():
 def test_async_settings_are_checked_naming_the_flag(fields, flag):
     with pytest.raises(ConfigError, match=flag):
         TrainConfig(**fields)
+
+
+def test_the_parameter_servers_device_is_an_async_setting():
+    with pytest.raises(ConfigError, match="--ps-device places the parameter servers of --mode async"):
+        TrainConfig(ps_device="cuda")
+    with pytest.raises(ConfigError, match="--ps-device"):
+        TrainConfig(mode="async", ps_device="tpu")
+    assert TrainConfig(mode="async", ps_device="cuda").ps_device == "cuda"

@@ -36,7 +36,8 @@ def _run(tmp_path, cluster: ClusterConfig, *, task=TINY_GPT_TASK, inject=(), che
     config = dataclasses.replace(task.defaults, steps=6, **train)
     summary = Trainer(task, train=config, cluster=cluster, checkpoint=checkpoint, out_dir=str(tmp_path),
                       progress=False, inject=list(inject)).fit()
-    expected = replay(task, config, str(tmp_path / "initial.safetensors"), device="cuda")
+    expected = replay(task, dataclasses.replace(config, mode="sync"), str(tmp_path / "initial.safetensors"),
+                      device="cuda")
     return summary, max_abs_diff(load_file(tmp_path / "final.safetensors"), expected)
 
 
@@ -92,6 +93,15 @@ def test_batches_are_prepared_ahead_in_pinned_memory():
     (samples, batch), = replica._collate(torch.arange(8).numpy())
     tensors = batch if isinstance(batch, (list, tuple)) else [batch]
     assert samples == 8 and all(t.is_pinned() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def test_async_with_parameter_servers_on_the_gpu_ends_where_the_gpu_replay_ends(ray_cluster, tmp_path):
+    """--mode async, staleness 0 (so it equals the synchronous replay), two shards on the
+    GPU beside one worker that takes half of it."""
+    cluster = ClusterConfig(workers=1, device="cuda", gpus_per_worker=0.5)
+    summary, diff = _run(tmp_path, cluster, mode="async", max_staleness=0, ps_shards=2, ps_device="cuda")
+    assert diff < TOL
+    assert summary.steps == 6
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL group of 2 ranks needs 2 GPUs")

@@ -56,9 +56,15 @@ class _Job:
     fault: Fault | None
 
 
-def _new_shard() -> Any:
+PS_GPU_SHARE = 0.1
+"""With ``--ps-device cuda``, the share of a GPU each shard takes (Ray places it where that
+much is free: beside workers of ``--gpus-per-worker`` below 1, or on a GPU of its own)."""
+
+
+def _new_shard(device: str = "cpu") -> Any:
     """A parameter-server shard's actor (no CPU slot: it only applies updates)."""
-    return ray.remote(num_cpus=0, max_restarts=0)(ParameterShard).remote()
+    return ray.remote(num_cpus=0, num_gpus=PS_GPU_SHARE if device == "cuda" else 0,
+                      max_restarts=0)(ParameterShard).remote()
 
 
 def _new_keeper() -> Any:
@@ -85,7 +91,7 @@ class AsyncMode:
         up = ray.is_initialized()
         self.keeper: Any = _new_keeper() if up and train.ps_shards == 1 else None
         """The snapshots' keeper of a lone shard."""
-        self._spawned = [_new_shard() for _ in range(min(train.ps_shards, SPAWN_AHEAD))] if up else []
+        self._spawned = [_new_shard(train.ps_device) for _ in range(min(train.ps_shards, SPAWN_AHEAD))] if up else []
         """Shard processes started at once: they import torch while the workers are placed."""
         self._last_update = time.perf_counter()
         self.watchdog = Watchdog(HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s,
@@ -107,7 +113,7 @@ class AsyncMode:
             raise ConfigError(f"--ps-shards {self.train.ps_shards} is more than the model's {numel} trainable "
                               "parameters: use at most that many shards")
         self.bounds = flat_bounds(numel, self.train.ps_shards)
-        self.shards = self._spawned + [_new_shard() for _ in range(self.train.ps_shards - len(self._spawned))]
+        self.shards = self._spawned + [_new_shard(self.train.ps_device) for _ in range(self.train.ps_shards - len(self._spawned))]
         self._spawned = []
         ray.get([s.setup.remote(self.task, self.train, lo, hi)
                  for s, lo, hi in zip(self.shards, self.bounds, self.bounds[1:])])
@@ -309,7 +315,7 @@ class AsyncMode:
     def _replace_lost(self) -> None:
         """A new actor for each lost shard (it builds the initial state; restore follows)."""
         for i in sorted(self._lost_shards):
-            self.shards[i] = _new_shard()
+            self.shards[i] = _new_shard(self.train.ps_device)
             self._applies[i] = []
         ray.get([self.shards[i].setup.remote(self.task, self.train, self.bounds[i], self.bounds[i + 1])
                  for i in self._lost_shards])

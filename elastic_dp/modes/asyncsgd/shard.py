@@ -84,6 +84,7 @@ class ParameterShard(Keeper):
         from ...zero import check_shardable
 
         self.own: list[State] = []
+        self.device = torch.device("cuda", 0) if config.ps_device == "cuda" else torch.device("cpu")
         torch.set_num_threads(1)
         torch.manual_seed(config.seed)
         model = task.model()
@@ -110,7 +111,7 @@ class ParameterShard(Keeper):
         for name, p in trainable(model, optimizer):
             a, e = max(lo, offset), min(hi, offset + p.numel())
             if a < e:
-                piece = torch.nn.Parameter(p.detach().reshape(-1)[a - offset:e - offset].float().clone())
+                piece = torch.nn.Parameter(p.detach().reshape(-1)[a - offset:e - offset].float().to(self.device))
                 self.pieces.append((name, a - offset, e - a, a - lo))
                 self.masters.append(piece)
                 masters[group_of[id(p)]].append(piece)
@@ -123,7 +124,7 @@ class ParameterShard(Keeper):
 
     def params(self) -> torch.Tensor:
         """This shard's elements at the current version, as one flat fp32 vector."""
-        return torch.cat([m.detach() for m in self.masters]) if self.masters else torch.zeros(0)
+        return torch.cat([m.detach() for m in self.masters]).cpu() if self.masters else torch.zeros(0)
 
     @torch.no_grad()
     def apply(self, version: int, grad: torch.Tensor, lr_scale: float, skip: bool = False,
@@ -137,7 +138,7 @@ class ParameterShard(Keeper):
                                f"{version} arrived out of order")
         if not skip:
             for master, (_, _, length, start) in zip(self.masters, self.pieces):
-                master.grad = grad[start:start + length].to(master.dtype)
+                master.grad = grad[start:start + length].to(master.device, master.dtype)
             for group, base in zip(self.optimizer.param_groups, self.base_lrs):
                 group["lr"] = base * lr_scale
             self.optimizer.step()
@@ -150,9 +151,9 @@ class ParameterShard(Keeper):
     def snapshot(self) -> State:
         """Copy this shard's state at its version into host memory; keep it and return it
         (the coordinator hands it to this shard's keeper)."""
-        snap = {"version": self.version, "masters": [m.detach().clone() for m in self.masters],
-                "state": [{k: v.detach().clone() for k, v in self.optimizer.state.get(m, {}).items()
-                           if isinstance(v, torch.Tensor)} for m in self.masters]}
+        snap = {"version": self.version, "masters": [m.detach().to("cpu", copy=True) for m in self.masters],
+                "state": [{k: v.detach().to("cpu", copy=True) for k, v in self.optimizer.state.get(m, {}).items()
+                           if isinstance(v, torch.Tensor)} for m in self.masters]}  # in host memory
         self.own = [s for s in self.own if s["version"] != self.version][-(SNAPSHOTS_KEPT - 1):] + [snap]
         return snap
 
@@ -167,8 +168,9 @@ class ParameterShard(Keeper):
         """Become the shard of ``snap`` (its own or its keeper's copy of it)."""
         for master, value, state in zip(self.masters, snap["masters"], snap["state"]):
             master.copy_(value)
-            if state:
-                self.optimizer.state[master] = {k: v.clone() for k, v in state.items()}
+            if state:  # 0-dim step counts stay where the optimizer keeps them (host, unless fused/capturable)
+                self.optimizer.state[master] = {k: v.clone() if v.dim() == 0 else v.to(master.device, copy=True)
+                                                for k, v in state.items()}
             else:
                 self.optimizer.state.pop(master, None)
         self.version = snap["version"]
@@ -225,7 +227,7 @@ class ParameterShard(Keeper):
                 param, _, field = key.rpartition("/")
                 if param == name:
                     fields[field] = value.clone() if value.dim() == 0 else \
-                        value.reshape(-1)[start:start + length].to(master.dtype).clone()
+                        value.reshape(-1)[start:start + length].to(master.device, master.dtype, copy=True)
             if fields:
                 self.optimizer.state[master] = fields
             else:
@@ -236,5 +238,5 @@ class ParameterShard(Keeper):
     def model_part(self) -> list[tuple[str, int, torch.Tensor]]:
         """(state-dict key, start within it, values) of every piece, under each key of a tied
         parameter: the weights are assembled from the shards' parts."""
-        return [(key, start, m.detach().clone()) for (name, start, _, _), m in zip(self.pieces, self.masters)
+        return [(key, start, m.detach().to("cpu", copy=True)) for (name, start, _, _), m in zip(self.pieces, self.masters)
                 for key in self.aliases[name]]
