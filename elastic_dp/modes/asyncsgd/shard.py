@@ -111,7 +111,8 @@ class ParameterShard(Keeper):
         for name, p in trainable(model, optimizer):
             a, e = max(lo, offset), min(hi, offset + p.numel())
             if a < e:
-                piece = torch.nn.Parameter(p.detach().reshape(-1)[a - offset:e - offset].float().to(self.device))
+                piece = torch.nn.Parameter(  # a copy: a view would keep the whole model alive
+                    p.detach().reshape(-1)[a - offset:e - offset].to(self.device, torch.float32, copy=True))
                 self.pieces.append((name, a - offset, e - a, a - lo))
                 self.masters.append(piece)
                 masters[group_of[id(p)]].append(piece)
