@@ -141,11 +141,7 @@ def add_piece(part: Part, file: str, key: str, value: torch.Tensor, start: int, 
     on, into ``file`` of ``part`` (a copy in host memory); nothing when it is empty."""
     if value.numel():
         part.files[file][key] = value.detach().reshape(-1).to("cpu", copy=True).contiguous()
-        part.index[key] = {"shape": shape, "dtype": _dtype_name(value.dtype), "pieces": [[file, start, value.numel()]]}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _dtype_name(dtype)
+        part.index[key] = {"shape": shape, "dtype": dtype_name(value.dtype), "pieces": [[file, start, value.numel()]]}
 
 
 def cut_part(state: TrainingState, rank: int, world_size: int) -> Part:
@@ -167,7 +163,7 @@ def cut_part(state: TrainingState, rank: int, world_size: int) -> Part:
     slices = state.optimizer_meta.get("slices", {})
     for name, value in state.optimizer_tensors.items():
         if value.dim() == 0:
-            part.scalars[f"optim/{name}"] = [value.item(), _dtype_name(value.dtype)]
+            part.scalars[f"optim/{name}"] = [value.item(), dtype_name(value.dtype)]
         elif name in slices:
             start, shape = slices[name]
             add(optim_file, f"optim/{name}", value, start, shape)
@@ -378,7 +374,7 @@ class CheckpointStore:
         return found
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 

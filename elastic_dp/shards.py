@@ -4,7 +4,8 @@ Plain CPU tensor bookkeeping, no collectives (``elastic_dp.zero`` does those). B
 ``b`` has ``numels[b]`` elements; at world size ``N`` its buffer is padded to a multiple
 of ``N`` and rank ``r`` owns elements ``[r * c, (r + 1) * c)`` with ``c = ceil(numel / N)``.
 The bucket partition does not depend on ``N``, so moving from ``N`` to ``M`` ranks is a
-re-cut of the same flat vectors.
+re-cut of the same flat vectors. ``check_shardable`` says which optimizers may be sharded
+at all, here and by the asynchronous mode's parameter servers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from .errors import ConfigError
 
 SNAPSHOTS_KEPT = 2
 
@@ -134,3 +137,21 @@ def cut(rank: int, numels: list[int], world_size: int, fetch: Callable[[int], Sh
         for key, piece in pieces.items():
             out.state[key][b] = piece
     return out
+
+
+# Optimizers whose update of an element depends only on that element's parameter, gradient
+# and state (and on scalars such as the step count): sharding them is exact.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta,
+               torch.optim.Rprop)
+
+
+def check_shardable(optimizer: torch.optim.Optimizer, stage: int | str) -> None:
+    """Raise ConfigError unless ``optimizer`` updates each element independently
+    (``stage``: the ZeRO stage, or ``"async"`` for the parameter-server shards)."""
+    if type(optimizer) not in ELEMENTWISE:
+        names = ", ".join(c.__name__ for c in ELEMENTWISE)
+        what, fix = (("--mode async", "--mode sync") if stage == "async" else (f"--zero {stage}", "--zero 0"))
+        raise ConfigError(f"{what} shards optimizer state element by element, and "
+                          f"{type(optimizer).__module__}.{type(optimizer).__name__} is not an element-wise "
+                          f"optimizer elastic_dp knows ({names}): use one of those or run with {fix}")

@@ -32,6 +32,7 @@ from .errors import CollectiveError, ElasticDPError, TaskError, WorkerError
 from .faults import Fault, trigger
 from .loop import Grants, Prefetcher, WindowPlan
 from .messages import Progress, StepResult, WorkerInfo
+from .shards import check_shardable
 from .strategy import Strategy, make_strategy
 from .task import Task, trainable
 
@@ -86,7 +87,6 @@ class Replica:
         self.optimizer = task.optimizer(self.model)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         if config.mode == "async":  # its parameter servers shard the optimizer state, as ZeRO does
-            from .zero import check_shardable
             check_shardable(self.optimizer, "async")
         self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device)
         self.progress = Progress()

@@ -57,10 +57,10 @@ import torch
 from .checkpoint import TrainingState, Wanted
 from .collective import CollectiveGroup
 from .config import TrainConfig
-from .errors import CollectiveError, ConfigError
+from .errors import CollectiveError
 from .faults import Fault, trigger
 from .reducer import GradientReducer, make_buckets
-from .shards import ShardState, Snapshot, cut, keep, needed_sources, pack, spare, unpack
+from .shards import ShardState, Snapshot, check_shardable, cut, keep, needed_sources, pack, spare, unpack
 from .strategy import BucketedGradients, broadcast_tensors, inside, nbytes
 
 logger = logging.getLogger(__name__)
@@ -79,24 +79,6 @@ class _Exchange:
     received: torch.Tensor
     done: Future
     """Completes when both transfers have."""
-
-
-# Optimizers whose update of an element depends only on that element's parameter, gradient
-# and state (and on scalars such as the step count): sharding them is exact.
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-               torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta,
-               torch.optim.Rprop)
-
-
-def check_shardable(optimizer: torch.optim.Optimizer, stage: int | str) -> None:
-    """Raise ConfigError unless ``optimizer`` updates each element independently
-    (``stage``: the ZeRO stage, or ``"async"`` for the parameter-server shards)."""
-    if type(optimizer) not in ELEMENTWISE:
-        names = ", ".join(c.__name__ for c in ELEMENTWISE)
-        what, fix = (("--mode async", "--mode sync") if stage == "async" else (f"--zero {stage}", "--zero 0"))
-        raise ConfigError(f"{what} shards optimizer state element by element, and "
-                          f"{type(optimizer).__module__}.{type(optimizer).__name__} is not an element-wise "
-                          f"optimizer elastic_dp knows ({names}): use one of those or run with {fix}")
 
 
 def _exchange(group: CollectiveGroup, send: torch.Tensor, dst: int, received: torch.Tensor, src: int) -> None:

@@ -29,6 +29,7 @@ from ...checkpoint import Checkpoint, Part, add_piece, dtype_name, optimizer_sta
 from ...config import TrainConfig
 from ...faults import Fault, trigger
 from ...storage import Storage
+from ...shards import check_shardable
 from ...task import Task, trainable
 
 
@@ -81,8 +82,6 @@ class ParameterShard(Keeper):
 
     def setup(self, task: Task, config: TrainConfig, lo: int, hi: int) -> None:
         """Build the model and optimizer, and take elements ``lo .. hi`` of them."""
-        from ...zero import check_shardable
-
         self.own: list[State] = []
         self.device = torch.device("cuda", 0) if config.ps_device == "cuda" else torch.device("cpu")
         torch.set_num_threads(1)
