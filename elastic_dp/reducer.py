@@ -57,7 +57,7 @@ one ``bucket_mb`` bucket."""
 
 
 @dataclass(slots=True)
-class _Bucket:
+class Bucket:
     params: list[torch.nn.Parameter]
     offsets: list[int]
     """Where each parameter starts in the bucket's flat buffer."""
@@ -240,7 +240,7 @@ class GradientReducer:
                 bucket.buffer, bucket.views = None, []
 
 
-def _attach(bucket: _Bucket, buffer: torch.Tensor, carry_vote: bool = False) -> None:
+def _attach(bucket: Bucket, buffer: torch.Tensor, carry_vote: bool = False) -> None:
     if carry_vote:  # the buffer is followed by the vote, reduced with it
         bucket.carrier = torch.zeros(buffer.numel() + VOTE, dtype=buffer.dtype, device=buffer.device)
         buffer = bucket.carrier[:buffer.numel()]
@@ -249,7 +249,7 @@ def _attach(bucket: _Bucket, buffer: torch.Tensor, carry_vote: bool = False) -> 
 
 
 def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp32: bool, *,
-                 group_of: dict[int, int] | None = None, pad_to: int = 1) -> list[_Bucket]:
+                 group_of: dict[int, int] | None = None, pad_to: int = 1) -> list[Bucket]:
     """Pack ``params``, last first, into buckets of about ``bucket_bytes`` (the first closes
     at ``FIRST_BUCKET_BYTES`` already; no buffers yet).
 
@@ -270,16 +270,16 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp3
     def kind(p: torch.nn.Parameter) -> tuple:
         return p.dtype, buffer_dtype(p), p.device, (group_of or {}).get(id(p))
 
-    def bucket(members: list[torch.nn.Parameter]) -> _Bucket:
+    def bucket(members: list[torch.nn.Parameter]) -> Bucket:
         dtype = buffer_dtype(members[0])
         offsets, offset = [], 0
         for p in members:
             offsets.append(offset)
             offset += p.numel()
-        return _Bucket(params=members, offsets=offsets, numel=offset, padded=-(-offset // pad_to) * pad_to,
+        return Bucket(params=members, offsets=offsets, numel=offset, padded=-(-offset // pad_to) * pad_to,
                        dtype=dtype, as_view=all(p.dtype == dtype for p in members))
 
-    buckets: list[_Bucket] = []
+    buckets: list[Bucket] = []
     open_: dict[tuple, tuple[list[torch.nn.Parameter], int]] = {}  # kind -> (params, bytes); insertion-ordered
     for p in reversed(params):
         members, size = open_.pop(kind(p), ([], 0))

@@ -62,6 +62,7 @@ from .faults import Fault, trigger
 from .reducer import GradientReducer, make_buckets
 from .shards import ShardState, Snapshot, check_shardable, cut, keep, needed_sources, pack, spare, unpack
 from .strategy import BucketedGradients, broadcast_tensors, inside, nbytes
+from . import zero_format
 
 logger = logging.getLogger(__name__)
 
@@ -437,50 +438,18 @@ class Sharded(BucketedGradients):
         """All model tensors, and the optimizer state of this rank's new chunk and its left
         neighbour's (the peer snapshot it keeps): a checkpoint's other files are not read."""
         self._current()
-        ranges: dict[str, list[tuple[int, int]]] = {}
-        for b, bucket in enumerate(self.buckets):
-            for r in {self.rank, (self.rank - 1) % self.world_size}:
-                lo, hi = r * self.chunks[b], (r + 1) * self.chunks[b]
-                for p, offset in zip(bucket.params, bucket.offsets):
-                    a, e = max(lo, offset), min(hi, offset + p.numel())
-                    if a < e:
-                        ranges.setdefault(self.names[id(p)], []).append((a - offset, e - offset))
-
-        def wanted(key: str, start: int, numel: int) -> bool:
-            if not key.startswith("optim/"):
-                return True
-            name = key.removeprefix("optim/").rpartition("/")[0]
-            return any(a < start + numel and start < e for a, e in ranges.get(name, ()))
-        return wanted
+        return zero_format.wanted(self.buckets, self.chunks, self.names,
+                                  {self.rank, (self.rank - 1) % self.world_size})
 
     def load(self, state: TrainingState) -> None:
         self._current()
         self.load_named(state.optimizer_tensors, state.step)
 
     def named_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """This rank's part of the optimizer state, keyed ``<param name>/<key>`` as in a
-        checkpoint: slices of parameters, placed by ``meta["slices"][key] = [start, shape]``
-        (``checkpoint.merge_shards`` joins the ranks' parts). bf16/fp16 parameters also get
-        their fp32 master values, under the key ``master``."""
+        """This rank's part of the optimizer state in a checkpoint's keys
+        (``zero_format.named_state``)."""
         live = self.export("live", self.live_step)
-        tensors: dict[str, torch.Tensor] = {}
-        slices: dict[str, list] = {}
-        for b, bucket in enumerate(self.buckets):
-            lo = self.rank * self.chunks[b]
-            hi = lo + self.chunks[b]
-            entries = {key: values[b] for key, values in live.state.items()}
-            for p, offset in zip(bucket.params, bucket.offsets):
-                a, e = max(lo, offset), min(hi, offset + p.numel())
-                if a >= e:
-                    continue
-                name = self.names[id(p)]
-                fields = dict(entries, master=live.master[b]) if p.dtype != torch.float32 else entries
-                for key, value in fields.items():
-                    if value.dim() == 0:
-                        tensors[f"{name}/{key}"] = value
-                    else:
-                        tensors[f"{name}/{key}"] = value[a - lo:e - lo].clone()
-                        slices[f"{name}/{key}"] = [a - offset, list(p.shape)]
+        tensors, slices = zero_format.named_state(self.buckets, self.chunks, self.names, self.rank, live)
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [self.names[id(p)] for p in base["params"]]}
                   for g, base in zip(self.optimizer.param_groups, self.base_groups)]
@@ -489,26 +458,6 @@ class Sharded(BucketedGradients):
     def load_named(self, tensors: dict[str, torch.Tensor], step: int) -> None:
         """Load whole-parameter optimizer state keyed ``<param name>/<key>`` (a checkpoint's,
         saved at any world size and stage), after the model's parameters were loaded."""
-        by_param: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in tensors.items():
-            name, _, field = key.rpartition("/")
-            by_param.setdefault(name, {})[field] = value
-        full = ShardState(step=step, world_size=1, rank=0, master=[])
-        for b, bucket in enumerate(self.buckets):
-            master = self.param_buffers[b][:bucket.numel].detach().float().cpu()
-            values: dict[str, torch.Tensor] = {}
-            for p, offset in zip(bucket.params, bucket.offsets):
-                for field, value in by_param.get(self.names[id(p)], {}).items():
-                    if field == "master":
-                        master[offset:offset + p.numel()] = value.reshape(-1)
-                    elif value.dim() == 0:
-                        values[field] = value.clone()
-                    else:
-                        values.setdefault(field, torch.zeros(bucket.numel, dtype=value.dtype))
-                        values[field][offset:offset + p.numel()] = value.reshape(-1)
-            full.master.append(master)
-            for field, value in values.items():
-                full.state.setdefault(field, []).append(value)
-        if any(len(v) != len(self.buckets) for v in full.state.values()):
-            raise ValueError("optimizer state is missing for some parameters")
+        masters = [self.param_buffers[b][:bucket.numel].detach().float().cpu() for b, bucket in enumerate(self.buckets)]
+        full = zero_format.whole_state(self.buckets, self.names, masters, tensors, step)
         self.load_shards(lambda _: full, 1, step)
