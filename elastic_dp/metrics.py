@@ -52,6 +52,10 @@ class RunSummary:
     out_dir: str | None = None
     sample: str | None = None
     """The task's sample (e.g. generated text) after the last step, if it has one."""
+    staleness: dict[int, int] | None = None
+    """Asynchronous SGD: how many of the applied updates had each staleness."""
+    recomputed: int = 0
+    """Asynchronous SGD: gradients refused as too stale and computed again."""
 
     @property
     def samples_per_s(self) -> float:
@@ -63,6 +67,9 @@ class RunSummary:
                  f"  samples      {self.samples}  ({self.samples_per_s:.1f} samples/s over {self.seconds:.1f} s)"]
         if self.final_loss is not None:
             lines.append(f"  loss         {self.first_loss:.4f} (first step) -> {self.final_loss:.4f} (last step)")
+        if self.staleness is not None:
+            histogram = ", ".join(f"{k}: {n}" for k, n in sorted(self.staleness.items()))
+            lines.append(f"  staleness    {histogram}  (updates per staleness; {self.recomputed} recomputed)")
         lines.append(f"  events       {len(self.events)}")
         for e in self.events:
             detail = ", ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in ("time", "kind"))

@@ -1,6 +1,6 @@
 """``elastic-dp report RUN_DIR [--out DIR]``: plots and a short report from a run's output.
 
-Reads only ``metrics.jsonl`` and ``events.jsonl`` (the source of truth), so it works on a
+Reads only ``metrics.jsonl``, ``events.jsonl`` and ``updates.jsonl`` (the source of truth), so it works on a
 run directory copied from a cluster with nothing but this package installed. Draws with
 matplotlib (the Agg canvas, no display needed):
 
@@ -8,6 +8,8 @@ matplotlib (the Agg canvas, no display needed):
     throughput.png   samples/s and world size against wall time
     breakdown.png    per step: compute, waiting for the reduction, optimizer, snapshot,
                      the coordinator's own time (dispatch, gather, bookkeeping), and any rest
+    staleness.png    asynchronous SGD only (``updates.jsonl``): how many applied updates
+                     had each staleness
     report.md        the summary figures, embedding the plots
 
 A step that was rolled back and trained again is plotted once, as last trained (the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +45,8 @@ class RunLog:
     """One per step, the last time it was trained, in step order."""
     events: list[dict]
     notes: list[str] = field(default_factory=list)
+    updates: list[dict] = field(default_factory=list)
+    """Asynchronous SGD: the applied updates in version order (an undone one as replaced)."""
 
     @property
     def changes(self) -> list[tuple[int, str]]:
@@ -98,7 +103,9 @@ def read_run(run_dir: str | Path) -> RunLog:
     events = _read_jsonl(events_path, notes) if events_path.is_file() else []
     if not events_path.is_file():
         notes.append("events.jsonl is missing: no membership changes are marked")
-    return RunLog([by_step[s] for s in sorted(by_step)], events, notes)
+    updates_path = run_dir / "updates.jsonl"
+    by_version = {u["version"]: u for u in _read_jsonl(updates_path, notes)} if updates_path.is_file() else {}
+    return RunLog([by_step[s] for s in sorted(by_step)], events, notes, [by_version[v] for v in sorted(by_version)])
 
 
 def _figure() -> Figure:
@@ -152,6 +159,22 @@ def plot_breakdown(log: RunLog) -> Figure:
     return fig
 
 
+def staleness_counts(log: RunLog) -> dict[int, int]:
+    """How many of the applied updates had each staleness."""
+    return dict(sorted(Counter(u["staleness"] for u in log.updates).items()))
+
+
+def plot_staleness(log: RunLog) -> Figure:
+    fig = _figure()
+    ax = fig.add_subplot()
+    counts = staleness_counts(log)
+    ax.bar(list(counts), list(counts.values()), color="tab:blue", gid="staleness")
+    ax.set_xticks(range(max(counts, default=0) + 1))
+    ax.set(xlabel="staleness (updates applied between the pull and this update)", ylabel="updates",
+           title=f"Staleness of the {len(log.updates)} applied updates")
+    return fig
+
+
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw the plots and write ``report.md`` into ``out`` (default ``RUN_DIR/report``)."""
     log = read_run(run_dir)
@@ -159,6 +182,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     plots = {"loss.png": plot_loss(log), "throughput.png": plot_throughput(log),
              "breakdown.png": plot_breakdown(log)}
+    if log.updates:
+        plots["staleness.png"] = plot_staleness(log)
     for name, fig in plots.items():
         fig.savefig(out / name)
     (out / "report.md").write_text(_markdown(log, run_dir, list(plots)))
@@ -183,6 +208,11 @@ def _markdown(log: RunLog, run_dir: str | Path, plots: list[str]) -> str:
         if values:
             median = statistics.median(values) * (100 if unit == "%" else 1)
             lines.append(f"- {label}, median: {median:.1f}{unit}")
+    if log.updates:
+        histogram = ", ".join(f"{k}: {n}" for k, n in staleness_counts(log).items())
+        summary = next((e for e in reversed(log.events) if e["kind"] == "async_summary"), None)
+        recomputed = f"; recomputed as too stale: {summary['recomputed']}" if summary else ""
+        lines.append(f"- asynchronous updates: {len(log.updates)}; by staleness: {histogram}{recomputed}")
     lines += [f"- note: {n}" for n in log.notes]
     lines += ["", *(f"![{p.removesuffix('.png')}]({p})" for p in plots), ""]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer
 from elastic_dp.modes.asyncsgd.ledger import Ledger, snapshot_plan
+from elastic_dp.report import plot_staleness, read_run
 from tests.reference import max_abs_diff, replay, replay_updates
 from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
 
@@ -62,8 +63,10 @@ def test_a_roll_back_leases_the_undone_steps_and_those_out_again():
         ledger.lease(w)
     for w in "bad":
         ledger.settle(w, 0)  # versions 1..3 from steps 1, 0, 3
+    assert ledger.staleness == Counter({0: 1, 1: 1, 2: 1})
     assert ledger.roll_back(1) == [0, 3, 2]  # undone: versions 2, 3; out: c's step 2
     assert (ledger.version, ledger.leased, ledger.again) == (1, {}, [0, 2, 3])
+    assert ledger.staleness == Counter({0: 1})  # the undone updates leave the histogram
     assert [ledger.lease(w) for w in "xyzw"] == [0, 2, 3, 4]
 
 
@@ -121,6 +124,11 @@ def test_stale_updates_a_straggler_and_a_kill_replay_from_updates_jsonl(ray_clus
         assert u["staleness"] == u["version"] - 1 - u["base_version"]
     lost = [e for e in events if e["kind"] == "membership_changed" and e["lost"]]
     assert len(lost) == 2 and "heartbeats" in lost[1]["cause"]
+    histogram = Counter(u["staleness"] for u in final.values())
+    assert summary.staleness == histogram
+    assert "staleness    " + ", ".join(f"{k}: {n}" for k, n in sorted(histogram.items())) in summary.render()
+    bars = plot_staleness(read_run(tmp_path)).axes[0].patches  # the report's plot, from updates.jsonl
+    assert {round(b.get_x() + b.get_width() / 2): b.get_height() for b in bars} == histogram
     unpaced = dataclasses.replace(task, loss=PacedLoss())
     expected = replay_updates(unpaced, config, str(tmp_path / "initial.safetensors"), list(final.values()))
     assert max_abs_diff(load_file(tmp_path / "final.safetensors"), expected) < TOL
@@ -185,11 +193,13 @@ def test_a_lost_parameter_server_shard_restores_the_checkpoint_or_rolls_back_to_
     the updates after it are undone and their steps trained again. The run ends on the
     replay of updates.jsonl, every step applied once."""
     task = paced_task(PacedLoss(seconds=0.005))
-    _, config, updates, events = _train(
+    summary, config, updates, events = _train(
         tmp_path, task, workers=2, steps=12, max_staleness=2, ps_shards=2, snapshot_every=4,
         inject=["kill:step=3:rank=1:phase=shard", "kill:step=9:rank=0:phase=shard"],
         checkpoint=CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2))
     assert next(e for e in events if e["kind"] == "restored_from_checkpoint")["step"] == 2
     restored = next(e for e in events if e["kind"] == "ps_shards_restored")
     assert restored["shards"] == [0] and restored["version"] == 8
+    final = {u["version"]: u for u in updates}
+    assert summary.staleness == Counter(u["staleness"] for u in final.values())  # undone updates not counted
     assert _replayed(tmp_path, dataclasses.replace(task, loss=PacedLoss()), config, updates) < TOL

@@ -52,8 +52,7 @@ class Ledger:
         self.again: list[int] = []  # steps to lease again (their worker died), sorted
         self.leased: dict[Any, int] = {}  # worker -> its step
         self.recomputed = 0
-        self.staleness = Counter()
-        self.applied: dict[int, int] = {}  # version -> its step, for a roll-back
+        self.applied: dict[int, Update] = {}  # version -> its update, for a roll-back and the histogram
 
     def may_lease(self, limit: int, new: bool = True) -> bool:
         """Another step may be leased: one to lease again, or (``new``) one left before
@@ -84,15 +83,15 @@ class Ledger:
         scale = self.lr_factor(self.version - 1)
         if self.staleness_lr == "inverse" and staleness >= 1:
             scale /= staleness + 1
-        self.staleness[staleness] += 1
-        self.applied[self.version] = step
-        return Update(self.version, step, base_version, worker, staleness, scale)
+        update = Update(self.version, step, base_version, worker, staleness, scale)
+        self.applied[self.version] = update
+        return update
 
     def roll_back(self, version: int) -> list[int]:
         """The model is back at ``version`` (a lost parameter-server shard rebuilt from a
         snapshot): the steps of later updates, and every step out, are leased again.
         Returns the steps to lease again."""
-        undone = [self.applied.pop(v) for v in range(version + 1, self.version + 1) if v in self.applied]
+        undone = [self.applied.pop(v).step for v in range(version + 1, self.version + 1) if v in self.applied]
         undone += list(self.leased.values())
         self.leased.clear()
         self.again = sorted(self.again + undone)
@@ -105,6 +104,17 @@ class Ledger:
         if step is not None:
             bisect.insort(self.again, step)
         return step
+
+    def carry(self, earlier: Ledger) -> None:
+        """Count ``earlier``'s updates up to this ledger's version, and its recomputed ones,
+        as this ledger's own (a run restored from its checkpoint mid-way)."""
+        self.applied |= {v: u for v, u in earlier.applied.items() if v <= self.version}
+        self.recomputed += earlier.recomputed
+
+    @property
+    def staleness(self) -> Counter:
+        """How many of the updates in the model had each staleness (undone ones not counted)."""
+        return Counter(u.staleness for u in self.applied.values())
 
     @property
     def idle(self) -> bool:

@@ -140,8 +140,10 @@ class AsyncMode:
             step = ray.get([s.load_checkpoint.remote(checkpoint) for s in self.shards])[0]
             if self.keeper is not None:
                 self.keeper.trim.remote(-1)
-        self.ledger = Ledger(step, max_staleness=self.train.max_staleness, staleness_lr=self.train.staleness_lr,
-                             lr_factor=self.train.lr_factor)
+        earlier, self.ledger = self.ledger, Ledger(step, max_staleness=self.train.max_staleness,
+                                                   staleness_lr=self.train.staleness_lr, lr_factor=self.train.lr_factor)
+        if earlier is not None:
+            self.ledger.carry(earlier)
 
     def close(self) -> None:
         for actor in [*self.shards, *self._spawned, *([self.keeper] if self.keeper is not None else [])]:
@@ -154,6 +156,8 @@ class AsyncMode:
         self.recorder.event("async_summary", updates=self.ledger.version, recomputed=self.ledger.recomputed,
                             staleness={str(k): counts[k] for k in sorted(counts)})
         self.recorder.summary.sample = None
+        self.recorder.summary.staleness = dict(sorted(counts.items()))
+        self.recorder.summary.recomputed = self.ledger.recomputed
 
     def _write_weights(self, name: str) -> None:
         if self.recorder.storage is None:
