@@ -104,16 +104,17 @@ def test_staleness_0_equals_the_synchronous_replay(ray_cluster, tmp_path):
     assert summary.steps == config.steps
 
 
-def test_stale_updates_a_straggler_and_a_kill_replay_from_updates_jsonl(ray_cluster, tmp_path):
-    """3 workers, staleness up to 4, rank 1 slowed 3x, rank 2 killed in its first step from
-    step 6 on, rank 0 frozen (SIGSTOP) in its first from step 14 on and found by its
-    missed heartbeats: a plain loop replaying updates.jsonl lands on final.safetensors,
-    and every step 0..U-1 has exactly one applied update. SGD with momentum over 24
-    updates: the bound is float32 order, as in the synchronous tests on this task."""
+def test_stale_updates_a_straggler_a_join_and_a_kill_replay_from_updates_jsonl(ray_cluster, tmp_path):
+    """Up to 3 workers, staleness up to 4: 2 start, rank 1 slowed 3x; a third joins at
+    step 4 (rank 2) and is killed in its first step from step 8 on; rank 0 is frozen
+    (SIGSTOP) in its first from step 14 on and found by its missed heartbeats. A plain
+    loop replaying updates.jsonl lands on final.safetensors, and every step 0..U-1 has
+    exactly one applied update. SGD with momentum over 24 updates: the bound is float32
+    order, as in the synchronous tests on this task."""
     task = paced_task(PacedLoss(seconds=0.01))
     summary, config, updates, events = _train(
         tmp_path, task, workers=3, steps=24, max_staleness=4, staleness_lr="inverse",
-        inject=["slow:rank=1:factor=3", "kill:step=6:rank=2", "hang:step=14:rank=0"],
+        inject=["slow:rank=1:factor=3", "join:step=4", "kill:step=8:rank=2", "hang:step=14:rank=0"],
         cluster={"heartbeat_timeout_s": 1.5})
     final = {u["version"]: u for u in updates}
     assert sorted(final) == list(range(1, 25))
@@ -124,6 +125,9 @@ def test_stale_updates_a_straggler_and_a_kill_replay_from_updates_jsonl(ray_clus
         assert u["staleness"] == u["version"] - 1 - u["base_version"]
     lost = [e for e in events if e["kind"] == "membership_changed" and e["lost"]]
     assert len(lost) == 2 and "heartbeats" in lost[1]["cause"]
+    joined = next(e for e in events if e["kind"] == "membership_changed" and e["joined"])
+    assert joined["step"] == 4 and joined["world_size"] == 3  # 2 started; the third joined, no re-formation
+    assert len({u["worker"] for u in updates}) == 3  # and the joiner's updates were applied
     histogram = Counter(u["staleness"] for u in final.values())
     assert summary.staleness == histogram
     assert "staleness    " + ", ".join(f"{k}: {n}" for k, n in sorted(histogram.items())) in summary.render()
@@ -146,7 +150,8 @@ def test_async_input_errors_name_the_setting(ray_cluster, tmp_path):
 
 def test_one_worker_and_checkpoints_passed_between_the_modes_end_on_the_replay(ray_cluster, tmp_path):
     """Async on one worker (default staleness bound, 2 shards: every update is computed on
-    the version before it) saves at step 2; sync at 2 workers resumes it and saves at 4;
+    the version before it) saves at step 2, bit for bit where sync on one worker is after
+    2 steps; sync at 2 workers resumes it and saves at 4;
     async at staleness 0 resumes that to 6. The run ends on the plain replay of 6 steps."""
     task = TINY_GPT_TASK
     config = dataclasses.replace(task.defaults, steps=6)
@@ -158,6 +163,10 @@ def test_one_worker_and_checkpoints_passed_between_the_modes_end_on_the_replay(r
                 checkpoint=CheckpointConfig(dir=str(ckpt), every=2, resume=resume)).fit()
 
     fit("async", 1, 2, "never", mode="async", ps_shards=2)
+    Trainer(task, train=dataclasses.replace(config, steps=2), cluster=ClusterConfig(workers=1),
+            out_dir=str(tmp_path / "sync-one"), progress=False).fit()
+    one_async, one_sync = (load_file(tmp_path / d / "final.safetensors") for d in ("async", "sync-one"))
+    assert all(torch.equal(one_async[k], one_sync[k]) for k in one_sync)  # one worker: async is sync, bit for bit
     manifest = json.loads(next(ckpt.glob("step-00000002-*/manifest.json")).read_text())
     assert sorted(manifest["files"]) == ["model-00000.safetensors", "model-00001.safetensors",
                                          "optim-00000.safetensors", "optim-00001.safetensors"]  # a pair per shard
