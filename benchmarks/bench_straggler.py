@@ -6,8 +6,16 @@ same initial weights: sync with equal slices, sync ``--balance``, and ``--mode a
 each ``--staleness``. Reported for each: samples/s (median step or update interval after
 ``--warmup``), the ratio to sync, the mean loss of the last ``--tail`` steps (every run has
 then trained the same number of samples); the slices ``--balance`` settled on; async's
-staleness histogram and recomputed updates; and the largest difference between the two
-sync runs' final parameters (the same batches split differently: float32 order only).
+staleness histogram and recomputed updates; sync's loss over the same tail of the steps
+it had trained by the wall time each run ended (equal time rather than equal samples);
+and the largest difference between the two sync runs' final parameters (the same
+batches split differently: float32 order only).
+
+Every run's final parameters are also scored on the same fixed batches (``EVAL_STEPS`` of
+the sampler, never trained in a short run), and so are those of a plain single-process
+PyTorch loop whose every gradient is ``--reference-staleness`` updates late (computed on
+the parameters that many updates back): the cost of staleness itself, without Ray or
+parameter servers, to set async's figures against.
 
     .venv/bin/python -m benchmarks.bench_straggler --workers 3 --factor 3 --steps 40
 """
@@ -27,7 +35,51 @@ from safetensors.torch import load_file
 
 from benchmarks.peers import local_ray
 from elastic_dp import ClusterConfig, Trainer
+from elastic_dp.data import ElasticSampler
 from jobs.gpt import TASK
+
+
+EVAL_STEPS = range(5000, 5008)
+
+
+def held_out_loss(state: dict[str, torch.Tensor]) -> float:
+    """The mean loss of ``state`` on the batches of sampler steps ``EVAL_STEPS``."""
+    model = TASK.model()
+    model.load_state_dict(state)
+    model.eval()
+    dataset = TASK.dataset()
+    sampler = ElasticSampler(len(dataset), global_batch=TASK.defaults.global_batch, seed=TASK.defaults.seed)
+    with torch.no_grad():
+        losses = [float(TASK.loss(model, TASK.collate([dataset[int(i)] for i in sampler.batch(s)])))
+                  for s in EVAL_STEPS]
+    return round(statistics.mean(losses), 4)
+
+
+def plain_stale(initial: dict[str, torch.Tensor], steps: int, staleness: int) -> dict[str, torch.Tensor]:
+    """A plain PyTorch loop over steps 0..steps-1 in order, each gradient computed on the
+    parameters ``staleness`` updates back (the first ones on the initial parameters)."""
+    config = TASK.defaults
+    torch.manual_seed(config.seed)
+    model, late = TASK.model(), TASK.model()
+    model.load_state_dict(initial)
+    dataset = TASK.dataset()
+    sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
+    optimizer = TASK.optimizer(model)
+    base = [g["lr"] for g in optimizer.param_groups]
+    history = [{k: v.clone() for k, v in model.state_dict().items()}]
+    for step in range(steps):
+        late.load_state_dict(history[0])
+        late.zero_grad()
+        TASK.loss(late, TASK.collate([dataset[int(i)] for i in sampler.batch(step)])).backward()
+        if config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(late.parameters(), config.clip_grad_norm)
+        for p, q in zip(model.parameters(), late.parameters()):
+            p.grad = q.grad
+        for group, lr in zip(optimizer.param_groups, base):
+            group["lr"] = lr * config.lr_factor(step)
+        optimizer.step()
+        history = [*history, {k: v.clone() for k, v in model.state_dict().items()}][-(staleness + 1):]
+    return model.state_dict()
 
 
 def run(args: argparse.Namespace, out: str, **train) -> dict:
@@ -44,6 +96,9 @@ def run(args: argparse.Namespace, out: str, **train) -> dict:
               "tail_loss": round(statistics.mean(r["loss"] for r in rows[-args.tail:] if r["loss"] is not None), 4)}
     if sizes:
         result["slices"] = sizes[-1]
+    # from the first step's end: a first async "step" also spans setting up the shards
+    result["_curve"] = [(r["time"] - rows[0]["time"], r["loss"]) for r in rows if r["loss"] is not None]
+    result["held_out_loss"] = held_out_loss(load_file(f"{out}/final.safetensors"))
     summary = next((e for e in events if e["kind"] == "async_summary"), None)
     if summary:
         result |= {"staleness": summary["staleness"], "recomputed": summary["recomputed"]}
@@ -59,21 +114,42 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps not counted (the balance settles in these)")
     parser.add_argument("--tail", type=int, default=10, help="the last steps whose loss is averaged")
     parser.add_argument("--staleness", default="2,8", help="async runs, one per --max-staleness")
+    parser.add_argument("--staleness-lr", default="none", choices=("none", "inverse", "both"),
+                        help="async learning rate damping; both: each staleness once undamped, once inverse")
+    parser.add_argument("--reference-staleness", default="1,2",
+                        help="plain loops with every gradient this many updates late (empty: none)")
+    parser.add_argument("--no-balance", action="store_true", help="leave out the --balance run")
     args = parser.parse_args()
     runs = {}
     with local_ray(num_cpus=2 * args.workers), tempfile.TemporaryDirectory() as tmp:
         runs["sync"] = run(args, f"{tmp}/sync")
-        runs["sync_balance"] = run(args, f"{tmp}/balance", balance=True)
+        if not args.no_balance:
+            runs["sync_balance"] = run(args, f"{tmp}/balance", balance=True)
+        dampings = ("none", "inverse") if args.staleness_lr == "both" else (args.staleness_lr,)
         for s in (int(s) for s in args.staleness.split(",") if s):
-            runs[f"async_s{s}"] = run(args, f"{tmp}/async{s}", mode="async", max_staleness=s)
-        a, b = load_file(f"{tmp}/sync/final.safetensors"), load_file(f"{tmp}/balance/final.safetensors")
-        diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+            for damping in dampings:
+                name = f"async_s{s}" + ("_inverse" if damping == "inverse" else "")
+                runs[name] = run(args, f"{tmp}/{name}", mode="async", max_staleness=s, staleness_lr=damping)
+        initial = load_file(f"{tmp}/sync/initial.safetensors")
+        plain = {f"plain_staleness_{t}": held_out_loss(plain_stale(initial, args.steps, t))
+                 for t in (int(t) for t in args.reference_staleness.split(",") if t)}
+        diff = None
+        if not args.no_balance:
+            a, b = load_file(f"{tmp}/sync/final.safetensors"), load_file(f"{tmp}/balance/final.safetensors")
+            diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    sync_curve = runs["sync"]["_curve"]
     for result in runs.values():
         result["x_sync"] = round(result["samples_per_s"] / runs["sync"]["samples_per_s"], 3)
+        # equal wall time: sync's loss over the tail of steps it had trained when this run ended
+        ended = result["_curve"][-1][0]
+        done = [loss for t, loss in sync_curve if t <= ended] or [sync_curve[0][1]]
+        result["sync_tail_loss_at_same_time"] = round(statistics.mean(done[-args.tail:]), 4)
+    for result in runs.values():
+        del result["_curve"]
     print(json.dumps({"date": datetime.date.today().isoformat(), "workers": args.workers,
                       "slow_rank": args.slow_rank, "factor": args.factor, "steps": args.steps,
                       "torch": torch.__version__, "ray": ray.__version__, "runs": runs,
-                      "sync_vs_balance_max_param_diff": diff}, indent=1))
+                      "plain_loop_held_out_loss": plain, "sync_vs_balance_max_param_diff": diff}, indent=1))
 
 
 if __name__ == "__main__":
