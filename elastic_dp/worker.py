@@ -272,6 +272,7 @@ class Replica:
         result = StepResult(step=0, rank=0, generation=0, committed=False)
         start = time.perf_counter()
         self.slow = slow
+        self.progress.enter("compute")  # the watchdog judges a stalled gradient by this phase
         try:
             self._forward_backward(self._collate(indices), result, fault, vote=False)
         except Exception as exc:

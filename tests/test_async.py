@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer
+from elastic_dp.data import ElasticSampler
 from elastic_dp.modes.asyncsgd.ledger import Ledger, snapshot_plan
 from elastic_dp.report import plot_staleness, read_run
 from tests.reference import max_abs_diff, replay, replay_updates
@@ -136,6 +137,21 @@ def test_stale_updates_a_straggler_a_join_and_a_kill_replay_from_updates_jsonl(r
     unpaced = dataclasses.replace(task, loss=PacedLoss())
     expected = replay_updates(unpaced, config, str(tmp_path / "initial.safetensors"), list(final.values()))
     assert max_abs_diff(load_file(tmp_path / "final.safetensors"), expected) < TOL
+
+
+def test_a_training_thread_blocked_in_a_gradient_is_found_by_its_stalled_progress(ray_cluster, tmp_path):
+    """The worker that meets a sample of step 3 blocks in its forward for good, its process
+    still answering heartbeats. Nobody waits for it in a collective, but its progress
+    count stands still: with a 1.5 s floor it is replaced and its step leased again, and
+    the run ends on the replay of updates.jsonl."""
+    sampler = ElasticSampler(96, global_batch=10, seed=3)  # the paced task's dataset and seed
+    task = paced_task(PacedLoss(seconds=0.01, block=int(sampler.batch(3)[0]), marker=str(tmp_path / "blocked")))
+    _, config, updates, events = _train(tmp_path / "out", task, workers=2, steps=8, max_staleness=2,
+                                        cluster={"stall_floor_s": 1.5})
+    assert (tmp_path / "blocked").exists()
+    lost = [e for e in events if e["kind"] == "membership_changed" and e["lost"]]
+    assert len(lost) == 1 and "made no progress" in lost[0]["cause"] and "bound 1.5 s" in lost[0]["cause"]
+    assert _replayed(tmp_path / "out", dataclasses.replace(task, loss=PacedLoss()), config, updates) < TOL
 
 
 def test_async_input_errors_name_the_setting(ray_cluster, tmp_path):

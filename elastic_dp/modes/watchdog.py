@@ -14,6 +14,11 @@
 The step deadline (``--step-timeout``) stays the last backstop. A slow worker that keeps
 its pace is not hung: its peers wait for it in every step, so the median step time, and
 with it the bound, includes its slowness.
+
+In asynchronous SGD (``alone``) no peer waits in a collective: a worker computing a
+gradient whose count has not moved for the bound is hung, the bound taken from the
+larger of the run's median gradient time and the worker's own (``paces``), so a
+straggler that keeps its own pace is not.
 """
 
 from __future__ import annotations
@@ -47,18 +52,25 @@ class Watchdog:
     """Sends heartbeats to the members of one call and judges their answers."""
 
     def __init__(self, bounds: HangBounds, typical_step_s: float | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.bounds, self.typical_step_s, self.clock = bounds, typical_step_s, clock
+                 clock: Callable[[], float] = time.monotonic, *, alone: bool = False) -> None:
+        self.bounds, self.typical_step_s, self.clock, self.alone = bounds, typical_step_s, clock, alone
+        self.paces: dict[Any, float] = {}
+        """``alone``: each member's own typical time for the work it is judged in."""
         self._pings: dict[Any, tuple[object, float]] = {}  # member -> (heartbeat ref, sent at)
         self._beats: dict[Any, tuple[Heartbeat, float]] = {}  # member -> (last answer, received at)
         self._next = clock() + bounds.heartbeat_interval_s
 
     @property
     def stall_bound_s(self) -> float:
+        return self.bound_for(None)
+
+    def bound_for(self, member: Any) -> float:
+        """How long ``member`` (None: any) may make no progress: relative to the run's pace,
+        or its own when that is slower (``paces``)."""
         b = self.bounds
         if self.typical_step_s is None:
             return max(b.stall_floor_s, b.first_step_s)
-        return max(b.stall_floor_s, b.stall_factor * self.typical_step_s)
+        return max(b.stall_floor_s, b.stall_factor * max(self.typical_step_s, self.paces.get(member, 0.0)))
 
     def due_in(self) -> float:
         """Seconds until the next round of heartbeats."""
@@ -98,6 +110,8 @@ class Watchdog:
             self._beats[member] = (beat, now)
 
     def _stalled(self, pending: list[Any], now: float) -> list[tuple[Any, str]]:
+        if self.alone:
+            return self._stalled_alone(pending, now)
         bound = self.stall_bound_s
         waited = [beat.phase_s + now - at for m, (beat, at) in self._beats.items()
                   if beat.phase == "reduce" and m in pending]
@@ -113,4 +127,17 @@ class Watchdog:
                 stalled.append((member, f"{member!r} made no progress for {still:.1f} s while its peers waited "
                                         f"{max(waited):.1f} s for it (a hung training thread; bound {bound:.1f} s: "
                                         "--stall-floor, --stall-factor)"))
+        return stalled
+
+    def _stalled_alone(self, pending: list[Any], now: float) -> list[tuple[Any, str]]:
+        stalled = []
+        for member in pending:
+            beat, at = self._beats.get(member, (None, 0.0))
+            if beat is None or beat.phase != "compute" or at != now:
+                continue  # judged only on an answer to this round's heartbeat
+            bound = self.bound_for(member)
+            if beat.still_s >= bound:
+                stalled.append((member, f"{member!r} made no progress for {beat.still_s:.1f} s computing a gradient "
+                                        f"(a hung training thread; bound {bound:.1f} s: --stall-floor, "
+                                        "--stall-factor)"))
         return stalled

@@ -20,7 +20,9 @@ base version and applies them in version order ends on ``final.safetensors``.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,6 +45,8 @@ SPAWN_AHEAD = 8
 """Shard actors started before the model's size is known (the rest once it is)."""
 POLL_S = 1.0
 """The longest the sequencer waits for a report before it looks at the heartbeats."""
+PACE_WINDOW = 50
+"""Gradients whose compute times set the hang bound (the run's and each worker's median)."""
 
 
 @dataclass(slots=True)
@@ -96,8 +100,11 @@ class AsyncMode:
         self._last_update = time.perf_counter()
         self.watchdog = Watchdog(HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s,
                                             stall_floor_s=cluster.stall_floor_s, stall_factor=cluster.stall_factor),
-                                 typical_step_s=None)
-        """Heartbeats to the workers computing: a frozen one is replaced, its step leased again."""
+                                 typical_step_s=None, alone=True)
+        """Heartbeats to the workers computing: a frozen one, or one whose training thread
+        stopped making progress, is replaced and its step leased again."""
+        self._paces: dict[Any, deque[float]] = defaultdict(lambda: deque(maxlen=PACE_WINDOW))
+        """Recent gradient compute times, per member and (key None) of the run."""
 
     # -- start and end -------------------------------------------------------------------
     def start(self, members: list[Any], resume: Any | None) -> int:
@@ -233,6 +240,7 @@ class AsyncMode:
                               step=self.ledger.version) from None
         if meta["error"] is not None:
             raise meta["error"]  # the task's own error: not recoverable
+        self._pace(member, meta["compute_s"])
         self.faults.put_back([job.fault])  # the worker came back: its fault did not fire
         update = self.ledger.settle(member.id, job.base_version)
         if update is None:  # too stale: the same step again on the current version
@@ -249,6 +257,13 @@ class AsyncMode:
             for i, snap in enumerate(snaps):
                 self._holder(self._keeper_of(i)).keep.remote(i, snap)
         self._check_shards(wait_s=0.0)
+
+    def _pace(self, member: Any, compute_s: float) -> None:
+        """The watchdog's bounds follow the run's median gradient time and each worker's own."""
+        for key in (None, member):
+            self._paces[key].append(compute_s)
+        self.watchdog.typical_step_s = statistics.median(self._paces[None])
+        self.watchdog.paces[member] = statistics.median(self._paces[member])
 
     # -- a lost parameter-server shard -----------------------------------------------------
     def _keeper_of(self, i: int) -> int | str:
