@@ -41,8 +41,10 @@ from .shard import Keeper, ParameterShard, flat_bounds
 
 logger = logging.getLogger(__name__)
 
-SPAWN_AHEAD = 8
-"""Shard actors started before the model's size is known (the rest once it is)."""
+SPAWN_AHEAD = 2
+"""Shard actors started before the model's size is known, while the workers are placed
+(the rest once it is). Each imports torch: more at once would slow the workers' own
+start on a small machine, and a refused ``--ps-shards`` would have started them all."""
 POLL_S = 1.0
 """The longest the sequencer waits for a report before it looks at the heartbeats."""
 PACE_WINDOW = 50
