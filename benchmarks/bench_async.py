@@ -1,6 +1,7 @@
 """The parameter-server round trip: what an asynchronous update costs besides its compute.
 
-The tiny MLP of benchmarks.tasks (a step of a few hundred microseconds) trained for
+The tiny MLP of benchmarks.tasks (a step of a few hundred microseconds; ``--task gpt``:
+the GPT job, whose pulls and pushes carry 3.4 MB each) trained for
 ``--steps`` steps by one worker, synchronously (its window of steps) and with
 ``--mode async`` (a lease, a pull from every shard, the gradient, an ``apply`` on every
 shard, and a snapshot every ``--snapshot-every`` versions), one after the other in
@@ -25,6 +26,9 @@ import torch
 from benchmarks.peers import local_ray
 from benchmarks.tasks import TINY_MLP_TASK
 from elastic_dp import ClusterConfig, Trainer
+from jobs.gpt import TASK as GPT_TASK
+
+TASKS = {"mlp": TINY_MLP_TASK, "gpt": GPT_TASK}
 
 
 def median_step_ms(out: str, warmup: int) -> float:
@@ -40,21 +44,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--ps-shards", type=int, default=1)
     parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--task", choices=sorted(TASKS), default="mlp",
+                        help="gpt: the GPT job (3.4 MB of parameters pulled and of gradient pushed per update)")
     args = parser.parse_args()
+    task = TASKS[args.task]
     sync, asynchronous = [], []
     with local_ray(num_cpus=2), tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for mode, times in (("sync", sync), ("async", asynchronous)):
                 out = f"{tmp}/{mode}{round_}"
-                config = dataclasses.replace(TINY_MLP_TASK.defaults, steps=args.steps, mode=mode,
+                config = dataclasses.replace(task.defaults, steps=args.steps, mode=mode,
                                              ps_shards=args.ps_shards, snapshot_every=args.snapshot_every)
-                Trainer(TINY_MLP_TASK, train=config, cluster=ClusterConfig(workers=1), out_dir=out,
+                Trainer(task, train=config, cluster=ClusterConfig(workers=1), out_dir=out,
                         progress=False).fit()
                 times.append(median_step_ms(out, args.warmup))
             print(f"round {round_}: sync step {sync[-1]:.2f} ms, async update {asynchronous[-1]:.2f} ms", flush=True)
     a, s = statistics.median(asynchronous), statistics.median(sync)
     print(json.dumps({"date": datetime.date.today().isoformat(), "torch": torch.__version__, "ray": ray.__version__,
-                      "steps": args.steps, "ps_shards": args.ps_shards, "snapshot_every": args.snapshot_every,
+                      "task": args.task, "steps": args.steps, "ps_shards": args.ps_shards, "snapshot_every": args.snapshot_every,
                       "sync_step_ms": round(s, 3), "async_update_ms": round(a, 3),
                       "overhead_ms": round(a - s, 3), "ratio": round(a / s, 2)}, indent=1))
 

@@ -252,14 +252,20 @@ class Replica:
         if report:
             yield report
 
-    def async_gradient(self, indices: np.ndarray, pieces: list[torch.Tensor], bounds: list[int],
-                       fault: Fault | None, slow: Fault | None) -> tuple[dict, list[torch.Tensor]]:
+    def async_gradient(self, indices: np.ndarray, pieces: list[np.ndarray], bounds: list[int],
+                       fault: Fault | None, slow: Fault | None) -> tuple[dict, list[np.ndarray]]:
         """``--mode async``: the gradient of a whole step's batch ``indices`` on the
-        parameters ``pieces`` (the shards' flat pieces of one version), clipped by its own
-        norm, cut at ``bounds`` into one flat piece per shard. Also a small report: loss,
-        whether loss and gradient are finite, the error of the task if it raised."""
+        parameters ``pieces`` (the shards' flat fp32 pieces of one version), clipped by its
+        own norm, cut at ``bounds`` into one flat piece per shard. Also a small report: loss,
+        whether loss and gradient are finite, the error of the task if it raised.
+
+        Pieces travel as NumPy arrays, which Ray reads from its object store without a
+        copy (torch tensors it would unpickle into new memory): the pulled pieces are read
+        in place, and each returned piece is a view of one host copy of the gradient."""
         params = [p for _, p in trainable(self.model, self.optimizer)]
-        flat = torch.cat([piece.reshape(-1) for piece in pieces])
+        flat = torch.empty(bounds[-1], dtype=torch.float32)
+        for piece, lo, hi in zip(pieces, bounds, bounds[1:]):
+            np.copyto(flat.numpy()[lo:hi], piece)
         with torch.no_grad():
             offset = 0
             for p in params:
@@ -277,7 +283,7 @@ class Replica:
             self._forward_backward(self._collate(indices), result, fault, vote=False)
         except Exception as exc:
             report["error"] = _portable(exc, 0, -1)
-            return report, [torch.zeros(0) for _ in bounds[1:]]
+            return report, [np.zeros(0, dtype=np.float32) for _ in bounds[1:]]
         finally:
             self.slow = None
             self.progress.enter("idle")
@@ -289,7 +295,8 @@ class Replica:
         report["finite"] = result.loss_finite and bool(torch.isfinite(flat_grad).all())
         report["loss"] = result.loss_sum / max(1, result.samples)
         report["compute_s"] = time.perf_counter() - start
-        return report, [flat_grad[lo:hi].clone() for lo, hi in zip(bounds, bounds[1:])]
+        host = flat_grad.numpy()  # Ray writes each view's own bytes into its store, no more
+        return report, [host[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
 
     def _step(self, step: int, indices: np.ndarray, fault: Fault | None,
               batches: list[tuple[int, Any]] | BaseException | None) -> StepResult:

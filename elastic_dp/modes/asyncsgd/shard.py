@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...checkpoint import Checkpoint, Part, add_piece, dtype_name, optimizer_state, part_files, write_part
@@ -119,26 +120,33 @@ class ParameterShard(Keeper):
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ps}
                   for g, ps in zip(optimizer.param_groups, masters) if ps]
         self.base_lrs = [g["lr"] for g in groups]
+        self._grad = torch.empty(hi - lo, dtype=torch.float32)
+        """The gradient piece of the update being applied, copied out of the object store."""
         accepted = inspect.signature(type(optimizer)).parameters
         self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
-    def params(self) -> torch.Tensor:
-        """This shard's elements at the current version, as one flat fp32 vector."""
-        return torch.cat([m.detach() for m in self.masters]).cpu() if self.masters else torch.zeros(0)
+    def params(self) -> np.ndarray:
+        """This shard's elements at the current version, as one flat fp32 vector: a NumPy
+        array, which Ray hands to a worker on the same node without a copy."""
+        if not self.masters:
+            return np.zeros(0, dtype=np.float32)
+        return torch.cat([m.detach() for m in self.masters]).cpu().numpy()
 
     @torch.no_grad()
-    def apply(self, version: int, grad: torch.Tensor, lr_scale: float, skip: bool = False,
+    def apply(self, version: int, grad: np.ndarray, lr_scale: float, skip: bool = False,
               fault: Fault | None = None) -> int:
         """Apply update ``version`` (the next one): ``grad`` is this shard's piece of the
-        gradient; ``skip``: a non-finite gradient, the version passes with no change;
-        ``fault``: ``--inject kill:...:phase=shard``, fired first."""
+        gradient (a read-only NumPy array in Ray's object store); ``skip``: a non-finite
+        gradient, the version passes with no change; ``fault``: ``--inject
+        kill:...:phase=shard``, fired first."""
         trigger(fault, "shard")
         if version != self.version + 1:
             raise RuntimeError(f"shard [{self.lo}, {self.hi}) is at version {self.version}: update "
                                f"{version} arrived out of order")
         if not skip:
+            np.copyto(self._grad.numpy(), grad)  # the one copy: out of the store, into memory we may write
             for master, (_, _, length, start) in zip(self.masters, self.pieces):
-                master.grad = grad[start:start + length].to(master.device, master.dtype)
+                master.grad = self._grad[start:start + length].to(master.device, master.dtype)
             for group, base in zip(self.optimizer.param_groups, self.base_lrs):
                 group["lr"] = base * lr_scale
             self.optimizer.step()
