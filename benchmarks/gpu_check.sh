@@ -9,10 +9,21 @@
 #
 #   benchmarks/gpu_check.sh            # with the python that has torch (CUDA) and ray
 #   PYTHON=.venv/bin/python benchmarks/gpu_check.sh
+#
+# Where that python has no Ray (the lent GPU machine's image), the wheels that
+# benchmarks/gpu_carry.py leaves in .whl/ are installed into /tmp/site first: there,
+# carry .whl and run this script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! "$PY" -c "import ray" 2>/dev/null && ls .whl/ray-*.whl >/dev/null 2>&1; then
+  echo "no ray in $PY: installing .whl/ into /tmp/site"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 2
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 "$PY" - <<'PYEOF' || exit 2
 import importlib.util, sys
