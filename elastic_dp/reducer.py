@@ -277,7 +277,7 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp3
             offsets.append(offset)
             offset += p.numel()
         return Bucket(params=members, offsets=offsets, numel=offset, padded=-(-offset // pad_to) * pad_to,
-                       dtype=dtype, as_view=all(p.dtype == dtype for p in members))
+                      dtype=dtype, as_view=all(p.dtype == dtype for p in members))
 
     buckets: list[Bucket] = []
     open_: dict[tuple, tuple[list[torch.nn.Parameter], int]] = {}  # kind -> (params, bytes); insertion-ordered

@@ -1,8 +1,8 @@
 """``elastic-dp report RUN_DIR [--out DIR]``: plots and a short report from a run's output.
 
-Reads only ``metrics.jsonl``, ``events.jsonl`` and ``updates.jsonl`` (the source of truth), so it works on a
-run directory copied from a cluster with nothing but this package installed. Draws with
-matplotlib (the Agg canvas, no display needed):
+Reads only ``metrics.jsonl``, ``events.jsonl`` and ``updates.jsonl`` (the source of
+truth), so it works on a run directory copied from a cluster with nothing but this
+package installed. Draws with matplotlib (the Agg canvas, no display needed):
 
     loss.png         loss against step, every membership change and restore marked
     throughput.png   samples/s and world size against wall time
