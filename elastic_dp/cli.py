@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds a worker may leave a heartbeat unanswered before it counts as frozen")
     train.add_argument("--stall-floor", type=float, default=5.0,
                        help="a worker that makes no progress while its peers wait for it is hung after "
-                            "max(this, --stall-factor x median step time) seconds")
+                            "max(this, --stall-factor x median step time) seconds (async: in a gradient, "
+                            "x the larger of the run's and its own median gradient time)")
     train.add_argument("--stall-factor", type=float, default=4.0, help="see --stall-floor")
     train.add_argument("--collective-timeout", type=float, default=300.0, help="timeout of one collective, seconds")
     train.add_argument("--min-wait-timeout", type=float, default=300.0,

@@ -170,7 +170,9 @@ class ClusterConfig:
     process, and is replaced (``--heartbeat-timeout``)."""
     stall_floor_s: float = 5.0
     """A worker whose training thread makes no progress while its peers wait for it is
-    hung after ``max(stall_floor_s, stall_factor × median step time)`` (``--stall-floor``)."""
+    hung after ``max(stall_floor_s, stall_factor × median step time)`` (``--stall-floor``).
+    In async mode: no progress in a gradient for ``max(stall_floor_s, stall_factor ×`` the
+    larger of the run's and its own median gradient time``)``."""
     stall_factor: float = 4.0
     """See ``stall_floor_s`` (``--stall-factor``)."""
     collective_timeout_s: float = 300.0
