@@ -79,7 +79,9 @@ class PacedLoss:
     ``slow_seconds`` when the batch holds a sample of ``slow``. With ``block``: the first
     call that meets that sample blocks forever (the marker file records that one did), its
     process still answering. With ``record`` (a directory): each call appends the sample
-    indices it trained to ``record/<pid>.txt``, one micro-batch per line."""
+    indices it trained to ``record/<pid>.txt``, one micro-batch per line. With ``until`` (a
+    path): no sleep once that file exists (a scenario whose events are over runs its last
+    steps at full speed)."""
 
     seconds: float = 0.0
     slow: frozenset[int] = frozenset()
@@ -87,6 +89,7 @@ class PacedLoss:
     block: int | None = None
     marker: str | None = None
     record: str | None = None
+    until: str | None = None
 
     def __call__(self, model: nn.Module, batch) -> torch.Tensor:
         x, y, index = batch
@@ -97,7 +100,8 @@ class PacedLoss:
         if self.block in held and not os.path.exists(self.marker):
             open(self.marker, "w").close()
             threading.Event().wait()
-        time.sleep(self.slow_seconds if held & self.slow else self.seconds)
+        if self.until is None or not os.path.exists(self.until):
+            time.sleep(self.slow_seconds if held & self.slow else self.seconds)
         return mse(model, (x, y))
 
 
