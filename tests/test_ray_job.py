@@ -74,13 +74,15 @@ class JobCluster:
         return subprocess.run([str(BIN / "ray"), *args], env=env or self.env, capture_output=True, text=True,
                               timeout=timeout)
 
-    def submit(self, job_id: str, entrypoint: list[str]) -> None:
+    def submit(self, job_id: str, entrypoint: list[str], env_vars: dict[str, str] | None = None) -> None:
         """``ray job submit --no-wait``: tailing the logs over the dashboard's websocket
-        sometimes drops (close code 1006) while the job runs on, which is not the job's failure."""
+        sometimes drops (close code 1006) while the job runs on, which is not the job's failure.
+        ``env_vars`` go into the job's runtime environment (its driver and workers)."""
+        runtime_env = ["--runtime-env-json", json.dumps({"env_vars": env_vars})] if env_vars else []
         deadline = time.monotonic() + 90
         while True:  # the job server answers before its agent is up; Ray says to retry
             job = self.ray("job", "submit", "--address", self.address, "--submission-id", job_id, "--no-wait",
-                           "--working-dir", str(ROOT), "--", *entrypoint)
+                           "--working-dir", str(ROOT), *runtime_env, "--", *entrypoint)
             if "No available agent to submit job" not in job.stderr + job.stdout or time.monotonic() > deadline:
                 break
             time.sleep(2)
@@ -162,8 +164,9 @@ def test_a_resubmitted_job_resumes_where_the_killed_one_stopped(job_cluster, tmp
     out, storage, steps = tmp_path / "out", tmp_path / "storage", 30
     command = ["python", "-m", "tests.scripts.paced_job", "--workers", "2", "--steps", str(steps),
                "--storage", str(storage), "--checkpoint-every", "5", "--no-progress", "--out", str(out)]
+    fast = {"EDP_PACED_UNTIL": str(tmp_path / "fast")}  # once it exists, the steps are not paced
     first = f"edp-{secrets.token_hex(4)}"
-    job_cluster.submit(first, command)
+    job_cluster.submit(first, command, fast)
     deadline = time.monotonic() + 120
     while not list(storage.glob("*/step-*/manifest.json")):  # the first checkpoint is committed
         assert time.monotonic() < deadline, job_cluster.logs(first)[-4000:]
@@ -184,7 +187,8 @@ def test_a_resubmitted_job_resumes_where_the_killed_one_stopped(job_cluster, tmp
     saved = max(int(m.parent.name[5:13]) for m in storage.glob("*/step-*/manifest.json"))
 
     second = f"edp-{secrets.token_hex(4)}"
-    job_cluster.submit(second, command)
+    (tmp_path / "fast").touch()  # the resumed run need not last: nothing is killed in it
+    job_cluster.submit(second, command, fast)
     status = _wait_for_job(job_cluster.address, second, job_cluster.env, timeout_s=200)
     assert status == "SUCCEEDED", job_cluster.logs(second)[-4000:]
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
