@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import ray
 
@@ -109,6 +109,14 @@ class Watchdog:
                 continue  # a dead worker: its call reports it
             self._beats[member] = (beat, now)
 
+    def _computing(self, pending: list[Any], now: float) -> Iterator[tuple[Any, float]]:
+        """(member, seconds its progress stood still) for each of ``pending`` that answered
+        this round's heartbeat from its ``compute`` phase (only such an answer is judged)."""
+        for member in pending:
+            beat, at = self._beats.get(member, (None, 0.0))
+            if beat is not None and beat.phase == "compute" and at == now:
+                yield member, beat.still_s
+
     def _stalled(self, pending: list[Any], now: float) -> list[tuple[Any, str]]:
         if self.alone:
             return self._stalled_alone(pending, now)
@@ -117,27 +125,17 @@ class Watchdog:
                   if beat.phase == "reduce" and m in pending]
         if not waited or max(waited) < bound:
             return []
-        stalled = []
-        for member in pending:
-            beat, at = self._beats.get(member, (None, 0.0))
-            if beat is None or beat.phase != "compute" or at != now:
-                continue  # judged only on an answer to this round's heartbeat
-            still = beat.still_s
-            if still >= bound:
-                stalled.append((member, f"{member!r} made no progress for {still:.1f} s while its peers waited "
-                                        f"{max(waited):.1f} s for it (a hung training thread; bound {bound:.1f} s: "
-                                        "--stall-floor, --stall-factor)"))
-        return stalled
+        return [(member, f"{member!r} made no progress for {still:.1f} s while its peers waited "
+                         f"{max(waited):.1f} s for it (a hung training thread; bound {bound:.1f} s: "
+                         "--stall-floor, --stall-factor)")
+                for member, still in self._computing(pending, now) if still >= bound]
 
     def _stalled_alone(self, pending: list[Any], now: float) -> list[tuple[Any, str]]:
         stalled = []
-        for member in pending:
-            beat, at = self._beats.get(member, (None, 0.0))
-            if beat is None or beat.phase != "compute" or at != now:
-                continue  # judged only on an answer to this round's heartbeat
+        for member, still in self._computing(pending, now):
             bound = self.bound_for(member)
-            if beat.still_s >= bound:
-                stalled.append((member, f"{member!r} made no progress for {beat.still_s:.1f} s computing a gradient "
+            if still >= bound:
+                stalled.append((member, f"{member!r} made no progress for {still:.1f} s computing a gradient "
                                         f"(a hung training thread; bound {bound:.1f} s: --stall-floor, "
                                         "--stall-factor)"))
         return stalled
