@@ -37,6 +37,7 @@ from benchmarks.peers import local_ray
 from elastic_dp import ClusterConfig, Trainer
 from elastic_dp.data import ElasticSampler
 from jobs.gpt import TASK
+from tests.reference import replay_updates
 
 
 EVAL_STEPS = range(5000, 5008)
@@ -55,31 +56,15 @@ def held_out_loss(state: dict[str, torch.Tensor]) -> float:
     return round(statistics.mean(losses), 4)
 
 
-def plain_stale(initial: dict[str, torch.Tensor], steps: int, staleness: int) -> dict[str, torch.Tensor]:
+def plain_stale(initial: str, steps: int, staleness: int) -> dict[str, torch.Tensor]:
     """A plain PyTorch loop over steps 0..steps-1 in order, each gradient computed on the
-    parameters ``staleness`` updates back (the first ones on the initial parameters)."""
+    parameters ``staleness`` updates back (the first ones on the initial parameters): the
+    async replay contract's own reference loop, ``tests.reference.replay_updates``, fed
+    such a history."""
     config = TASK.defaults
-    torch.manual_seed(config.seed)
-    model, late = TASK.model(), TASK.model()
-    model.load_state_dict(initial)
-    dataset = TASK.dataset()
-    sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
-    optimizer = TASK.optimizer(model)
-    base = [g["lr"] for g in optimizer.param_groups]
-    history = [{k: v.clone() for k, v in model.state_dict().items()}]
-    for step in range(steps):
-        late.load_state_dict(history[0])
-        late.zero_grad()
-        TASK.loss(late, TASK.collate([dataset[int(i)] for i in sampler.batch(step)])).backward()
-        if config.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(late.parameters(), config.clip_grad_norm)
-        for p, q in zip(model.parameters(), late.parameters()):
-            p.grad = q.grad
-        for group, lr in zip(optimizer.param_groups, base):
-            group["lr"] = lr * config.lr_factor(step)
-        optimizer.step()
-        history = [*history, {k: v.clone() for k, v in model.state_dict().items()}][-(staleness + 1):]
-    return model.state_dict()
+    updates = [{"version": v, "step": v - 1, "base_version": max(0, v - 1 - staleness),
+                "lr_scale": config.lr_factor(v - 1)} for v in range(1, steps + 1)]
+    return replay_updates(TASK, config, initial, updates)
 
 
 def run(args: argparse.Namespace, out: str, **train) -> dict:
@@ -130,7 +115,7 @@ def main() -> None:
             for damping in dampings:
                 name = f"async_s{s}" + ("_inverse" if damping == "inverse" else "")
                 runs[name] = run(args, f"{tmp}/{name}", mode="async", max_staleness=s, staleness_lr=damping)
-        initial = load_file(f"{tmp}/sync/initial.safetensors")
+        initial = f"{tmp}/sync/initial.safetensors"
         plain = {f"plain_staleness_{t}": held_out_loss(plain_stale(initial, args.steps, t))
                  for t in (int(t) for t in args.reference_staleness.split(",") if t)}
         diff = None
