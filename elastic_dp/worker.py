@@ -241,7 +241,12 @@ class Replica:
                 self.prefetcher.submit((generation, step + 1, rank, world, self.grants.sizes(step + 1)),
                                        slice_of(step + 1))
             self.slow = plan.slow if plan.slow is not None and plan.slow.slows(step) else None
-            result = self.step(step, indices, self.grants.fault(step), batches)
+            try:
+                result = self.step(step, indices, self.grants.fault(step), batches)
+            except BaseException:  # a bug: the steps committed before it are reported, then it
+                if report:
+                    yield report
+                raise
             now = time.perf_counter()
             result.step_s, result.time, last = now - last, time.time(), now
             report.append(result)
@@ -334,7 +339,8 @@ class Replica:
                 self._update(step, result, fault)
             t3 = time.perf_counter()
             self.strategy.after_commit(step + 1, fault)
-        except CollectiveError as exc:  # ZeRO's parameter gather or snapshot; the chunk is updated
+        except CollectiveError as exc:  # ZeRO-2's norm, the parameter gather or the snapshot: a peer
+            # was lost after the vote; whether this chunk was updated, shard_holdings tells
             result.error = exc
             return result
         t4 = time.perf_counter()

@@ -190,7 +190,10 @@ class Sharded(BucketedGradients):
         else:
             grads = self.grad_chunks
             total_sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum().reshape(1)
-            self.group.all_reduce(total_sq)
+            try:  # after the vote: a peer lost now fails the update here, not the step's vote
+                self.group.all_reduce(total_sq)
+            except Exception as exc:
+                raise self._collective_error("gradient norm all-reduce", exc) from None
         total = torch.as_tensor(total_sq).sqrt().reshape(())
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
         for g in grads:

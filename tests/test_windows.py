@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
 from collections import Counter
 
 import numpy as np
@@ -21,18 +23,38 @@ from tests.tasks import PacedLoss, paced_task
 
 TOL = 2e-5  # SGD on the MLP: float32 reduction order only (as in test_hangs)
 STEPS = 24
+JOIN_STEPS = 80  # a replacement's start may take seconds on a loaded machine (see the test)
 
 
-def _run(out, inject, *, zero=0, record=None, workers=2, min_workers=1, seconds=0.01, balance=False, **cluster):
-    task = paced_task(PacedLoss(seconds=seconds, record=record))
-    config = dataclasses.replace(task.defaults, steps=STEPS, zero=zero, prefetch=True, balance=balance)
+def _run(out, inject, *, zero=0, record=None, workers=2, min_workers=1, seconds=0.01, balance=False, steps=STEPS,
+         until=None, **cluster):
+    task = paced_task(PacedLoss(seconds=seconds, record=record, until=until))
+    config = dataclasses.replace(task.defaults, steps=steps, zero=zero, prefetch=True, balance=balance)
     Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=min_workers, **cluster),
             out_dir=str(out), progress=False, inject=inject).fit()
     unpaced = dataclasses.replace(task, loss=PacedLoss())
     diff = max_abs_diff(load_file(out / "final.safetensors"), replay(unpaced, config, str(out / "initial.safetensors")))
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return diff, events, metrics
+    return diff, _lines(out / "events.jsonl"), _lines(out / "metrics.jsonl")
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _touch_once(path, events, happened) -> threading.Thread:
+    """A thread that creates ``path`` once an event of ``events`` satisfies ``happened``."""
+    def watch():
+        while not path.exists():
+            try:
+                if any(happened(e) for e in _lines(events)):
+                    path.touch()
+            except ValueError:  # a line being written
+                pass
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
 
 
 @pytest.mark.parametrize("zero", [0, 2])
@@ -40,8 +62,17 @@ def test_a_kill_and_the_replacements_join_mid_window_end_on_the_replay(ray_clust
     """One window runs from step 0 to the end: the kill (step 5) and the join of the
     replacement, at whatever step it is ready, both land inside a window. Rank 1 dies in
     step 5's forward with step 6's batch being collated beside it; rank 0 drops its own
-    prepared batch of step 6 and collates it afresh for the new group."""
-    diff, events, metrics = _run(tmp_path, ["kill:step=5:rank=1"], zero=zero, seconds=0.04)  # time to join
+    prepared batch of step 6 and collates it afresh for the new group.
+
+    The steps are paced until the replacement joined (however long its start takes: up to
+    ~70 steps of 0.2 s), then run at full speed."""
+    fast = tmp_path / "fast"
+    watcher = _touch_once(fast, tmp_path / "events.jsonl", lambda e: e["kind"] == "membership_changed"
+                          and e.get("joined"))
+    diff, events, metrics = _run(tmp_path, ["kill:step=5:rank=1"], zero=zero, seconds=0.04, steps=JOIN_STEPS,
+                                 until=str(fast))
+    fast.touch()  # ends the watcher, joined or not
+    watcher.join()
     assert diff < TOL
     changes = [e for e in events if e["kind"] == "membership_changed"]
     lost = next(e for e in changes if e["lost"])
@@ -53,8 +84,8 @@ def test_a_kill_and_the_replacements_join_mid_window_end_on_the_replay(ray_clust
         assert lost["steps_rerun"] == 2 and [m["step"] for m in metrics][:7] == [0, 1, 2, 3, 4, 4, 5]
     else:
         assert lost["step"] == 5 and lost["steps_rerun"] == 1
-        assert [m["step"] for m in metrics] == list(range(STEPS))
-    assert 5 < joined["step"] < STEPS and joined["world_size"] == 2
+        assert [m["step"] for m in metrics] == list(range(JOIN_STEPS))
+    assert 5 < joined["step"] < JOIN_STEPS and joined["world_size"] == 2
     assert {m["world_size"] for m in metrics} == {1, 2}
 
 

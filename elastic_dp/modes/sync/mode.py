@@ -149,18 +149,21 @@ class SyncMode:
         seconds = max((r.step_s for r in results if r.step_s is not None), default=0.0)
         samples = sum(r.samples for r in results)
         skipped = any(r.nonfinite for r in results)
-        loss = None if skipped else sum(r.loss_sum for r in results) / samples
-        timings = {k: round(max(r.timings.get(k, 0.0) for r in results), 6) for k in results[0].timings}
-        if results[0].timings:  # the rest of the step: waiting for its batch or a grant, reporting
+        loss = None if skipped or not samples else sum(r.loss_sum for r in results) / samples
+        # no result: the state the survivors hold shows the step committed, but no report of it came back
+        first = results[0] if results else StepResult(step=step, rank=0, generation=self.generation, committed=True)
+        timings = {k: round(max(r.timings.get(k, 0.0) for r in results), 6) for k in first.timings}
+        if first.timings:  # the rest of the step: waiting for its batch or a grant, reporting
             timings["other_s"] = round(max(0.0, seconds - max(sum(r.timings.values()) for r in results)), 6)
         # every sample of the step was trained (the gradients of a rank lost after the vote
         # were in the all-reduce), even when fewer results came back
         self.recorder.step(step=step, loss=loss, samples=self.train.global_batch, step_s=seconds,
                            world_size=len(self.members), generation=self.generation, timings=timings,
-                           nonfinite=skipped, lr=results[0].lr, grad_norm=results[0].grad_norm,
+                           nonfinite=skipped, lr=first.lr, grad_norm=first.grad_norm,
                            at=max((r.time for r in results if r.time is not None), default=None))
-        self._step_times.append(seconds)
-        self.gens.calls.typical_step_s = statistics.median(self._step_times)
+        if results:
+            self._step_times.append(seconds)
+            self.gens.calls.typical_step_s = statistics.median(self._step_times)
         self.guard.check(step, results)
 
     # -- membership changes ----------------------------------------------------------------

@@ -12,6 +12,7 @@ recovery starts from.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import defaultdict
@@ -36,6 +37,8 @@ LOOKAHEAD_S = 0.5
 the grant is extended when less than half of it remains. Between ``MIN_LOOKAHEAD`` and
 ``MAX_LOOKAHEAD`` steps: a join waits for at most that many."""
 MIN_LOOKAHEAD, MAX_LOOKAHEAD = 8, 256
+
+logger = logging.getLogger(__name__)
 
 
 class Window:
@@ -149,6 +152,9 @@ class Window:
         worker's reports of them may have died with it), put back the faults that did not
         fire, and raise ``MembersLost`` naming the first step that did not commit."""
         mode = self.mode
+        if lost:  # a survivor's raised error may follow from the loss; the recovery goes on
+            for member, error in errors.items():
+                logger.warning("%r raised while %s were lost: %s", member, lost, error)
         alive = [m for m in self.members if m not in lost]
         while alive and all(m in reports.get(self.next, {}) and reports[self.next][m].committed for m in alive):
             results = {m: r for m, r in reports.pop(self.next).items() if m not in lost}
