@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import secrets
 import shutil
@@ -49,17 +50,24 @@ def _kill_leftovers(marker: str) -> None:
                 pass
 
 
-def _wait_for_job(address: str, job_id: str, env: dict, timeout_s: float) -> str:
-    """Poll ``ray job status`` until the job ends; its terminal status in upper case."""
-    deadline = time.monotonic() + timeout_s
+def _wait_for_job(address: str, job_id: str, env: dict, timeout_s: float, written: Path | None = None) -> str:
+    """Poll ``ray job status`` until the job ends; its terminal status in upper case.
+    ``written``: a file the job writes near its end; until it exists, the status is asked
+    only every 5 s (each ``ray job status`` is a process that imports Ray, on the cores
+    the job trains on)."""
+    deadline, asked = time.monotonic() + timeout_s, -math.inf
     while time.monotonic() < deadline:
+        if written is not None and not written.exists() and time.monotonic() - asked < 5:
+            time.sleep(0.1)
+            continue
+        asked = time.monotonic()
         status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, job_id], env=env,
                                 capture_output=True, text=True, timeout=60)
         text = (status.stdout + status.stderr).upper()
         for final in ("SUCCEEDED", "FAILED", "STOPPED"):
             if final in text:
                 return final
-        time.sleep(2)
+        time.sleep(0.5)
     raise AssertionError(f"job {job_id} did not end within {timeout_s} s")
 
 
@@ -137,7 +145,8 @@ def test_gpt_job_under_ray_job_submit_with_token_auth(job_cluster, tmp_path):
     job_id = f"edp-{secrets.token_hex(4)}"
     job_cluster.submit(job_id, ["python", "-m", "jobs.gpt", "--workers", "2", "--steps", "4", "--global-batch", "8",
                                 "--zero", "2", "--no-progress", "--out", str(out)])  # stage 0 runs in test_cli
-    status = _wait_for_job(job_cluster.address, job_id, job_cluster.env, timeout_s=200)
+    status = _wait_for_job(job_cluster.address, job_id, job_cluster.env, timeout_s=200,
+                           written=out / "final.safetensors")
     logs = job_cluster.logs(job_id)
     assert status == "SUCCEEDED", f"job ended {status}:\n{logs[-4000:]}"
     assert "elastic_dp run summary" in logs
@@ -189,7 +198,8 @@ def test_a_resubmitted_job_resumes_where_the_killed_one_stopped(job_cluster, tmp
     second = f"edp-{secrets.token_hex(4)}"
     (tmp_path / "fast").touch()  # the resumed run need not last: nothing is killed in it
     job_cluster.submit(second, command, fast)
-    status = _wait_for_job(job_cluster.address, second, job_cluster.env, timeout_s=200)
+    status = _wait_for_job(job_cluster.address, second, job_cluster.env, timeout_s=200,
+                           written=out / "final.safetensors")
     assert status == "SUCCEEDED", job_cluster.logs(second)[-4000:]
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     decision = next(e for e in events if e["kind"] == "resume_decision")

@@ -9,7 +9,7 @@ import shutil
 from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
-from tests.reference import max_abs_diff
+from tests.reference import max_abs_diff, replay
 from tests.tasks import TINY_GPT_TASK
 
 TOL = 2e-5  # float32 reduction order, as in test_sync_equivalence
@@ -22,14 +22,19 @@ def _fit(workers, out, *, steps, ckpt_dir=None, every=0, resume=False, zero=0):
                    checkpoint=checkpoint, out_dir=str(out), progress=False).fit()
 
 
+def _uninterrupted(out, steps: int):
+    """The plain PyTorch replay of ``steps`` steps from the weights the run in ``out`` began with."""
+    return replay(TINY_GPT_TASK, dataclasses.replace(TINY_GPT_TASK.defaults, steps=steps),
+                  str(out / "initial.safetensors"))
+
+
 def test_resume_at_other_worker_count_matches_uninterrupted_run(ray_cluster, tmp_path):
-    _fit(2, tmp_path / "straight", steps=6)
     # Save at 3 workers after steps 2 and 4, stop at 4; resume at 2 workers to step 6.
     _fit(3, tmp_path / "first", steps=4, ckpt_dir=tmp_path / "ckpt", every=2)
     assert sorted(p.name[:13] for p in (tmp_path / "ckpt").iterdir()) == ["step-00000002", "step-00000004"]
     summary = _fit(2, tmp_path / "second", steps=6, ckpt_dir=tmp_path / "ckpt", resume=True)
 
-    straight = load_file(tmp_path / "straight" / "final.safetensors")
+    straight = _uninterrupted(tmp_path / "first", 6)
     resumed = load_file(tmp_path / "second" / "final.safetensors")
     assert max_abs_diff(straight, resumed) < TOL
     # the resumed run trained only the missing steps, from the checkpoint's weights
@@ -50,14 +55,13 @@ def test_zero_checkpoint_saved_at_3_resumes_at_2(ray_cluster, tmp_path):
     """Every rank's shard is joined into one name-keyed checkpoint; it loads at another
     size. (Stage 1 here; tests/test_zero.py loads stage 2's at 2 and 4 on thread ranks.)"""
     zero = 1
-    _fit(1, tmp_path / "straight", steps=6)
     _fit(3, tmp_path / "first", steps=3, ckpt_dir=tmp_path / "ckpt", zero=zero)
     manifest = json.loads(next((tmp_path / "ckpt").glob("step-00000003-*/manifest.json")).read_text())
     assert manifest["world_size"] == 3
     # every rank wrote its own chunk of the optimizer state
     assert sorted(f for f in manifest["files"] if f.startswith("optim-")) == [f"optim-0000{r}.safetensors"
                                                                               for r in range(3)]
-    straight = load_file(tmp_path / "straight" / "final.safetensors")
+    straight = _uninterrupted(tmp_path / "first", 6)
     for workers in (2,):
         ckpt = tmp_path / f"ckpt-{workers}"
         shutil.copytree(tmp_path / "ckpt", ckpt)
