@@ -243,7 +243,7 @@ class Replica:
             self.slow = plan.slow if plan.slow is not None and plan.slow.slows(step) else None
             try:
                 result = self.step(step, indices, self.grants.fault(step), batches)
-            except BaseException:  # a bug: the steps committed before it are reported, then it
+            except Exception:  # a bug: the steps committed before it are reported, then it
                 if report:
                     yield report
                 raise
