@@ -13,6 +13,7 @@ from torch import nn
 from elastic_dp import ConfigError, ElasticSampler, Task, TrainConfig
 from elastic_dp.checkpoint import merge_shards
 from elastic_dp.data import split
+from elastic_dp.errors import CollectiveError
 from elastic_dp.worker import Replica
 from tests.ranks import run_ranks
 from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression, mlp
@@ -210,6 +211,41 @@ def test_bf16_parameters_keep_fp32_master_weights_in_the_shard():
     assert master_w.dtype == torch.float32
     assert float((master_w - final["0.weight"].float()).abs().max()) > 0
     torch.testing.assert_close(master_w.to(torch.bfloat16), final["0.weight"])
+
+
+def test_a_peer_lost_after_the_vote_fails_stage_2s_norm_all_reduce_in_the_result():
+    """Stage 2 all-reduces the gradient norm after the commit vote. A peer lost there (rank
+    1 aborts its group instead of joining that all-reduce) fails rank 0's step as a
+    CollectiveError in its result, not as an exception out of the step (which ended the
+    worker's window and lost its reports of the steps committed before), and before its
+    optimizer step: its chunk still holds step 1's state, which the recovery reads."""
+    task = TINY_GPT_TASK  # clip_grad_norm=1.0
+    config = dataclasses.replace(task.defaults, zero=2)
+    initial = _initial(task, config.seed)
+    sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
+
+    def rank_fn(group):
+        replica = Replica(task, config, CPU, group)
+        replica.model.load_state_dict(initial)
+        replica.broadcast_state(0)
+        assert replica.step(0, split(sampler.batch(0), 2)[group.rank]).committed
+        if group.rank == 1:
+            def lost(max_norm):
+                group.abort()
+                raise RuntimeError("rank 1 is gone")
+
+            replica.strategy.clip_grad_norm = lost
+            with pytest.raises(RuntimeError, match="rank 1 is gone"):
+                replica.step(1, split(sampler.batch(1), 2)[1])
+            return None
+        before = {k: v.clone() for k, v in replica.model_state().items()}
+        result = replica.step(1, split(sampler.batch(1), 2)[0])
+        return result, replica.strategy.holdings()["live"], before, replica.model_state()
+
+    result, live, before, after = run_ranks(2, rank_fn)[0]
+    assert not result.committed and isinstance(result.error, CollectiveError)
+    assert "gradient norm all-reduce" in str(result.error)
+    assert live == 1 and _max_diff(before, after) == 0.0  # no update applied
 
 
 def test_non_elementwise_optimizer_is_refused_with_zero():
