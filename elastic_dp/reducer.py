@@ -41,6 +41,7 @@ vote, so every rank receives the whole tally. No collective is spent on the vote
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -112,6 +113,10 @@ class GradientReducer:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._armed = False
         self._next = 0
+        self.before_vote: Callable[[], None] | None = None
+        """Called just before this rank's vote leaves with the last bucket (fault
+        injection's ``allreduce`` phase: the other buckets are in flight, and the step
+        commits on no rank)."""
 
     def close(self) -> None:
         """Remove the backward hooks (before another reducer takes over these parameters)."""
@@ -182,6 +187,8 @@ class GradientReducer:
                 view.copy_(p.grad)
         self._sums[index] = bucket.buffer.sum(dtype=torch.float32)  # non-finite if any element is
         last = index == len(self.buckets) - 1
+        if last and self.before_vote is not None:
+            self.before_vote()
         if last:  # this rank's gradients: a NaN or an infinity anywhere votes to skip
             self._local[1] += (~torch.isfinite(self._sums)).any()
         if self.scatter_into is not None:

@@ -15,6 +15,7 @@ whether the run goes on (``--on-nonfinite``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -310,6 +311,8 @@ class Replica:
         if not self.model.training:
             self.model.train()
         self.strategy.zero_grad()
+        # a fault of phase allreduce fires as the last bucket, with the vote, is launched
+        self.strategy.reducer.before_vote = functools.partial(trigger, fault, "allreduce") if fault else None
         self.progress.enter("compute")
         t0 = time.perf_counter()
         local_error: BaseException | None = None
@@ -357,7 +360,6 @@ class Replica:
             if local_error is not None:
                 self.strategy.note_error()
                 self.strategy.before_last_backward()  # keep collectives in lockstep
-            trigger(fault, "allreduce")
             return self.strategy.reduce_gradients()
         except Exception as exc:  # the group itself failed: no vote is possible
             self.strategy.abandon()
