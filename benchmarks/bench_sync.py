@@ -11,7 +11,9 @@
    task: median step time of each, their ratio (elastic_dp / DDP), the median of the
    per-round ratios, the difference in milliseconds per step, and the CPU time the
    driver (the coordinator, all its threads) spends per step: on a machine whose cores
-   the workers share, it is taken from them.
+   the workers share, it is taken from them. Also each system's CPU per step by process
+   (driver, workers, raylet, GCS) and thread (``benchmarks.thread_cpu``), read from
+   ``/proc`` around every round: the idle system's actors' figures are measured too.
 2. All-reduce bandwidth: elastic_dp's bucketed gradient reduction (copy into buckets,
    all-reduce, copy back) against one raw torch.distributed all_reduce of a flat buffer
    of the same size, on the same gloo group. Reported as bus bandwidth
@@ -33,6 +35,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from benchmarks import thread_cpu
 from benchmarks.peers import DDPWorker, ReduceWorker, local_ray, remote
 from benchmarks.tasks import TINY_MLP_TASK
 from elastic_dp import CheckpointConfig, ClusterConfig
@@ -53,16 +56,22 @@ def bench_step_time(args: argparse.Namespace, name: str, steps_per_round: int) -
     ddp = [remote(DDPWorker).remote(ray.util.get_node_ip_address(), store.port, r, args.workers, False, task)
            for r in range(args.workers)]
     ours, theirs, driver_cpu, ddp_step = [], [], [], 0
+    cpu_by_system = {"elastic_dp": [], "DDP": []}  # per counted round: kind -> thread -> CPU s per step
     try:
         for round_ in range(args.rounds):
-            start, cpu = time.perf_counter(), time.process_time()
+            before, start, cpu = thread_cpu.reading(), time.perf_counter(), time.process_time()
             coordinator.run_until(coordinator.step + steps_per_round)
             t_ours = (time.perf_counter() - start) / steps_per_round
             driver_cpu.append((time.process_time() - cpu) / steps_per_round)
+            between = thread_cpu.reading()
             start = time.perf_counter()
             ray.get([w.run.remote(ddp_step, steps_per_round) for w in ddp])
             ddp_step += steps_per_round
             t_ddp = (time.perf_counter() - start) / steps_per_round
+            if round_ > 0:
+                after = thread_cpu.reading()
+                cpu_by_system["elastic_dp"].append(thread_cpu.spent(before, between))
+                cpu_by_system["DDP"].append(thread_cpu.spent(between, after))
             print(f"{name} round {round_}: elastic_dp {t_ours * 1e3:.2f} ms/step, DDP {t_ddp * 1e3:.2f} ms/step"
                   + ("  (warm-up, not counted)" if round_ == 0 else ""), flush=True)
             if round_ > 0:
@@ -78,7 +87,23 @@ def bench_step_time(args: argparse.Namespace, name: str, steps_per_round: int) -
             "median_round_ratio": round(statistics.median(a / b for a, b in zip(ours, theirs)), 3),
             "overhead_ms": round(1e3 * (statistics.median(ours) - statistics.median(theirs)), 3),
             "driver_cpu_ms_per_step": round(1e3 * statistics.median(driver_cpu[1:]), 3),
+            "cpu_ms_per_step": {system: _cpu_per_step(rounds, steps_per_round)
+                                for system, rounds in cpu_by_system.items()},
             "per_round_ratios": [round(a / b, 3) for a, b in zip(ours, theirs)]}
+
+
+def _cpu_per_step(rounds: list[dict], steps: int) -> dict[str, dict[str, float]]:
+    """The counted rounds' CPU per step, by process kind: the total, its training threads
+    (the threads named after their actor or process) and the rest by thread name (those
+    over 0.05 ms)."""
+    out = {}
+    for kind in sorted({k for r in rounds for k in r}):
+        names = {n for r in rounds for n in r.get(kind, {})}
+        per_name = {n: 1e3 * sum(r.get(kind, {}).get(n, 0.0) for r in rounds) / (steps * len(rounds))
+                    for n in names}
+        out[kind] = {"total": round(sum(per_name.values()), 2),
+                     **{n: round(v, 2) for n, v in sorted(per_name.items(), key=lambda kv: -kv[1]) if v >= 0.05}}
+    return out
 
 
 def bench_allreduce(args: argparse.Namespace) -> dict:
