@@ -69,10 +69,12 @@ def test_a_kill_and_the_replacements_join_mid_window_end_on_the_replay(ray_clust
     fast = tmp_path / "fast"
     watcher = _touch_once(fast, tmp_path / "events.jsonl", lambda e: e["kind"] == "membership_changed"
                           and e.get("joined"))
-    diff, events, metrics = _run(tmp_path, ["kill:step=5:rank=1"], zero=zero, seconds=0.04, steps=JOIN_STEPS,
-                                 until=str(fast))
-    fast.touch()  # ends the watcher, joined or not
-    watcher.join()
+    try:
+        diff, events, metrics = _run(tmp_path, ["kill:step=5:rank=1"], zero=zero, seconds=0.04, steps=JOIN_STEPS,
+                                     until=str(fast))
+    finally:
+        fast.touch()  # ends the watcher, joined or not
+        watcher.join()
     assert diff < TOL
     changes = [e for e in events if e["kind"] == "membership_changed"]
     lost = next(e for e in changes if e["lost"])
