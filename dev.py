@@ -6,9 +6,10 @@
 
 The first call creates ``.venv/`` inside the repository and installs the project with
 its dependencies (with uv, which pip installs into the venv first; pip itself if that
-fails); later calls reuse it (the install is redone only when ``pyproject.toml`` changes). On a machine without an NVIDIA GPU the CPU build of torch is
-preferred: a local wheel when pip's ``find-links`` has one, otherwise PyTorch's CPU index,
-so no multi-GB CUDA build is downloaded.
+fails); later calls reuse it (the install is redone only when ``pyproject.toml``
+changes). On a machine without an NVIDIA GPU the CPU build of torch is preferred: a
+local wheel when pip's ``find-links`` has one, otherwise PyTorch's CPU index, so no
+multi-GB CUDA build is downloaded.
 """
 
 from __future__ import annotations

@@ -68,15 +68,14 @@ def bench_step_time(args: argparse.Namespace, name: str, steps_per_round: int) -
             ray.get([w.run.remote(ddp_step, steps_per_round) for w in ddp])
             ddp_step += steps_per_round
             t_ddp = (time.perf_counter() - start) / steps_per_round
-            if round_ > 0:
-                after = thread_cpu.reading()
-                cpu_by_system["elastic_dp"].append(thread_cpu.spent(before, between))
-                cpu_by_system["DDP"].append(thread_cpu.spent(between, after))
+            after = thread_cpu.reading()
             print(f"{name} round {round_}: elastic_dp {t_ours * 1e3:.2f} ms/step, DDP {t_ddp * 1e3:.2f} ms/step"
                   + ("  (warm-up, not counted)" if round_ == 0 else ""), flush=True)
             if round_ > 0:
                 ours.append(t_ours)
                 theirs.append(t_ddp)
+                cpu_by_system["elastic_dp"].append(thread_cpu.spent(before, between))
+                cpu_by_system["DDP"].append(thread_cpu.spent(between, after))
     finally:
         coordinator.close()
         for w in ddp:

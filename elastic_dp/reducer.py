@@ -187,9 +187,9 @@ class GradientReducer:
                 view.copy_(p.grad)
         self._sums[index] = bucket.buffer.sum(dtype=torch.float32)  # non-finite if any element is
         last = index == len(self.buckets) - 1
-        if last and self.before_vote is not None:
-            self.before_vote()
         if last:  # this rank's gradients: a NaN or an infinity anywhere votes to skip
+            if self.before_vote is not None:
+                self.before_vote()
             self._local[1] += (~torch.isfinite(self._sums)).any()
         if self.scatter_into is not None:
             for p in bucket.params:
