@@ -21,6 +21,11 @@ single-worker case runs the same code as any other.
 gloo with CUDA tensors (workers sharing one GPU, which NCCL refuses): each call copies its
 tensors to host memory, runs there, and ``wait()`` copies the result back, so the callers
 use one code path for every backend and device.
+
+gloo's reduce-scatter and all-gather are run as all-to-alls (``alltoall_base``): gloo's
+own reduce-scatter all-reduces a copy of the whole input, and its all-gather copies out of
+a buffer of its own; on two CPU ranks they took 2.5 and 1.6 times as long as the
+all-to-all does for the same bytes (docs/zero.md).
 """
 
 from __future__ import annotations
@@ -48,10 +53,11 @@ class _Done:
 
 
 class _Staged:
-    """A gloo call on host copies of CUDA tensors: ``wait()`` copies the results back."""
+    """A gloo call on host copies of CUDA tensors: ``wait()`` copies the results back.
+    ``keep``: a tensor the call reads, held until it is done."""
 
-    def __init__(self, work, results: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.work, self.results = work, results  # (device tensor, its host copy)
+    def __init__(self, work, results: list[tuple[torch.Tensor, torch.Tensor]], keep: torch.Tensor | None = None) -> None:
+        self.work, self.results, self.keep = work, results, keep  # results: (device tensor, its host copy)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if timeout is None:
@@ -60,6 +66,31 @@ class _Staged:
             self.work.wait(timeout)
         for device, host in self.results:
             device.copy_(host)
+        self.keep = None
+        return True
+
+
+class _Summed:
+    """gloo's reduce-scatter as an all-to-all: once every rank's chunk for this rank has
+    arrived (``received``, one row per rank), ``wait()`` sums them into ``output``."""
+
+    def __init__(self, work, received: torch.Tensor, output: torch.Tensor) -> None:
+        self.work, self.received, self.output = work, received, output
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout)
+        if self.received is not None:  # a second wait() has nothing left to do
+            rows, output = self.received, self.output
+            total = output if output.device == rows.device else torch.empty(output.shape, dtype=rows.dtype)
+            torch.add(rows[0], rows[1], out=total.view(-1))  # a world of 1 makes no work
+            for row in rows[2:]:
+                total.view(-1).add_(row)
+            if total is not output:
+                output.copy_(total)
+            self.received = None
         return True
 
 
@@ -173,30 +204,43 @@ class CollectiveGroup:
 
         ``input`` has ``world_size`` times the elements of ``output``; rank r receives
         elements ``[r * n, (r + 1) * n)``. ``output`` may be that chunk of ``input``.
+
+        On gloo it is an all-to-all (rank j is sent chunk j) whose ``wait()`` sums the
+        chunks received, in rank order: gloo's own reduce-scatter all-reduces a copy of the
+        whole input, twice the bytes and 2.5 times the time (docs/zero.md).
         """
         pg = self._require()
         if pg is None:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
-        if self._staging(input):
-            host = torch.empty(output.shape, dtype=output.dtype)
-            return _Staged(pg._reduce_scatter_base(host, _host(input)), [(output, host)])
+        if self.backend == "gloo":
+            source = _host(input) if self._staging(input) else input
+            received = torch.empty((self.world_size, output.numel()), dtype=source.dtype)
+            work = pg.alltoall_base(received.view(-1), source.reshape(-1), [], [], dist.AllToAllOptions())
+            return _Summed(work, received, output)
         return pg._reduce_scatter_base(output, input)
 
     def all_gather_async(self, output: torch.Tensor, input: torch.Tensor):
         """Start an all-gather: ``output`` gets every rank's ``input``, in rank order.
 
         ``input`` may be this rank's own chunk of ``output`` (gathering in place).
+
+        On gloo it is an all-to-all that sends every rank a copy of ``input`` and receives
+        straight into ``output``: gloo's own all-gather receives into a buffer of its own
+        and copies out of it, which takes 1.6 times as long (docs/zero.md).
         """
         pg = self._require()
         if pg is None:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
-        if self._staging(output):
-            host = torch.empty(output.shape, dtype=output.dtype)
-            return _Staged(pg._allgather_base(host, _host(input)), [(output, host)])
+        if self.backend == "gloo":
+            send = torch.empty((self.world_size, input.numel()), dtype=input.dtype)
+            send.copy_(input.reshape(1, -1).expand(self.world_size, -1))  # from the GPU too, if there
+            target = torch.empty(output.shape, dtype=output.dtype) if self._staging(output) else output
+            work = pg.alltoall_base(target.view(-1), send.view(-1), [], [], dist.AllToAllOptions())
+            return _Staged(work, [(output, target)] if target is not output else [], keep=send)
         return pg._allgather_base(output, input)
 
     def exchange_async(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> list:

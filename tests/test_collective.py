@@ -1,5 +1,6 @@
 """The collective group's lifecycle: abort releases a rank blocked in a gloo collective,
-and re-forming generation after generation leaks no threads or sockets."""
+and re-forming generation after generation leaks no threads or sockets. Its reduce-scatter
+and all-gather, which run as all-to-alls on gloo, against plain sums and concatenations."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ import torch
 import torch.distributed as dist
 
 from elastic_dp.collective import CollectiveGroup, _socket_fds
+from tests.ranks import run_ranks
 
 
 def _native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _reform_with_abort(store_port: int, generation: int) -> float:
-    """Both ranks join ``generation``; rank 0 blocks in an all-reduce rank 1 never joins;
-    rank 0's group is aborted from another thread. Returns seconds from abort to release."""
+def _reform_with_abort(store_port: int, generation: int, op: str = "all_reduce") -> float:
+    """Both ranks join ``generation``; rank 0 blocks in a collective (``op``) rank 1 never
+    joins; rank 0's group is aborted from another thread. Returns seconds from abort to release."""
     groups = [CollectiveGroup(backend="gloo", timeout_s=60) for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda r: groups[r].configure("127.0.0.1", store_port, generation=generation,
@@ -32,7 +34,13 @@ def _reform_with_abort(store_port: int, generation: int) -> float:
 
     def blocked():
         try:
-            groups[0].all_reduce(torch.ones(1000))
+            x = torch.ones(1000)
+            if op == "all_reduce":
+                groups[0].all_reduce(x)
+            elif op == "reduce_scatter":
+                groups[0].reduce_scatter_async(x[:500], x).wait()
+            else:
+                groups[0].all_gather_async(x, x[:500]).wait()
         except RuntimeError as exc:
             errors.append(exc)
         released.set()
@@ -68,3 +76,42 @@ def test_destroyed_group_refuses_collectives():
     group = CollectiveGroup(backend="gloo", timeout_s=5)
     with pytest.raises(RuntimeError, match="not configured"):
         group.all_reduce(torch.ones(1))
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather"])
+def test_abort_releases_a_rank_blocked_in_a_reduce_scatter_or_all_gather(op):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    assert _reform_with_abort(store.port, 0, op) < 1.0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_and_all_gather_equal_plain_sums_and_concatenations(world):
+    """Rank r's chunk of the reduce-scatter is chunk r of the ranks' inputs summed in rank
+    order, into a separate tensor or in place (the output a chunk of the input); the
+    all-gather is every rank's chunk in rank order, from a separate input or in place."""
+    n = 1001
+    inputs = [torch.randn(world * n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    total = inputs[0].clone()
+    for x in inputs[1:]:
+        total += x
+
+    def rank_fn(group):
+        r = group.rank
+        x = inputs[r].clone()
+        apart = torch.empty(n)
+        group.reduce_scatter_async(apart, x).wait()
+        in_place = x[r * n:(r + 1) * n]
+        group.reduce_scatter_async(in_place, x).wait()
+        gathered = torch.full((world * n,), float("nan"))
+        group.all_gather_async(gathered, inputs[r][:n]).wait()
+        own = torch.full((world * n,), float("nan"))
+        own[r * n:(r + 1) * n] = inputs[r][n:2 * n]
+        group.all_gather_async(own, own[r * n:(r + 1) * n]).wait()
+        return apart, in_place.clone(), gathered, own
+
+    for r, (apart, in_place, gathered, own) in enumerate(run_ranks(world, rank_fn)):
+        assert torch.equal(apart, total[r * n:(r + 1) * n])
+        assert torch.equal(in_place, total[r * n:(r + 1) * n])
+        assert torch.equal(gathered, torch.cat([x[:n] for x in inputs]))
+        assert torch.equal(own, torch.cat([x[n:2 * n] for x in inputs]))
