@@ -9,8 +9,14 @@
    in rounds of ``--steps-per-round`` so machine noise hits all alike; round 0 is
    warm-up. Reported: median step time of each, ratios to stage 0, and torch's own
    ZeRO-1 / DDP ratio.
-3. Peer snapshots: bytes each worker sends per snapshot, and the time per step spent
-   snapshotting (max over ranks, as the step waits for it) at k = 1 and k = 10.
+   Also each variant's phases (per step the largest over ranks; medians of the counted steps):
+   forward and backward, the wait for the gradient reduction, the update, the snapshot.
+3. Peer snapshots: bytes each worker holds and sends per snapshot (fp32 masters are not
+   sent: docs/zero.md), and the time per step spent snapshotting (max over ranks, as the
+   step waits for it) at k = 1 and k = 10.
+4. The sharded stages' collectives on the GPT's parameter count, on one gloo group of
+   ``--workers`` actors: gloo's own reduce-scatter and all-gather against elastic_dp's,
+   which run them as all-to-alls (docs/zero.md); interleaved, the slowest rank counts.
 
     .venv/bin/python -m benchmarks.bench_zero --workers 2 --rounds 7 --steps-per-round 20
 """
@@ -28,7 +34,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from benchmarks.peers import DDPWorker, local_ray, remote
+from benchmarks.peers import DDPWorker, ShardedCollectivesWorker, local_ray, remote
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler
 from elastic_dp.api import build_coordinator
 from elastic_dp.metrics import RunRecorder
@@ -124,6 +130,7 @@ def bench_step_time(args: argparse.Namespace) -> dict:
     # the peers: torch's own ZeRO stage 1 against torch DDP, on the same machine and batches
     peers = {"torch_ddp": _TorchPeer(args.workers, zero=False), "torch_zero_ro": _TorchPeer(args.workers, zero=True)}
     times: dict[str, list[float]] = {name: [] for name in [*variants, *peers]}
+    phases: dict[str, dict[str, float]] = {}
     try:
         for round_ in range(args.rounds):
             line = []
@@ -136,6 +143,10 @@ def bench_step_time(args: argparse.Namespace) -> dict:
                 line.append(f"{name} {seconds * 1e3:.1f}")
             print(f"round {round_}: " + ", ".join(line) + " ms/step" + ("  (warm-up)" if round_ == 0 else ""),
                   flush=True)
+        for name, (_, recorder) in runs.items():
+            counted = recorder.rows[args.steps_per_round:]
+            phases[name] = {key: round(1e3 * statistics.median(r["timings"][key] for r in counted), 2)
+                            for key in ("compute_s", "reduce_wait_s", "optimizer_s", "snapshot_s")}
         snapshot = {}
         for name in ("zero1", "zero2", "zero2_k10"):
             coordinator, recorder = runs[name]
@@ -143,7 +154,8 @@ def bench_step_time(args: argparse.Namespace) -> dict:
             held = ray.get(coordinator.members[0].actor.shard_holdings.remote())
             k = variants[name].get("snapshot_every", 1)
             snapshot[name] = {"k": k, "bytes_per_snapshot": held["snapshot_bytes"],
-                              "bytes_per_step": held["snapshot_bytes"] / k,
+                              "bytes_sent_per_snapshot": held["snapshot_sent_bytes"],
+                              "bytes_sent_per_step": held["snapshot_sent_bytes"] / k,
                               "ms_per_step": 1e3 * statistics.mean(r["timings"]["snapshot_s"] for r in counted),
                               "ms_per_snapshot": 1e3 * statistics.mean(
                                   r["timings"]["snapshot_s"] for r in counted if (r["step"] + 1) % k == 0)}
@@ -160,7 +172,29 @@ def bench_step_time(args: argparse.Namespace) -> dict:
             "torch_zero_ro_over_torch_ddp": round(median["torch_zero_ro"] / median["torch_ddp"], 3),
             "torch_median_round_ratio": round(statistics.median(
                 a / b for a, b in zip(times["torch_zero_ro"], times["torch_ddp"])), 3),
-            "snapshots": snapshot}
+            "phases_ms": phases, "snapshots": snapshot}
+
+
+def bench_collectives(args: argparse.Namespace) -> dict:
+    numel = sum(p.numel() for p in TASK.model().parameters())
+    store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False)
+    workers = [remote(ShardedCollectivesWorker).remote(ray.util.get_node_ip_address(), store.port, r, args.workers,
+                                                       numel) for r in range(args.workers)]
+    ops = ("reduce_scatter", "gloo_reduce_scatter", "all_gather", "gloo_all_gather")
+    times: dict[str, list[float]] = {op: [] for op in ops}
+    try:
+        for round_ in range(args.rounds):
+            for op in ops:  # the slowest rank: the collective ends when it does
+                seconds = max(ray.get([w.time.remote(op, 40) for w in workers]))
+                if round_ > 0:
+                    times[op].append(seconds)
+    finally:
+        for w in workers:
+            ray.kill(w)
+    median = {op: statistics.median(t) for op, t in times.items()}
+    return {"elements": numel, "median_ms": {op: round(1e3 * m, 3) for op, m in median.items()},
+            "gloo_over_elastic_dp": {op: round(median[f"gloo_{op}"] / median[op], 2)
+                                     for op in ("reduce_scatter", "all_gather")}}
 
 
 def main() -> None:
@@ -172,7 +206,8 @@ def main() -> None:
     args = parser.parse_args()
     with local_ray(num_cpus=max(6 * args.workers, args.max_workers)):
         result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "ray": ray.__version__,
-                  "memory": bench_memory(args), "workers": args.workers, "step_time": bench_step_time(args)}
+                  "memory": bench_memory(args), "workers": args.workers,
+                  "collectives": bench_collectives(args), "step_time": bench_step_time(args)}
     print(json.dumps(result, indent=1))
 
 

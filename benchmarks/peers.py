@@ -120,6 +120,33 @@ class ReduceWorker:
         return (time.perf_counter() - start) / iters
 
 
+class ShardedCollectivesWorker:
+    """Times the collectives of ZeRO's sharded stages on one gloo group: gloo's own
+    reduce-scatter and all-gather (``_reduce_scatter_base``, ``_allgather_base``) against
+    ``CollectiveGroup``'s, which run them as all-to-alls, on a flat buffer of ``numel``."""
+
+    def __init__(self, host: str, port: int, rank: int, world: int, numel: int) -> None:
+        torch.set_num_threads(1)
+        self.group = CollectiveGroup(backend="gloo", timeout_s=120)
+        self.group.configure(host, port, generation=0, rank=rank, world_size=world)
+        numel = -(-numel // world) * world
+        self.full, self.chunk = torch.randn(numel), torch.empty(numel // world)
+
+    def time(self, op: str, iters: int) -> float:
+        """Seconds per call of ``op``: ``reduce_scatter``/``all_gather`` (``CollectiveGroup``)
+        or ``gloo_reduce_scatter``/``gloo_all_gather`` (the process group's own)."""
+        pg = self.group._pg
+        calls = {"reduce_scatter": lambda: self.group.reduce_scatter_async(self.chunk, self.full),
+                 "all_gather": lambda: self.group.all_gather_async(self.full, self.chunk),
+                 "gloo_reduce_scatter": lambda: pg._reduce_scatter_base(self.chunk, self.full),
+                 "gloo_all_gather": lambda: pg._allgather_base(self.full, self.chunk)}
+        call = calls[op]
+        start = time.perf_counter()
+        for _ in range(iters):
+            call().wait()
+        return (time.perf_counter() - start) / iters
+
+
 def remote(cls):
     """``cls`` as a Ray actor class holding one CPU slot."""
     return ray.remote(num_cpus=1)(cls)

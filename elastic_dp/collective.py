@@ -56,7 +56,8 @@ class _Staged:
     """A gloo call on host copies of CUDA tensors: ``wait()`` copies the results back.
     ``keep``: a tensor the call reads, held until it is done."""
 
-    def __init__(self, work, results: list[tuple[torch.Tensor, torch.Tensor]], keep: torch.Tensor | None = None) -> None:
+    def __init__(self, work, results: list[tuple[torch.Tensor, torch.Tensor]],
+                 keep: torch.Tensor | None = None) -> None:
         self.work, self.results, self.keep = work, results, keep  # results: (device tensor, its host copy)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:

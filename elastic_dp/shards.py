@@ -37,7 +37,9 @@ class ShardState:
 class Snapshot:
     step: int
     flat: torch.Tensor
-    """Master and state chunks packed into one fp32 vector, in host memory."""
+    """The chunk packed into one fp32 vector, in host memory: every bucket's master chunk
+    first (``sum(chunks)`` elements, which a peer snapshot of fp32 parameters need not
+    send), then each bucket's state chunks."""
     keys: tuple[tuple[str, bool], ...]
     """(state key, is 0-dim) in packing order."""
 
@@ -52,9 +54,8 @@ def pack(shard: ShardState, out: torch.Tensor | None = None) -> Snapshot:
     has the right size (reusing a buffer spares the page faults of a fresh one: on a CPU
     they cost more than the copy)."""
     keys = tuple(sorted((k, v[0].dim() == 0) for k, v in shard.state.items()))
-    parts = []
-    for b, master in enumerate(shard.master):
-        parts.append(master.reshape(-1))
+    parts = [master.reshape(-1) for master in shard.master]
+    for b in range(len(shard.master)):
         parts.extend(shard.state[k][b].reshape(-1).float() for k, _ in keys)
     if not parts:
         return Snapshot(shard.step, torch.zeros(0), keys)
@@ -81,6 +82,7 @@ def unpack(snap: Snapshot, chunks: list[int], world_size: int, rank: int) -> Sha
 
     for chunk in chunks:
         shard.master.append(take(chunk))
+    for chunk in chunks:
         for key, scalar in snap.keys:
             shard.state.setdefault(key, []).append(take(1).reshape(()) if scalar else take(chunk))
     return shard

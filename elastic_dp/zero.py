@@ -32,10 +32,14 @@ state) is the state; the full parameters are derived from it.
 Peer redundancy (DESIGN invariant 6): every ``snapshot_every`` committed steps each rank
 copies its chunk into host memory and starts sending it to rank ``r+1`` while it receives
 rank ``r-1``'s; the transfer runs while the next step trains, and is waited for at the
-next snapshot (or when the coordinator asks what the rank holds). Each rank keeps the two
-newest snapshots of its own chunk and of rank ``r-1``'s: a received one counts only once
-it has arrived whole. A receive from a peer that died never completes: the group's abort
-makes it fail, and it is dropped. After a failure the coordinator
+next snapshot (or when the coordinator asks what the rank holds). With fp32 parameters
+the masters are not sent, only the optimizer state: a master chunk is its owner's chunk
+of the parameters, which the all-gather brings to every rank, and the receiver copies
+rank ``r-1``'s out of its own parameters after that all-gather and before the next one.
+Each rank keeps the two newest snapshots of its own chunk and of rank ``r-1``'s: a
+received one counts only once it has arrived whole, and its all-gather too. A receive
+from a peer that died never completes: the group's abort makes it fail, and it is
+dropped. After a failure the coordinator
 asks the survivors what they hold (``holdings()``) and picks the newest step at which
 every old rank's chunk is held somewhere (``modes.sync.sharded.shard_sources``). Survivors
 then export those chunks (``export()``), and the new generation's ranks each cut their new
@@ -80,6 +84,10 @@ class _Exchange:
     received: torch.Tensor
     done: Future
     """Completes when both transfers have."""
+    masters_pending: bool = False
+    """Rank r-1's master chunk was not sent: its fp32 masters are its chunk of the
+    parameters, which the all-gather brings. It is copied out of the gathered parameters
+    once they have arrived, before the next all-gather overwrites them."""
 
 
 def _exchange(group: CollectiveGroup, send: torch.Tensor, dst: int, received: torch.Tensor, src: int) -> None:
@@ -151,6 +159,9 @@ class Sharded(BucketedGradients):
         for buffer, chunk in zip(self.param_buffers, self.chunks):
             own = buffer[self.rank * chunk:(self.rank + 1) * chunk]
             self.masters.append(torch.nn.Parameter(own if own.dtype == torch.float32 else own.float()))
+        # fp32 parameters are their own masters: a peer snapshot then leaves them out
+        # (the neighbour has them from the all-gather) and sends the optimizer state alone
+        self.unsent = 0 if any(b.dtype != torch.float32 for b in self.param_buffers) else sum(self.chunks)
 
         if stage == 2:
             self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
@@ -208,6 +219,8 @@ class Sharded(BucketedGradients):
         """Update the chunk for committed step ``step``, then start the all-gather of the
         parameters (waited for in the next forward, or now: ``defer_gather``)."""
         self._wait_gathers()  # a bucket no forward used (a parameter without a gradient)
+        if self._exchange is not None and self._exchange.masters_pending:
+            self._copy_left_masters(self._exchange)  # before this step's all-gather overwrites them
         if self.defer_gather is None:
             unseen = [self.names[id(p)] for p in self.params if id(p) not in self._seen]
             self.defer_gather, self._seen = not unseen, set()
@@ -228,6 +241,15 @@ class Sharded(BucketedGradients):
         self._start_gathers()
         if not self.defer_gather:
             self._wait_gathers()
+
+    def _copy_left_masters(self, pending: _Exchange) -> None:
+        """Complete rank r-1's snapshot in flight with its master chunks, out of this rank's
+        gathered parameters (their all-gather has been waited for, the next not started)."""
+        left, offset = (self.rank - 1) % self.world_size, 0
+        for buffer, chunk in zip(self.param_buffers, self.chunks):
+            pending.received[offset:offset + chunk].copy_(buffer[left * chunk:(left + 1) * chunk])
+            offset += chunk
+        pending.masters_pending = False
 
     def _own_params(self, b: int) -> torch.Tensor:
         chunk = self.chunks[b]
@@ -312,12 +334,14 @@ class Sharded(BucketedGradients):
         dst, src = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         if self._sender is None:
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-dp-snapshot")
+        sent, into = send[self.unsent:], received[self.unsent:]  # the masters first, unsent if fp32
         if self.group.backend == "gloo":  # gloo writes what the socket takes in the caller's thread
-            done = self._sender.submit(_exchange, self.group, send, dst, received, src)
+            done = self._sender.submit(_exchange, self.group, sent, dst, into, src)
         else:  # NCCL ops are ordered on the training thread's stream and queued at once
-            works = self.group.exchange_async(send, dst, received, src)
+            works = self.group.exchange_async(sent, dst, into, src)
             done = self._sender.submit(lambda: [work.wait() for work in works])
-        self._exchange = _Exchange(step, Snapshot(step, send, own.keys), received, done)
+        self._exchange = _Exchange(step, Snapshot(step, send, own.keys), received, done,
+                                   masters_pending=self.unsent > 0)
 
     def _receive_snapshot(self, timeout_s: float | None = None) -> None:
         """Wait for the peer snapshot in flight (up to ``timeout_s``) and keep it; a failed
@@ -329,6 +353,9 @@ class Sharded(BucketedGradients):
             pending.done.result(timeout=timeout_s)
         except Exception as exc:
             raise self._collective_error(f"peer snapshot of step {pending.step}", exc) from None
+        if pending.masters_pending:  # no step since: the parameters of its step, once gathered
+            self._wait_gathers()  # a failed all-gather fails the snapshot (CollectiveError)
+            self._copy_left_masters(pending)
         keep(self.peer, Snapshot(pending.step, pending.received.cpu(), pending.own.keys))
 
     def holdings(self) -> dict[str, object]:
@@ -340,7 +367,9 @@ class Sharded(BucketedGradients):
             logger.info("%s: dropped", exc)
         return {"rank": self.rank, "live": self.live_step, "own": [s.step for s in self.own],
                 "peer": [s.step for s in self.peer],
-                "snapshot_bytes": self.own[-1].flat.numel() * self.own[-1].flat.element_size() if self.own else 0}
+                "snapshot_bytes": self.own[-1].flat.numel() * self.own[-1].flat.element_size() if self.own else 0,
+                "snapshot_sent_bytes": (self.own[-1].flat.numel() - self.unsent) * self.own[-1].flat.element_size()
+                if self.own and self.world_size > 1 else 0}
 
     def export(self, kind: str, step: int) -> ShardState:
         """A chunk as a ShardState: ``live``, or the ``own`` / ``peer`` snapshot of ``step``."""

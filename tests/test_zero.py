@@ -155,11 +155,19 @@ def test_resharding_from_live_chunks_and_snapshots_continues_the_same_trajectory
     initial = _initial(task, config.seed)
     uninterrupted, _, _ = _train(task, dataclasses.replace(config, zero=0), 1, range(6), initial)
     _, _, old = _train(task, config, 3, range(3), initial)
-    assert [{k: v for k, v in r.strategy.holdings().items() if k != "snapshot_bytes"} for r in old] == [
+    assert [{k: v for k, v in r.strategy.holdings().items() if "bytes" not in k} for r in old] == [
         {"rank": r, "live": 3, "own": [2, 3], "peer": [2, 3]} for r in range(3)]
-    # a snapshot holds the chunk's fp32 master and AdamW's two moments (and step counts)
+    # a snapshot holds the chunk's fp32 master and AdamW's two moments (and step counts);
+    # the master is not sent: the neighbour copies it out of its gathered parameters
     numel = sum(p.numel() for p in old[0].model.parameters())
     assert 12 * numel / 3 <= old[0].strategy.holdings()["snapshot_bytes"] <= 12 * numel / 3 + 16 * 64
+    assert 8 * numel / 3 <= old[0].strategy.holdings()["snapshot_sent_bytes"] <= 8 * numel / 3 + 16 * 64
+    # state step 2's masters were copied in the next update, before its all-gather; step 3's by holdings()
+    for r in range(3):
+        for step in (2, 3):
+            own, peer = old[(r - 1) % 3].strategy.export("own", step), old[r].strategy.export("peer", step)
+            assert all(torch.equal(x, y) for x, y in zip(own.master, peer.master)), (r, step)
+            assert all(torch.equal(x, y) for k in own.state for x, y in zip(own.state[k], peer.state[k]))
     # rank 1 is lost: its chunk comes from rank 2's peer snapshot
     chunks = [old[0].strategy.export("live", 3), old[2].strategy.export("peer", 3), old[2].strategy.export("own", 3)]
     sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
