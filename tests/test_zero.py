@@ -195,6 +195,25 @@ def test_snapshots_every_k_steps_roll_back_to_a_consistent_step():
     assert all(torch.equal(x, y) for k in a.state for x, y in zip(a.state[k], b.state[k]))
 
 
+def test_a_peer_snapshot_whose_all_gather_failed_is_not_held():
+    """fp32 masters are not sent with a snapshot: the receiver copies them out of its
+    gathered parameters. When that all-gather fails (a peer lost), the snapshot of its
+    step is dropped, and the one before it is the newest held."""
+    task = MLP_TASK
+    config = dataclasses.replace(task.defaults, zero=2)
+    _, _, replicas = _train(task, config, 2, range(3), _initial(task, config.seed))
+
+    class Failed:
+        def wait(self):
+            raise RuntimeError("Connection closed by peer")
+
+    strategy = replicas[1].strategy
+    assert strategy._exchange is not None and strategy._exchange.masters_pending  # step 3's, in flight
+    strategy._gathers = {0: Failed()}
+    assert strategy.holdings()["peer"] == [2]  # step 3's dropped
+    assert replicas[0].strategy.holdings()["peer"] == [2, 3]
+
+
 def test_bf16_parameters_keep_fp32_master_weights_in_the_shard():
     def bf16_mlp():
         return mlp().to(torch.bfloat16)
