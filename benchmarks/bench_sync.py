@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import thread_cpu
+from benchmarks.stats import round_ratio_interval
 from benchmarks.peers import DDPWorker, ReduceWorker, local_ray, remote
 from benchmarks.tasks import TINY_MLP_TASK
 from elastic_dp import CheckpointConfig, ClusterConfig
@@ -84,6 +85,7 @@ def bench_step_time(args: argparse.Namespace, name: str, steps_per_round: int) -
             "ddp_ms": round(1e3 * statistics.median(theirs), 3),
             "ratio": round(statistics.median(ours) / statistics.median(theirs), 3),
             "median_round_ratio": round(statistics.median(a / b for a, b in zip(ours, theirs)), 3),
+            "median_round_ratio_ci95": round_ratio_interval(ours, theirs),
             "overhead_ms": round(1e3 * (statistics.median(ours) - statistics.median(theirs)), 3),
             "driver_cpu_ms_per_step": round(1e3 * statistics.median(driver_cpu[1:]), 3),
             "cpu_ms_per_step": {system: _cpu_per_step(rounds, steps_per_round)

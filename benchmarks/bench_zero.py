@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.peers import DDPWorker, ShardedCollectivesWorker, local_ray, remote
+from benchmarks.stats import round_ratio_interval
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler
 from elastic_dp.api import build_coordinator
 from elastic_dp.metrics import RunRecorder
@@ -169,6 +170,7 @@ def bench_step_time(args: argparse.Namespace) -> dict:
             "ratio_to_zero0": {k: round(v / median["zero0"], 3) for k, v in median.items() if k in variants},
             "median_round_ratio_to_zero0": {
                 k: round(statistics.median(a / b for a, b in zip(times[k], times["zero0"])), 3) for k in variants},
+            "median_round_ratio_ci95": {k: round_ratio_interval(times[k], times["zero0"]) for k in variants},
             "torch_zero_ro_over_torch_ddp": round(median["torch_zero_ro"] / median["torch_ddp"], 3),
             "torch_median_round_ratio": round(statistics.median(
                 a / b for a, b in zip(times["torch_zero_ro"], times["torch_ddp"])), 3),
