@@ -17,11 +17,11 @@ Per rank and bucket the strategy holds:
   stage 2: only the gradient chunk (the bucket is reduce-scattered as backward produces it
   and the full gradients are released).
 
-A committed step updates the chunk with the optimizer, then starts the all-gather of each
-bucket's parameters, in the order the forward uses them, and does not wait: the next
-step's forward waits for a bucket in the forward pre-hook of the first module that holds
-one of its parameters (as FSDP2 does), so the gather overlaps whatever comes before that
-module's forward. Whether that is safe is learnt in the first step, whose gather was
+A committed step updates the chunk bucket by bucket, in the order the forward uses them,
+and starts each bucket's parameter all-gather as soon as that bucket is updated (it runs
+while the next bucket is), and does not wait: the next step's forward waits for a bucket
+in the forward pre-hook of the first module that holds one of its parameters (as FSDP2
+does), so the gather overlaps whatever comes before that module's forward. Whether that is safe is learnt in the first step, whose gather was
 waited for: only if every parameter belongs to a module whose forward ran (a parameter
 read outside its module's forward would be read before its bucket arrives) are later
 gathers left in flight; otherwise each gather is waited for at the end of its step, and
@@ -216,8 +216,9 @@ class Sharded(BucketedGradients):
 
     @torch.no_grad()
     def optimizer_step(self, step: int) -> None:
-        """Update the chunk for committed step ``step``, then start the all-gather of the
-        parameters (waited for in the next forward, or now: ``defer_gather``)."""
+        """Update the chunk for committed step ``step`` bucket by bucket, in the order the
+        forward uses them, starting each bucket's parameter all-gather once it is updated
+        (waited for in the next forward, or now: ``defer_gather``)."""
         self._wait_gathers()  # a bucket no forward used (a parameter without a gradient)
         if self._exchange is not None and self._exchange.masters_pending:
             self._copy_left_masters(self._exchange)  # before this step's all-gather overwrites them
@@ -228,17 +229,23 @@ class Sharded(BucketedGradients):
                 logger.warning("ZeRO: parameters %s are not used by the forward of the module that holds them; "
                                "the parameter all-gather is waited for at the end of each step",
                                ", ".join(unseen[:5]) + (" ..." if len(unseen) > 5 else ""))
-        for b, master in enumerate(self.masters):
-            grad = self._grad_chunk(b)
+        failed = None
+        for b in self.forward_order:  # what the forward needs first is updated and sent first
+            master, grad = self.masters[b], self._grad_chunk(b)
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-        self.optimizer.step()
-        for b, master in enumerate(self.masters):
+            self.optimizer.step()  # this bucket's master alone: the others have no gradient
             master.grad = None
             own = self._own_params(b)
             if own.data_ptr() != master.data_ptr():
                 own.copy_(master)
+            if failed is None:  # its all-gather runs while the next bucket is updated
+                try:
+                    self._gathers[b] = self.group.all_gather_async(self.param_buffers[b], own)
+                except Exception as exc:  # the chunk is still updated whole before this is raised
+                    failed = exc
         self.live_step = step + 1
-        self._start_gathers()
+        if failed is not None:
+            raise self._collective_error("parameter all-gather", failed)
         if not self.defer_gather:
             self._wait_gathers()
 

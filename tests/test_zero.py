@@ -275,6 +275,40 @@ def test_a_peer_lost_after_the_vote_fails_stage_2s_norm_all_reduce_in_the_result
     assert live == 1 and _max_diff(before, after) == 0.0  # no update applied
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_an_all_gather_that_cannot_start_leaves_the_chunk_updated_whole(zero):
+    """Buckets are updated one by one, each starting its all-gather. When the first
+    all-gather cannot start (a peer lost), the step fails as a CollectiveError, and yet
+    every bucket of the chunk is updated: the chunk is whole at step 2, equal to the chunk
+    of a run whose all-gathers went through."""
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, zero=zero, bucket_mb=0.002)  # several buckets
+    initial = _initial(task, config.seed)
+    sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
+
+    def rank_fn(group, fail: bool):
+        replica = Replica(task, config, CPU, group)
+        replica.model.load_state_dict(initial)
+        replica.broadcast_state(0)
+        assert replica.step(0, split(sampler.batch(0), 2)[group.rank]).committed
+        if fail:
+            def lost(output, input):
+                raise RuntimeError("Connection closed by peer")
+
+            group.all_gather_async = lost
+        result = replica.step(1, split(sampler.batch(1), 2)[group.rank])
+        return result, replica.strategy.export("live", 2)
+
+    reference = run_ranks(2, lambda group: rank_fn(group, False))
+    failed = run_ranks(2, lambda group: rank_fn(group, True))
+    assert len(failed[0][1].master) > 2
+    for (ok, whole), (result, chunk) in zip(reference, failed):
+        assert ok.committed and not result.committed and isinstance(result.error, CollectiveError)
+        assert "parameter all-gather" in str(result.error)
+        assert all(torch.equal(x, y) for x, y in zip(whole.master, chunk.master))
+        assert all(torch.equal(x, y) for k in whole.state for x, y in zip(whole.state[k], chunk.state[k]))
+
+
 def test_non_elementwise_optimizer_is_refused_with_zero():
     task = dataclasses.replace(MLP_TASK, optimizer=lambda m: torch.optim.LBFGS(m.parameters()))
     with pytest.raises(ConfigError, match=r"--zero 1 .*LBFGS.*--zero 0"):
