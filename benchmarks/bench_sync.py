@@ -9,9 +9,9 @@
    one window. The two alternate in rounds of ``--steps-per-round`` steps so that machine
    noise hits both alike; the first round of each is warm-up and not counted. Reported per
    task: median step time of each, their ratio (elastic_dp / DDP), the median of the
-   per-round ratios, the difference in milliseconds per step, and the CPU time the
-   driver (the coordinator, all its threads) spends per step: on a machine whose cores
-   the workers share, it is taken from them. Also each system's CPU per step by process
+   per-round ratios (with a 95% bootstrap interval: benchmarks.stats), the difference in
+   milliseconds per step, and the CPU time the driver (the coordinator, all its threads)
+   spends per step: on a machine whose cores the workers share, it is taken from them. Also each system's CPU per step by process
    (driver, workers, raylet, GCS) and thread (``benchmarks.thread_cpu``), read from
    ``/proc`` around every round: the idle system's actors' figures are measured too.
 2. All-reduce bandwidth: elastic_dp's bucketed gradient reduction (copy into buckets,

@@ -7,8 +7,9 @@
    10 steps, on the same model, worker count and batches — and, as the peer, torch DDP
    against DDP with torch's ZeroRedundancyOptimizer (its ZeRO stage 1) — all alternating
    in rounds of ``--steps-per-round`` so machine noise hits all alike; round 0 is
-   warm-up. Reported: median step time of each, ratios to stage 0, and torch's own
-   ZeRO-1 / DDP ratio.
+   warm-up. Reported: median step time of each, ratios to stage 0 (with a 95% bootstrap
+   interval of the median per-round ratio: benchmarks.stats), and torch's own ZeRO-1 /
+   DDP ratio.
    Also each variant's phases (per step the largest over ranks; medians of the counted steps):
    forward and backward, the wait for the gradient reduction, the update, the snapshot.
 3. Peer snapshots: bytes each worker holds and sends per snapshot (fp32 masters are not
