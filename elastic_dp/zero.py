@@ -21,11 +21,12 @@ A committed step updates the chunk bucket by bucket, in the order the forward us
 and starts each bucket's parameter all-gather as soon as that bucket is updated (it runs
 while the next bucket is), and does not wait: the next step's forward waits for a bucket
 in the forward pre-hook of the first module that holds one of its parameters (as FSDP2
-does), so the gather overlaps whatever comes before that module's forward. Whether that is safe is learnt in the first step, whose gather was
-waited for: only if every parameter belongs to a module whose forward ran (a parameter
-read outside its module's forward would be read before its bucket arrives) are later
-gathers left in flight; otherwise each gather is waited for at the end of its step, and
-a warning names the parameters. Anything else that reads the parameters (a checkpoint,
+does), so the gather overlaps whatever comes before that module's forward. Whether
+that is safe is learnt in the first step, whose gather was waited for: only if every
+parameter belongs to a module whose forward ran (a parameter read outside its module's
+forward would be read before its bucket arrives) are later gathers left in flight;
+otherwise each gather is waited for at the end of its step, and a warning names the
+parameters. Anything else that reads the parameters (a checkpoint,
 the weights, a sample) first waits for them (``settle``). The chunk (master + optimizer
 state) is the state; the full parameters are derived from it.
 
@@ -39,12 +40,12 @@ rank ``r-1``'s out of its own parameters after that all-gather and before the ne
 Each rank keeps the two newest snapshots of its own chunk and of rank ``r-1``'s: a
 received one counts only once it has arrived whole, and its all-gather too. A receive
 from a peer that died never completes: the group's abort makes it fail, and it is
-dropped. After a failure the coordinator
-asks the survivors what they hold (``holdings()``) and picks the newest step at which
-every old rank's chunk is held somewhere (``modes.sync.sharded.shard_sources``). Survivors
-then export those chunks (``export()``), and the new generation's ranks each cut their new
-chunk, and a copy of their left neighbour's, out of them (``import_shards()``; the chunk
-arithmetic is in ``elastic_dp.shards``).
+dropped. After a failure the coordinator asks the survivors what they hold
+(``holdings()``) and picks the newest step at which every old rank's chunk is held
+somewhere (``modes.sync.sharded.shard_sources``). Survivors then export those chunks
+(``export()``), and the new generation's ranks each cut their new chunk, and a copy of
+their left neighbour's, out of them (``import_shards()``; the chunk arithmetic is in
+``elastic_dp.shards``).
 """
 
 from __future__ import annotations
