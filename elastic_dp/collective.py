@@ -61,10 +61,7 @@ class _Staged:
         self.work, self.results, self.keep = work, results, keep  # results: (device tensor, its host copy)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if timeout is None:
-            self.work.wait()
-        else:
-            self.work.wait(timeout)
+        _wait(self.work, timeout)
         for device, host in self.results:
             device.copy_(host)
         self.keep = None
@@ -79,10 +76,7 @@ class _Summed:
         self.work, self.received, self.output = work, received, output
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if timeout is None:
-            self.work.wait()
-        else:
-            self.work.wait(timeout)
+        _wait(self.work, timeout)
         if self.received is not None:  # a second wait() has nothing left to do
             rows, output = self.received, self.output
             total = output if output.device == rows.device else torch.empty(output.shape, dtype=rows.dtype)
@@ -93,6 +87,13 @@ class _Summed:
                 output.copy_(total)
             self.received = None
         return True
+
+
+def _wait(work, timeout: datetime.timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,9 @@ temporary buffers and allocator overhead are not included.
 
 Communication, bytes each worker sends per step, as elastic_dp's stages do it (ring
 algorithms; the all-to-alls that run stage 1 and 2's collectives on gloo send as many),
-peer snapshots apart: stage 0 all-reduces the gradients, 2(N-1)/N · GΨ; stage 1 all-reduces them
-and all-gathers the updated parameters, 2(N-1)/N · GΨ + (N-1)/N · PΨ; stage 2
-reduce-scatters the gradients and all-gathers the parameters, (N-1)/N · (G + P)Ψ.
+peer snapshots apart: stage 0 all-reduces the gradients, 2(N-1)/N · GΨ; stage 1
+all-reduces them and all-gathers the updated parameters, 2(N-1)/N · GΨ + (N-1)/N · PΨ;
+stage 2 reduce-scatters the gradients and all-gathers the parameters, (N-1)/N · (G + P)Ψ.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ that is safe is learnt in the first step, whose gather was waited for: only if e
 parameter belongs to a module whose forward ran (a parameter read outside its module's
 forward would be read before its bucket arrives) are later gathers left in flight;
 otherwise each gather is waited for at the end of its step, and a warning names the
-parameters. Anything else that reads the parameters (a checkpoint,
-the weights, a sample) first waits for them (``settle``). The chunk (master + optimizer
-state) is the state; the full parameters are derived from it.
+parameters. Anything else that reads the parameters (a checkpoint, the weights, a sample)
+first waits for them (``settle``). The chunk (master + optimizer state) is the state; the
+full parameters are derived from it.
 
 Peer redundancy (DESIGN invariant 6): every ``snapshot_every`` committed steps each rank
 copies its chunk into host memory and starts sending it to rank ``r+1`` while it receives
@@ -241,7 +241,7 @@ class Sharded(BucketedGradients):
                 own.copy_(master)
             if failed is None:  # its all-gather runs while the next bucket is updated
                 try:
-                    self._gathers[b] = self.group.all_gather_async(self.param_buffers[b], own)
+                    self._start_gather(b)
                 except Exception as exc:  # the chunk is still updated whole before this is raised
                     failed = exc
         self.live_step = step + 1
@@ -263,12 +263,9 @@ class Sharded(BucketedGradients):
         chunk = self.chunks[b]
         return self.param_buffers[b][self.rank * chunk:(self.rank + 1) * chunk]
 
-    def _start_gathers(self) -> None:
-        try:
-            for b in self.forward_order:
-                self._gathers[b] = self.group.all_gather_async(self.param_buffers[b], self._own_params(b))
-        except Exception as exc:
-            raise self._collective_error("parameter all-gather", exc) from None
+    def _start_gather(self, b: int) -> None:
+        """Start the all-gather of bucket ``b``'s parameters from this rank's chunk."""
+        self._gathers[b] = self.group.all_gather_async(self.param_buffers[b], self._own_params(b))
 
     def _wait_gathers(self, buckets=None) -> None:
         """Wait for the all-gathers of ``buckets`` (default: all) still in flight."""
@@ -281,7 +278,11 @@ class Sharded(BucketedGradients):
                     raise self._collective_error("parameter all-gather", exc) from None
 
     def _gather_params(self) -> None:
-        self._start_gathers()
+        try:
+            for b in self.forward_order:
+                self._start_gather(b)
+        except Exception as exc:
+            raise self._collective_error("parameter all-gather", exc) from None
         self._wait_gathers()
 
     def _before_forward(self, ids: list[int]) -> None:
