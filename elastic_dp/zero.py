@@ -32,15 +32,12 @@ full parameters are derived from it.
 
 Peer redundancy (DESIGN invariant 6): every ``snapshot_every`` committed steps each rank
 copies its chunk into host memory and starts sending it to rank ``r+1`` while it receives
-rank ``r-1``'s; the transfer runs while the next step trains, and is waited for at the
-next snapshot (or when the coordinator asks what the rank holds). With fp32 parameters
-the masters are not sent, only the optimizer state: a master chunk is its owner's chunk
-of the parameters, which the all-gather brings to every rank, and the receiver copies
-rank ``r-1``'s out of its own parameters after that all-gather and before the next one.
-Each rank keeps the two newest snapshots of its own chunk and of rank ``r-1``'s: a
-received one counts only once it has arrived whole, and its all-gather too. A receive
-from a peer that died never completes: the group's abort makes it fail, and it is
-dropped. After a failure the coordinator asks the survivors what they hold
+rank ``r-1``'s (``elastic_dp.snapshots``: the transfer runs while the next step trains).
+With fp32 parameters the masters are not sent, only the optimizer state: a master chunk
+is its owner's chunk of the parameters, which the all-gather brings to every rank, and
+the receiver copies rank ``r-1``'s out of its own parameters after that all-gather and
+before the next one. A received snapshot counts only once it has arrived whole, and its
+all-gather too. After a failure the coordinator asks the survivors what they hold
 (``holdings()``) and picks the newest step at which every old rank's chunk is held
 somewhere (``modes.sync.sharded.shard_sources``). Survivors then export those chunks
 (``export()``), and the new generation's ranks each cut their new chunk, and a copy of
@@ -53,8 +50,6 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,36 +60,12 @@ from .config import TrainConfig
 from .errors import CollectiveError
 from .faults import Fault, trigger
 from .reducer import GradientReducer, make_buckets
-from .shards import ShardState, Snapshot, check_shardable, cut, keep, needed_sources, pack, spare, unpack
+from .shards import ShardState, check_shardable, cut, needed_sources, unpack
+from .snapshots import SNAPSHOT_WAIT_S, Exchange, PeerSnapshots
 from .strategy import BucketedGradients, broadcast_tensors, inside, nbytes
 from . import zero_format
 
 logger = logging.getLogger(__name__)
-
-SNAPSHOT_WAIT_S = 5.0
-"""How long ``holdings`` waits for a peer snapshot still in flight (a healthy peer's
-arrives in milliseconds; after an abort the wait fails at once)."""
-
-
-@dataclass(slots=True)
-class _Exchange:
-    """A peer snapshot on its way: ours to rank r+1 (``own``), rank r-1's into ``received``."""
-
-    step: int
-    own: Snapshot
-    received: torch.Tensor
-    done: Future
-    """Completes when both transfers have."""
-    masters_pending: bool = False
-    """Rank r-1's master chunk was not sent: its fp32 masters are its chunk of the
-    parameters, which the all-gather brings. It is copied out of the gathered parameters
-    once they have arrived, before the next all-gather overwrites them."""
-
-
-def _exchange(group: CollectiveGroup, send: torch.Tensor, dst: int, received: torch.Tensor, src: int) -> None:
-    for work in group.exchange_async(send, dst, received, src):
-        work.wait()
-
 
 class Sharded(BucketedGradients):
     """ZeRO stage 1 or 2, built once per worker. Its layout depends on the world size, so
@@ -110,11 +81,8 @@ class Sharded(BucketedGradients):
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.base_groups = optimizer.param_groups
         self.generation: int | None = None  # of the layout below; None: not built yet
-        self.own: list[Snapshot] = []
-        self.peer: list[Snapshot] = []
+        self.snapshots = PeerSnapshots()
         self._gathers: dict[int, Any] = {}  # bucket -> its parameter all-gather, in flight
-        self._exchange: _Exchange | None = None  # the last peer snapshot, in flight
-        self._sender: ThreadPoolExecutor | None = None  # its thread
         self.defer_gather: bool | None = None
         """Whether a step leaves its all-gather to the next forward (None: not learnt yet)."""
         self._seen: set[int] = set()  # parameters whose module ran forward (while learning)
@@ -131,7 +99,7 @@ class Sharded(BucketedGradients):
             self._build()
 
     def _build(self) -> None:
-        self._gathers, self._exchange = {}, None  # the last generation's (``drop_pending``)
+        self._gathers = {}  # the last generation's (``drop_pending``)
         stage, group, config, optimizer = self.stage, self.group, self.config, self.base_optimizer
         self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -162,7 +130,8 @@ class Sharded(BucketedGradients):
             self.masters.append(torch.nn.Parameter(own if own.dtype == torch.float32 else own.float()))
         # fp32 parameters are their own masters: a peer snapshot then leaves them out
         # (the neighbour has them from the all-gather) and sends the optimizer state alone
-        self.unsent = 0 if any(b.dtype != torch.float32 for b in self.param_buffers) else sum(self.chunks)
+        self.snapshots.configure(group, 0 if any(b.dtype != torch.float32 for b in self.param_buffers)
+                                 else sum(self.chunks))
 
         if stage == 2:
             self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
@@ -176,8 +145,6 @@ class Sharded(BucketedGradients):
         accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold more (AdamW)
         self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
         self.live_step = 0
-        self.own: list[Snapshot] = []
-        self.peer: list[Snapshot] = []
 
     @property
     def param_groups(self) -> list[dict]:
@@ -221,8 +188,9 @@ class Sharded(BucketedGradients):
         forward uses them, starting each bucket's parameter all-gather once it is updated
         (waited for in the next forward, or now: ``defer_gather``)."""
         self._wait_gathers()  # a bucket no forward used (a parameter without a gradient)
-        if self._exchange is not None and self._exchange.masters_pending:
-            self._copy_left_masters(self._exchange)  # before this step's all-gather overwrites them
+        pending = self.snapshots.pending
+        if pending is not None and pending.masters_pending:
+            self._copy_left_masters(pending)  # before this step's all-gather overwrites them
         if self.defer_gather is None:
             unseen = [self.names[id(p)] for p in self.params if id(p) not in self._seen]
             self.defer_gather, self._seen = not unseen, set()
@@ -250,7 +218,7 @@ class Sharded(BucketedGradients):
         if not self.defer_gather:
             self._wait_gathers()
 
-    def _copy_left_masters(self, pending: _Exchange) -> None:
+    def _copy_left_masters(self, pending: Exchange) -> None:
         """Complete rank r-1's snapshot in flight with its master chunks, out of this rank's
         gathered parameters (their all-gather has been waited for, the next not started)."""
         left, offset = (self.rank - 1) % self.world_size, 0
@@ -301,14 +269,10 @@ class Sharded(BucketedGradients):
         generation re-gathers the parameters from the chunks it is given). The group is
         aborted first when anything is: a peer may be gone, and tearing the group down
         must not wait for it."""
-        if (self._gathers or self._exchange is not None) and self.group.configured:
+        if (self._gathers or self.snapshots.pending is not None) and self.group.configured:
             self.group.abort(self.group.generation)
-        if self._exchange is not None:  # its thread is done with the old group before it goes
-            try:
-                self._exchange.done.result(timeout=SNAPSHOT_WAIT_S)
-            except Exception:
-                pass  # aborted: dropped
-        self._gathers, self._exchange = {}, None
+        self.snapshots.drop()  # its thread is done with the old group before it goes
+        self._gathers = {}
 
     def _collective_error(self, what: str, exc: Exception) -> CollectiveError:
         return CollectiveError(f"gen {self.generation} rank {self.rank} step {self.live_step}: {what} failed: "
@@ -323,7 +287,7 @@ class Sharded(BucketedGradients):
         state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return {"parameters": nbytes(self.param_buffers), "gradients": nbytes(grads) + nbytes(stray),
                 "optimizer_state": nbytes(state) + nbytes(separate),
-                "snapshots": sum(nbytes([s.flat]) for s in self.own + self.peer)}
+                "snapshots": self.snapshots.bytes_held()}
 
     # -- peer snapshots ----------------------------------------------------------------------
     def after_commit(self, step: int, fault: Fault | None = None) -> None:
@@ -332,40 +296,25 @@ class Sharded(BucketedGradients):
         if self.world_size == 1 or step % self.config.snapshot_every:
             return
         self._receive_snapshot()
-        own = pack(self.export("live", step), out=spare(self.own))
-        keep(self.own, own)
+        own = self.snapshots.keep_own(self.export("live", step))
         trigger(fault, "snapshot")
         on_device = self.group.backend == "nccl" and self.masters  # NCCL sends from the GPU; gloo from the host
-        send = own.flat.to(self.masters[0].device) if on_device else own.flat
-        received = spare(self.peer)  # not held while it is overwritten
-        if received is None or received.device != send.device or received.shape != send.shape:
-            received = torch.empty_like(send)
-        dst, src = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
-        if self._sender is None:
-            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-dp-snapshot")
-        sent, into = send[self.unsent:], received[self.unsent:]  # the masters first, unsent if fp32
-        if self.group.backend == "gloo":  # gloo writes what the socket takes in the caller's thread
-            done = self._sender.submit(_exchange, self.group, sent, dst, into, src)
-        else:  # NCCL ops are ordered on the training thread's stream and queued at once
-            works = self.group.exchange_async(sent, dst, into, src)
-            done = self._sender.submit(lambda: [work.wait() for work in works])
-        self._exchange = _Exchange(step, Snapshot(step, send, own.keys), received, done,
-                                   masters_pending=self.unsent > 0)
+        self.snapshots.send(own, self.masters[0].device if on_device else None)
 
     def _receive_snapshot(self, timeout_s: float | None = None) -> None:
         """Wait for the peer snapshot in flight (up to ``timeout_s``) and keep it; a failed
         or timed-out transfer raises CollectiveError (and is not kept)."""
-        pending, self._exchange = self._exchange, None
-        if pending is None:
-            return
+        step = self.snapshots.pending.step if self.snapshots.pending is not None else None
         try:
-            pending.done.result(timeout=timeout_s)
+            arrived = self.snapshots.wait(timeout_s)
         except Exception as exc:
-            raise self._collective_error(f"peer snapshot of step {pending.step}", exc) from None
-        if pending.masters_pending:  # no step since: the parameters of its step, once gathered
+            raise self._collective_error(f"peer snapshot of step {step}", exc) from None
+        if arrived is None:
+            return
+        if arrived.masters_pending:  # no step since: the parameters of its step, once gathered
             self._wait_gathers()  # a failed all-gather fails the snapshot (CollectiveError)
-            self._copy_left_masters(pending)
-        keep(self.peer, Snapshot(pending.step, pending.received.cpu(), pending.own.keys))
+            self._copy_left_masters(arrived)
+        self.snapshots.keep_peer(arrived)
 
     def holdings(self) -> dict[str, object]:
         """What this rank can export: its live chunk's step and its snapshots' steps (a
@@ -374,11 +323,8 @@ class Sharded(BucketedGradients):
             self._receive_snapshot(SNAPSHOT_WAIT_S)
         except CollectiveError as exc:
             logger.info("%s: dropped", exc)
-        return {"rank": self.rank, "live": self.live_step, "own": [s.step for s in self.own],
-                "peer": [s.step for s in self.peer],
-                "snapshot_bytes": self.own[-1].flat.numel() * self.own[-1].flat.element_size() if self.own else 0,
-                "snapshot_sent_bytes": (self.own[-1].flat.numel() - self.unsent) * self.own[-1].flat.element_size()
-                if self.own and self.world_size > 1 else 0}
+        return {"rank": self.rank, "live": self.live_step, "own": [s.step for s in self.snapshots.own],
+                "peer": [s.step for s in self.snapshots.peer], **self.snapshots.sizes()}
 
     def export(self, kind: str, step: int) -> ShardState:
         """A chunk as a ShardState: ``live``, or the ``own`` / ``peer`` snapshot of ``step``."""
@@ -396,10 +342,7 @@ class Sharded(BucketedGradients):
                         state.setdefault(key, []).append(value.clone() if value.dim() == 0 else value.to("cpu"))
             return ShardState(step=step, world_size=self.world_size, rank=self.rank,
                               master=[m.detach().to("cpu", torch.float32) for m in self.masters], state=state)
-        snaps = {"own": self.own, "peer": self.peer}[kind]
-        snap = next((s for s in snaps if s.step == step), None)
-        if snap is None:
-            raise ValueError(f"no {kind} snapshot of step {step} (have {[s.step for s in snaps]})")
+        snap = self.snapshots.find(kind, step)
         rank = self.rank if kind == "own" else (self.rank - 1) % self.world_size
         return unpack(snap, self.chunks, self.world_size, rank)
 
@@ -427,10 +370,9 @@ class Sharded(BucketedGradients):
         own = cut(self.rank, self.numels, self.world_size, fetch, old_world_size, step)
         self._set_live(own)
         self._gather_params()
-        self.own, self.peer = [pack(own)], []
-        if self.world_size > 1:
-            left = cut((self.rank - 1) % self.world_size, self.numels, self.world_size, fetch, old_world_size, step)
-            self.peer = [pack(left)]
+        left = (cut((self.rank - 1) % self.world_size, self.numels, self.world_size, fetch, old_world_size, step)
+                if self.world_size > 1 else None)
+        self.snapshots.reset(own, left)
 
     @torch.no_grad()
     def _set_live(self, shard: ShardState) -> None:
@@ -456,13 +398,12 @@ class Sharded(BucketedGradients):
         shard = ShardState(step=step, world_size=self.world_size, rank=self.rank,
                            master=[self._own_params(b).detach().float().cpu() for b in range(len(self.buckets))])
         self._set_live(shard)
-        self.own, self.peer = [pack(shard)], []
+        peer, left = None, (self.rank - 1) % self.world_size
         if self.world_size > 1:
-            left = (self.rank - 1) % self.world_size
             peer = ShardState(step=step, world_size=self.world_size, rank=left,
                               master=[buf[left * c:(left + 1) * c].detach().float().cpu()
                                       for buf, c in zip(self.param_buffers, self.chunks)])
-            self.peer = [pack(peer)]
+        self.snapshots.reset(shard, peer)
 
     # -- state: initial sync, checkpoint parts, loading ---------------------------------------
     def sync_from(self, src: int) -> None:

@@ -208,7 +208,7 @@ def test_a_peer_snapshot_whose_all_gather_failed_is_not_held():
             raise RuntimeError("Connection closed by peer")
 
     strategy = replicas[1].strategy
-    assert strategy._exchange is not None and strategy._exchange.masters_pending  # step 3's, in flight
+    assert strategy.snapshots.pending is not None and strategy.snapshots.pending.masters_pending  # step 3's, in flight
     strategy._gathers = {0: Failed()}
     assert strategy.holdings()["peer"] == [2]  # step 3's dropped
     assert replicas[0].strategy.holdings()["peer"] == [2, 3]
