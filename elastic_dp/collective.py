@@ -159,14 +159,30 @@ class CollectiveGroup:
     def _arrive(self, generation: int, rank: int, world_size: int) -> None:
         """Announce this rank and wait until every rank of the generation has."""
         self._store.set(f"arrived/{rank}", b"1")
-        keys = [f"arrived/{r}" for r in range(world_size)]
+        self._wait_keys([f"arrived/{r}" for r in range(world_size)], generation, rank, "not every rank joined")
+
+    def _wait_keys(self, keys: list[str], generation: int, rank: int, what: str) -> None:
+        """Poll the store until ``keys`` are set: ``abort(generation)`` from another thread
+        ends the wait with CollectiveError, as the collective timeout does."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not self._store.check(keys):
             self._check_not_aborted(generation, rank)
             if time.monotonic() > deadline:
-                raise CollectiveError(f"gen {generation} rank {rank}: not every rank joined within the "
+                raise CollectiveError(f"gen {generation} rank {rank}: {what} within the "
                                       f"collective timeout of {self.timeout.total_seconds():.0f} s", rank=rank)
             time.sleep(0.002)
+
+    def share(self, key: str, value: str) -> None:
+        """Tell the other ranks of this generation ``value`` under ``key`` (set-up between
+        ranks, such as where a peer snapshot's shared memory is: ``elastic_dp.snapshots``)."""
+        self._require()
+        self._store.set(key, value.encode())
+
+    def shared(self, key: str) -> str:
+        """What a rank ``share``d under ``key``, once it has (an abort ends the wait)."""
+        self._require()
+        self._wait_keys([key], self.generation, self.rank, f"no rank shared {key!r}")
+        return self._store.get(key).decode()
 
     def _build(self, rank: int, world_size: int) -> None:
         if self.backend == "gloo":
@@ -245,17 +261,26 @@ class CollectiveGroup:
             return _Staged(work, [(output, target)] if target is not output else [], keep=send)
         return pg._allgather_base(output, input)
 
-    def exchange_async(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> list:
+    def exchange_async(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> list:
         """Start sending ``send`` to rank ``dst`` and receiving rank ``src``'s tensor into
-        ``recv``; the two handles. ``send`` must not change until both are waited for."""
+        ``recv`` (either may be None: that half is left out); their handles. ``send`` must
+        not change until they are waited for."""
         pg = self._require()
         if pg is None:
-            recv.copy_(send)
+            if send is not None and recv is not None:
+                recv.copy_(send)
             return [_Done()]
-        if self._staging(send) or self._staging(recv):
-            host = torch.empty(recv.shape, dtype=recv.dtype)
-            return [_Staged(pg.send([_host(send)], dst, 0), []), _Staged(pg.recv([host], src, 0), [(recv, host)])]
-        return [pg.send([send], dst, 0), pg.recv([recv], src, 0)]
+        works = []
+        if send is not None:
+            works.append(_Staged(pg.send([_host(send)], dst, 0), []) if self._staging(send)
+                         else pg.send([send], dst, 0))
+        if recv is not None:
+            if self._staging(recv):
+                host = torch.empty(recv.shape, dtype=recv.dtype)
+                works.append(_Staged(pg.recv([host], src, 0), [(recv, host)]))
+            else:
+                works.append(pg.recv([recv], src, 0))
+        return works
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""

@@ -49,11 +49,21 @@ def keep(snapshots: list[Snapshot], snapshot: Snapshot) -> None:
     snapshots[:] = [s for s in snapshots if s.step != snapshot.step][-(SNAPSHOTS_KEPT - 1):] + [snapshot]
 
 
+def state_keys(shard: ShardState) -> tuple[tuple[str, bool], ...]:
+    """``Snapshot.keys`` of ``shard``: (state key, is 0-dim), in packing order."""
+    return tuple(sorted((k, v[0].dim() == 0) for k, v in shard.state.items()))
+
+
+def packed_numel(shard: ShardState) -> int:
+    """The elements ``pack`` makes of ``shard``."""
+    return sum(t.numel() for t in shard.master) + sum(t.numel() for v in shard.state.values() for t in v)
+
+
 def pack(shard: ShardState, out: torch.Tensor | None = None) -> Snapshot:
     """A chunk as one flat fp32 vector (what a peer snapshot sends); into ``out`` when it
     has the right size (reusing a buffer spares the page faults of a fresh one: on a CPU
     they cost more than the copy)."""
-    keys = tuple(sorted((k, v[0].dim() == 0) for k, v in shard.state.items()))
+    keys = state_keys(shard)
     parts = [master.reshape(-1) for master in shard.master]
     for b in range(len(shard.master)):
         parts.extend(shard.state[k][b].reshape(-1).float() for k, _ in keys)
