@@ -3,8 +3,10 @@
 1. Memory: for stages 0/1/2 at N = 1..4 workers, each worker reports the bytes it holds
    for parameters, gradients and optimizer state after a few steps (``state_bytes``);
    compared with ``elastic-dp plan`` (fp32 parameters with AdamW, the jobs.gpt model).
-2. Step time: stages 0, 1 and 2 (snapshots every step), and stage 2 with snapshots every
-   10 steps, on the same model, worker count and batches — and, as the peer, torch DDP
+2. Step time: stages 0, 1 and 2 (snapshots every step), stage 2 with snapshots every
+   10 steps, and stage 2 with its snapshots sent over the group as between hosts
+   (``ELASTIC_DP_SHARED_SNAPSHOTS=0`` in its workers; the others share memory, as workers
+   on one host do), on the same model, worker count and batches — and, as the peer, torch DDP
    against DDP with torch's ZeroRedundancyOptimizer (its ZeRO stage 1) — all alternating
    in rounds of ``--steps-per-round`` so machine noise hits all alike; round 0 is
    warm-up. Reported: median step time of each, ratios to stage 0 (with a 95% bootstrap
@@ -28,6 +30,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import statistics
 import time
 
@@ -37,7 +40,7 @@ import torch.distributed as dist
 
 from benchmarks.peers import DDPWorker, ShardedCollectivesWorker, local_ray, remote
 from benchmarks.stats import round_ratio_interval
-from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler
+from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, shm
 from elastic_dp.api import build_coordinator
 from elastic_dp.metrics import RunRecorder
 from elastic_dp.plan import MemoryPlan
@@ -77,9 +80,16 @@ class _Run:
         self.coordinator.close()
 
 
-def _coordinator(workers: int, **train) -> tuple[_Run, _Capture]:
+def _coordinator(workers: int, env: dict[str, str] | None = None, **train) -> tuple[_Run, _Capture]:
+    """A run advanced to its start; ``env``: set in its workers' environment before any step."""
     run = _Run(workers, **train)
+    for name, value in (env or {}).items():
+        ray.get([m.actor.__ray_call__.remote(_setenv, name, value) for m in run.members])
     return run, run.recorder
+
+
+def _setenv(_actor, name: str, value: str) -> None:
+    os.environ[name] = value
 
 
 def bench_memory(args: argparse.Namespace) -> list[dict]:
@@ -127,7 +137,8 @@ class _TorchPeer:
 
 def bench_step_time(args: argparse.Namespace) -> dict:
     variants = {"zero0": {"zero": 0}, "zero1": {"zero": 1}, "zero2": {"zero": 2},
-                "zero2_k10": {"zero": 2, "snapshot_every": 10}}
+                "zero2_k10": {"zero": 2, "snapshot_every": 10},
+                "zero2_sent": {"zero": 2, "env": {shm.ENV: "0"}}}  # not in shared memory
     runs = {name: _coordinator(args.workers, **train) for name, train in variants.items()}
     # the peers: torch's own ZeRO stage 1 against torch DDP, on the same machine and batches
     peers = {"torch_ddp": _TorchPeer(args.workers, zero=False), "torch_zero_ro": _TorchPeer(args.workers, zero=True)}
@@ -150,7 +161,7 @@ def bench_step_time(args: argparse.Namespace) -> dict:
             phases[name] = {key: round(1e3 * statistics.median(r["timings"][key] for r in counted), 2)
                             for key in ("compute_s", "reduce_wait_s", "optimizer_s", "snapshot_s")}
         snapshot = {}
-        for name in ("zero1", "zero2", "zero2_k10"):
+        for name in ("zero1", "zero2", "zero2_k10", "zero2_sent"):
             coordinator, recorder = runs[name]
             counted = recorder.rows[args.steps_per_round:]  # after the warm-up round
             held = ray.get(coordinator.members[0].actor.shard_holdings.remote())
@@ -207,7 +218,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps-per-round", type=int, default=20)
     args = parser.parse_args()
-    with local_ray(num_cpus=max(6 * args.workers, args.max_workers)):
+    with local_ray(num_cpus=max(7 * args.workers, args.max_workers)):
         result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "ray": ray.__version__,
                   "memory": bench_memory(args), "workers": args.workers,
                   "collectives": bench_collectives(args), "step_time": bench_step_time(args)}

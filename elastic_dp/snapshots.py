@@ -92,7 +92,10 @@ class PeerSnapshots:
         self._numel = self._agreed = 0
 
     def reset(self, own: ShardState, left: ShardState | None) -> None:
-        """Hold ``own`` and the left neighbour's chunk ``left`` (given, not received)."""
+        """Hold ``own`` and the left neighbour's chunk ``left`` (given, not received); the
+        snapshots in shared memory, of another trajectory, are no longer held by anyone."""
+        if self.out is not None:
+            self.out.steps.fill_(-1)
         self.own, self._peer = [pack(own)], [pack(left)] if left is not None else []
 
     @property
@@ -208,5 +211,5 @@ class PeerSnapshots:
         if not self.own:
             return {"snapshot_bytes": 0, "snapshot_sent_bytes": 0}
         flat = self.own[-1].flat
-        sent = (flat.numel() - self.unsent) * flat.element_size() if self.world_size > 1 and not self.out else 0
+        sent = (flat.numel() - self.unsent) * flat.element_size() if self.world_size > 1 and self.out is None else 0
         return {"snapshot_bytes": flat.numel() * flat.element_size(), "snapshot_sent_bytes": sent}

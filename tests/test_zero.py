@@ -270,6 +270,20 @@ def test_a_snapshot_torn_in_shared_memory_is_not_held(monkeypatch):
     assert _equal_chunks(neighbour.export("peer", 3), owner.export("live", 3))
 
 
+def test_a_reset_chunk_is_not_mixed_with_older_snapshots_in_shared_memory(monkeypatch):
+    """Starting the chunk again (from the parameters, or a checkpoint) in the same
+    generation leaves no snapshot of the old trajectory held by the neighbour."""
+    monkeypatch.setenv(shm.ENV, "1")
+    task = MLP_TASK
+    config = dataclasses.replace(task.defaults, zero=2)
+    _, _, replicas = _train(task, config, 2, range(3), _initial(task, config.seed))
+    assert [r.strategy.holdings()["peer"] for r in replicas] == [[2, 3], [2, 3]]
+    for r in replicas:
+        r.strategy.reset_from_params(step=1)
+    assert [r.strategy.holdings()["peer"] for r in replicas] == [[1], [1]]
+    assert [r.strategy.holdings()["own"] for r in replicas] == [[1], [1]]
+
+
 def test_a_neighbour_without_shared_memory_is_sent_the_snapshot(monkeypatch):
     """One rank of three cannot create its segment (a full /dev/shm): its snapshots go to
     its right neighbour over the group; the other two pairs share memory."""
