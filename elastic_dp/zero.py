@@ -32,7 +32,8 @@ full parameters are derived from it.
 
 Peer redundancy (DESIGN invariant 6): every ``snapshot_every`` committed steps each rank
 copies its chunk into host memory and starts sending it to rank ``r+1`` while it receives
-rank ``r-1``'s (``elastic_dp.snapshots``: the transfer runs while the next step trains).
+rank ``r-1``'s (``elastic_dp.snapshots``: the transfer runs while the next step trains; a
+neighbour on the same host maps the copy in shared memory instead, and nothing is sent).
 With fp32 parameters the masters are not sent, only the optimizer state: a master chunk
 is its owner's chunk of the parameters, which the all-gather brings to every rank, and
 the receiver copies rank ``r-1``'s out of its own parameters after that all-gather and
