@@ -10,6 +10,7 @@ import collections
 import os
 
 _HZ = os.sysconf("SC_CLK_TCK")
+BUSIEST = "(busiest thread)"
 KINDS = {"ray::WorkerActor": "elastic_dp worker", "ray::DDPWorker": "DDP worker"}
 
 
@@ -61,10 +62,15 @@ def reading() -> dict[int, tuple[str, dict[int, tuple[str, float]]]]:
 
 def spent(before: dict, after: dict) -> dict[str, dict[str, float]]:
     """CPU seconds between two readings: kind -> thread name -> seconds (a thread's name
-    is its process's unless it set its own: a Python thread shows as its actor's)."""
+    is its process's unless it set its own: a Python thread shows as its actor's, and Ray
+    gives the thread it lent to a call its own name back when the call ends). Under
+    ``BUSIEST``, each process's busiest thread (a worker's training thread) again."""
     out: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
     for pid, (kind, threads) in after.items():
         earlier = before.get(pid, (kind, {}))[1]
-        for tid, (name, cpu) in threads.items():
-            out[kind][name] += cpu - earlier.get(tid, (name, 0.0))[1]
+        spent_by = {tid: cpu - earlier.get(tid, (name, 0.0))[1] for tid, (name, cpu) in threads.items()}
+        for tid, (name, _) in threads.items():
+            out[kind][name] += spent_by[tid]
+        if spent_by:
+            out[kind][BUSIEST] += max(spent_by.values())
     return out

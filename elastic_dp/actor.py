@@ -25,6 +25,7 @@ from .task import Task
 from .worker import Replica
 from .shards import ShardState
 from .storage import Storage
+from .threads import set_os_name
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class WorkerActor:
     @ray.method(num_returns="streaming")
     def run_window(self, plan: WindowPlan):
         """Training thread: run the granted steps, streaming one ``StepResult`` per step."""
+        set_os_name("edp-train")  # the thread Ray lends to this call (Ray names it back after)
         yield from self.replica.run_window(plan)
 
     def grant(self, window: int, until: int, final: bool, faults: dict[int, Fault],

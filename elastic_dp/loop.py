@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .faults import Fault
+from .threads import set_os_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,8 @@ class Prefetcher:
     def submit(self, key: tuple, indices: np.ndarray) -> None:
         """Start preparing ``indices`` for ``key`` (dropping what was prepared before)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-dp-prefetch")
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-dp-prefetch",
+                                            initializer=set_os_name, initargs=("edp-prefetch",))
         self._drop()
         self._pending = (key, self._pool.submit(self._collate, indices))
 

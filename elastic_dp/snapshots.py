@@ -35,6 +35,7 @@ import torch
 from . import shm
 from .collective import CollectiveGroup
 from .shards import SNAPSHOTS_KEPT, ShardState, Snapshot, keep, pack, packed_numel, spare, state_keys
+from .threads import set_os_name
 
 SNAPSHOT_WAIT_S = 5.0
 """How long ``Sharded.holdings`` waits for a peer snapshot still in flight (a healthy
@@ -159,7 +160,8 @@ class PeerSnapshots:
                 received = torch.empty(own.flat.shape, dtype=own.flat.dtype, device=device)
         dst, src = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         if self._sender is None:
-            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-dp-snapshot")
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-dp-snapshot",
+                                              initializer=set_os_name, initargs=("edp-snapshot",))
         # the masters first, unsent if fp32
         sent = send[self.unsent:] if send is not None else None
         into = received[self.unsent:] if received is not None else None
