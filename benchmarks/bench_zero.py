@@ -13,7 +13,9 @@
    interval of the median per-round ratio: benchmarks.stats), and torch's own ZeRO-1 /
    DDP ratio.
    Also each variant's phases (per step the largest over ranks; medians of the counted steps):
-   forward and backward, the wait for the gradient reduction, the update, the snapshot.
+   forward and backward, the wait for the gradient reduction, the update, the snapshot;
+   and the CPU per step its round took, from ``/proc`` (``benchmarks.thread_cpu``): the
+   workers' training threads, gloo's threads, the snapshot thread, the rest, the driver.
 3. Peer snapshots: bytes each worker holds and sends per snapshot (fp32 masters are not
    sent: docs/zero.md), and the time per step spent snapshotting (max over ranks, as the
    step waits for it) at k = 1 and k = 10.
@@ -27,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import json
@@ -38,6 +41,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from benchmarks import thread_cpu
 from benchmarks.peers import DDPWorker, ShardedCollectivesWorker, local_ray, remote
 from benchmarks.stats import round_ratio_interval
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, shm
@@ -143,16 +147,18 @@ def bench_step_time(args: argparse.Namespace) -> dict:
     # the peers: torch's own ZeRO stage 1 against torch DDP, on the same machine and batches
     peers = {"torch_ddp": _TorchPeer(args.workers, zero=False), "torch_zero_ro": _TorchPeer(args.workers, zero=True)}
     times: dict[str, list[float]] = {name: [] for name in [*variants, *peers]}
+    cpu: dict[str, list[dict]] = {name: [] for name in [*variants, *peers]}  # per counted round
     phases: dict[str, dict[str, float]] = {}
     try:
         for round_ in range(args.rounds):
             line = []
             for name, (coordinator, _) in [*runs.items(), *((n, (p, None)) for n, p in peers.items())]:
-                start = time.perf_counter()
+                before, start = thread_cpu.reading(), time.perf_counter()
                 coordinator.run_steps(args.steps_per_round)
                 seconds = (time.perf_counter() - start) / args.steps_per_round
                 if round_ > 0:
                     times[name].append(seconds)
+                    cpu[name].append(thread_cpu.spent(before, thread_cpu.reading()))
                 line.append(f"{name} {seconds * 1e3:.1f}")
             print(f"round {round_}: " + ", ".join(line) + " ms/step" + ("  (warm-up)" if round_ == 0 else ""),
                   flush=True)
@@ -170,8 +176,8 @@ def bench_step_time(args: argparse.Namespace) -> dict:
                               "bytes_sent_per_snapshot": held["snapshot_sent_bytes"],
                               "bytes_sent_per_step": held["snapshot_sent_bytes"] / k,
                               "ms_per_step": 1e3 * statistics.mean(r["timings"]["snapshot_s"] for r in counted),
-                              "ms_per_snapshot": 1e3 * statistics.mean(
-                                  r["timings"]["snapshot_s"] for r in counted if (r["step"] + 1) % k == 0)}
+                              "ms_per_snapshot": 1e3 * statistics.mean(  # none in rounds shorter than k
+                                  [r["timings"]["snapshot_s"] for r in counted if (r["step"] + 1) % k == 0] or [0.0])}
     finally:
         for coordinator, _ in runs.values():
             coordinator.close()
@@ -186,7 +192,34 @@ def bench_step_time(args: argparse.Namespace) -> dict:
             "torch_zero_ro_over_torch_ddp": round(median["torch_zero_ro"] / median["torch_ddp"], 3),
             "torch_median_round_ratio": round(statistics.median(
                 a / b for a, b in zip(times["torch_zero_ro"], times["torch_ddp"])), 3),
-            "phases_ms": phases, "snapshots": snapshot}
+            "phases_ms": phases, "snapshots": snapshot,
+            "cpu_ms_per_step": {name: _worker_cpu(rounds, args.steps_per_round) for name, rounds in cpu.items()}}
+
+
+def _worker_cpu(rounds: list[dict], steps: int) -> dict[str, float]:
+    """Median over the rounds of the workers' CPU per step (all of them: the other
+    variants' idle workers spend next to nothing): in all, the training threads (each
+    process's busiest), gloo's threads, the snapshot thread, the rest; and the driver's."""
+    def per_step(pick) -> float:
+        return round(1e3 * statistics.median(pick(r) for r in rounds) / steps, 2)
+
+    def workers(r: dict) -> collections.Counter:
+        merged: collections.Counter = collections.Counter()
+        for kind in ("elastic_dp worker", "DDP worker"):
+            merged.update(r.get(kind, {}))
+        return merged
+
+    def total(r: dict) -> float:
+        return sum(v for n, v in workers(r).items() if n != thread_cpu.BUSIEST)
+
+    def gloo(r: dict) -> float:
+        return sum(v for n, v in workers(r).items() if "gloo" in n)
+
+    return {"workers": per_step(total), "training_threads": per_step(lambda r: workers(r).get(thread_cpu.BUSIEST, 0.0)),
+            "gloo_threads": per_step(gloo), "snapshot_thread": per_step(lambda r: workers(r).get("edp-snapshot", 0.0)),
+            "other": per_step(lambda r: total(r) - workers(r).get(thread_cpu.BUSIEST, 0.0) - gloo(r)
+                              - workers(r).get("edp-snapshot", 0.0)),
+            "driver": per_step(lambda r: sum(v for n, v in r.get("driver", {}).items() if n != thread_cpu.BUSIEST))}
 
 
 def bench_collectives(args: argparse.Namespace) -> dict:
