@@ -13,7 +13,8 @@
    interval of the median per-round ratio: benchmarks.stats), and torch's own ZeRO-1 /
    DDP ratio.
    Also each variant's phases (per step the largest over ranks; medians of the counted steps):
-   forward and backward, the wait for the gradient reduction, the update, the snapshot;
+   forward and backward, the forward's wait for the parameter all-gathers, the wait for
+   the gradient reduction, the update, the snapshot;
    and the CPU per step its round took, from ``/proc`` (``benchmarks.thread_cpu``): the
    workers' training threads, gloo's threads, the snapshot thread, the rest, the driver.
 3. Peer snapshots: bytes each worker holds and sends per snapshot (fp32 masters are not
@@ -164,8 +165,9 @@ def bench_step_time(args: argparse.Namespace) -> dict:
                   flush=True)
         for name, (_, recorder) in runs.items():
             counted = recorder.rows[args.steps_per_round:]
-            phases[name] = {key: round(1e3 * statistics.median(r["timings"][key] for r in counted), 2)
-                            for key in ("compute_s", "reduce_wait_s", "optimizer_s", "snapshot_s")}
+            phases[name] = {key: round(1e3 * statistics.median(r["timings"].get(key, 0.0) for r in counted), 2)
+                            for key in ("compute_s", "parameter_wait_s", "reduce_wait_s", "optimizer_s",
+                                        "snapshot_s")}
         snapshot = {}
         for name in ("zero1", "zero2", "zero2_k10", "zero2_sent"):
             coordinator, recorder = runs[name]

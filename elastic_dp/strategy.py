@@ -66,6 +66,10 @@ class Strategy(Protocol):
         """Wait for what the last step left in flight that the parameters depend on,
         before they are read outside a step (ZeRO's parameter all-gather)."""
 
+    def take_parameter_wait_s(self) -> float:
+        """Seconds this step's forwards have waited for their parameters (ZeRO's
+        all-gathers, left in flight by the last update); 0 where nothing is waited for."""
+
     def drop_pending(self) -> None:
         """The group is about to be re-configured: abandon what is in flight on it."""
 
@@ -162,6 +166,9 @@ class Replicated(BucketedGradients):
 
     def settle(self) -> None:
         pass  # a step leaves nothing in flight
+
+    def take_parameter_wait_s(self) -> float:
+        return 0.0
 
     def drop_pending(self) -> None:
         pass

@@ -323,6 +323,7 @@ class Replica:
         except Exception as exc:  # recorded; the vote below tells every rank
             local_error = exc
         t1 = time.perf_counter()
+        parameter_wait = self.strategy.take_parameter_wait_s()
         self.progress.enter("reduce")
         vote = self._reduce_and_vote(step, result, local_error, fault)
         if vote is None:
@@ -348,8 +349,10 @@ class Replica:
             return result
         t4 = time.perf_counter()
         result.committed = True
-        result.timings = {"compute_s": t1 - t0, "reduce_wait_s": t2 - t1, "optimizer_s": t3 - t2,
+        result.timings = {"compute_s": t1 - t0 - parameter_wait, "reduce_wait_s": t2 - t1, "optimizer_s": t3 - t2,
                           "snapshot_s": t4 - t3}
+        if self.config.zero:  # the forward's wait for the parameters' all-gathers
+            result.timings["parameter_wait_s"] = parameter_wait
         return result
 
     def _reduce_and_vote(self, step: int, result: StepResult, local_error: BaseException | None,

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +88,7 @@ class Sharded(BucketedGradients):
         self.defer_gather: bool | None = None
         """Whether a step leaves its all-gather to the next forward (None: not learnt yet)."""
         self._seen: set[int] = set()  # parameters whose module ran forward (while learning)
+        self._parameter_wait_s = 0.0  # this step's forwards, waiting for all-gathers
         for module in model.modules():
             ids = [id(p) for p in module.parameters(recurse=False)]
             if ids:
@@ -156,6 +158,7 @@ class Sharded(BucketedGradients):
         if self.generation != self.group.generation:
             raise RuntimeError(f"generation {self.group.generation} got no state before its first step "
                                "(sync_from, load or import_shards)")
+        self._parameter_wait_s = 0.0
         self.reducer.zero_grad()
     def _grad_chunk(self, b: int) -> torch.Tensor:
         if self.stage == 2:
@@ -259,7 +262,13 @@ class Sharded(BucketedGradients):
         if self.defer_gather is None:
             self._seen.update(ids)
         if self._gathers:
+            start = time.perf_counter()
             self._wait_gathers({self.bucket_of[i] for i in ids if i in self.bucket_of})
+            self._parameter_wait_s += time.perf_counter() - start
+
+    def take_parameter_wait_s(self) -> float:
+        wait, self._parameter_wait_s = self._parameter_wait_s, 0.0
+        return wait
 
     def settle(self) -> None:
         """Wait for the parameters still being gathered (before they are read outside a step)."""

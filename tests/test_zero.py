@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -330,6 +331,42 @@ def test_a_segment_named_by_a_dead_process_is_removed_and_a_stranger_is_not_mapp
         for path in (stale, ours):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_the_forwards_wait_for_its_parameters_is_timed_apart_from_its_compute():
+    """Rank 0's all-gathers left in flight by step 1's update take 0.2 s longer to arrive:
+    step 2's forward waits for them, and the step's timings say so (``parameter_wait_s``),
+    not ``compute_s``."""
+    task = MLP_TASK
+    config = dataclasses.replace(task.defaults, zero=2)
+    initial = _initial(task, config.seed)
+    sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
+
+    class Late:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, *args):
+            time.sleep(0.2)
+            return self.work.wait(*args)
+
+    def rank_fn(group):
+        replica = Replica(task, config, CPU, group)
+        replica.model.load_state_dict(initial)
+        replica.broadcast_state(0)
+        results = []
+        for step in range(3):
+            gathers = replica.strategy._gathers
+            if step == 2 and group.rank == 0:
+                assert gathers  # in flight since step 1's update
+                gathers.update({b: Late(work) for b, work in gathers.items()})
+            results.append(replica.step(step, split(sampler.batch(step), 2)[group.rank]))
+        return results
+
+    results = run_ranks(2, rank_fn)[0]
+    assert all(r.committed for r in results)
+    assert results[2].timings["parameter_wait_s"] >= 0.2 > results[2].timings["compute_s"]
+    assert results[1].timings["parameter_wait_s"] < 0.2
 
 
 def test_bf16_parameters_keep_fp32_master_weights_in_the_shard():
