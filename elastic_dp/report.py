@@ -30,7 +30,8 @@ from matplotlib.figure import Figure
 from .errors import ElasticDPError
 from .exporters import CHANGES
 
-PHASES = ("compute_s", "reduce_wait_s", "optimizer_s", "snapshot_s", "other_s")
+PHASES = ("compute_s", "parameter_wait_s", "reduce_wait_s", "optimizer_s", "snapshot_s")
+"""A step's timed phases in metrics.jsonl, stacked in the breakdown; the rest of the step is "other"."""
 
 
 class ReportError(ElasticDPError):
@@ -149,8 +150,9 @@ def plot_breakdown(log: RunLog) -> Figure:
     ax = fig.add_subplot()
     steps = [m["step"] for m in log.metrics]
     bottom = [0.0] * len(steps)
-    parts = {p: [m.get(p, 0.0) for m in log.metrics] for p in PHASES}
-    parts["other_s"] = [max(0.0, m["step_s"] - sum(parts[p][i] for p in PHASES)) for i, m in enumerate(log.metrics)]
+    phases = [p for p in PHASES if any(p in m for m in log.metrics)]  # parameter_wait_s: ZeRO only
+    parts = {p: [m.get(p, 0.0) for m in log.metrics] for p in phases}
+    parts["other_s"] = [max(0.0, m["step_s"] - sum(parts[p][i] for p in phases)) for i, m in enumerate(log.metrics)]
     for name, values in parts.items():
         ax.bar(steps, values, bottom=bottom, width=1.0, label=name.removesuffix("_s").replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, values)]

@@ -17,7 +17,7 @@ from PIL import Image
 
 from elastic_dp import ClusterConfig, ConfigError, MetricsConfig, Trainer
 from elastic_dp.metrics import Throughput, known_peak_tflops
-from elastic_dp.report import ReportError, plot_loss, read_run, write_report
+from elastic_dp.report import ReportError, RunLog, plot_breakdown, plot_loss, read_run, write_report
 from tests.tasks import MLP_TASK
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +101,19 @@ def test_tensorboard_scalars_read_back_with_tensorboards_reader(run_dir):
     marks = board.Scalars("cluster/membership_changes")
     assert [e.step for e in marks] == [e["step"] for e in changes] and marks[-1].value == len(changes)
     assert "tokens_per_s" not in metrics[0]  # the task declares no tokens per sample
+
+
+def test_the_breakdown_stacks_each_phase_and_the_rest_of_the_step_as_other():
+    metrics = [{"step": 0, "time": 10.0, "step_s": 1.0, "compute_s": 0.5, "parameter_wait_s": 0.1,
+                "reduce_wait_s": 0.1, "optimizer_s": 0.05, "snapshot_s": 0.05, "other_s": 0.2},
+               {"step": 1, "time": 11.0, "step_s": 1.0, "compute_s": 0.6, "parameter_wait_s": 0.0,
+                "reduce_wait_s": 0.1, "optimizer_s": 0.05, "snapshot_s": 0.05, "other_s": 0.2}]
+    axes = plot_breakdown(RunLog(metrics=metrics, events=[])).axes[0]
+    heights = {label: [bar.get_height() for bar in container]
+               for label, container in zip([t.get_text() for t in axes.get_legend().get_texts()], axes.containers)}
+    assert list(heights) == ["compute", "parameter wait", "reduce wait", "optimizer", "snapshot", "other"]
+    assert heights["parameter wait"] == pytest.approx([0.1, 0.0])
+    assert heights["other"] == pytest.approx([0.2, 0.2])  # what the timed phases leave of the step
 
 
 def test_throughput_tokens_and_model_flops_utilisation():
