@@ -17,6 +17,7 @@ from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer
 from elastic_dp.data import ElasticSampler
 from elastic_dp.modes.asyncsgd.ledger import Ledger, snapshot_plan
 from elastic_dp.report import plot_staleness, read_run
+from tests.records import read_lines
 from tests.reference import max_abs_diff, replay, replay_updates
 from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
 
@@ -89,8 +90,8 @@ def _train(tmp_path, task, *, workers, inject=(), cluster=None, checkpoint=None,
     config = dataclasses.replace(task.defaults, mode="async", **train)
     summary = Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=1, **(cluster or {})),
                       checkpoint=checkpoint, out_dir=str(tmp_path), progress=False, inject=list(inject)).fit()
-    updates = [json.loads(line) for line in (tmp_path / "updates.jsonl").read_text().splitlines()]
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    updates = read_lines(tmp_path / "updates.jsonl")
+    events = read_lines(tmp_path / "events.jsonl")
     return summary, config, updates, events
 
 
@@ -190,7 +191,7 @@ def test_one_worker_and_checkpoints_passed_between_the_modes_end_on_the_replay(r
     fit("async-again", 2, 6, "latest", mode="async", max_staleness=0)
     expected = replay(task, config, str(tmp_path / "async" / "initial.safetensors"))
     assert max_abs_diff(load_file(tmp_path / "async-again" / "final.safetensors"), expected) < TOL
-    resumed = [json.loads(line) for line in (tmp_path / "async-again" / "updates.jsonl").read_text().splitlines()]
+    resumed = read_lines(tmp_path / "async-again" / "updates.jsonl")
     assert [(u["version"], u["step"]) for u in resumed] == [(5, 4), (6, 5)]
 
 

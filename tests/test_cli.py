@@ -3,7 +3,6 @@ on an embedded local Ray that the command starts and stops itself."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from jobs.gpt import build_model
+from tests.records import read_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,11 +30,11 @@ def test_gpt_job_writes_weights_metrics_events_and_summary(tmp_path):
     keys = set(build_model().state_dict())
     for name in ("initial", "final"):
         assert set(load_file(out / f"{name}.safetensors")) == keys
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_lines(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(6))
     assert all(m["world_size"] == 2 and m["generation"] == 0 and m["samples"] == 8 for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    events = read_lines(out / "events.jsonl")
     assert [e["kind"] for e in events] == ["group_formed", "checkpoint_saved", "checkpoint_saved"]
     assert all(isinstance(e["time"], float) for e in events)
     assert sorted(p.name[:13] for p in ckpt.iterdir()) == ["step-00000003", "step-00000006"]

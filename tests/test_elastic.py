@@ -9,7 +9,6 @@ half-applied step moves parameters by far more.
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 
@@ -17,6 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
+from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.procs import worker_pids
 from tests.tasks import TINY_GPT_TASK, BlockedOnceMarked
@@ -34,8 +34,8 @@ def run_against_replay(tmp_path, workers, inject, *, steps=6, min_workers=None, 
                       checkpoint=checkpoint, out_dir=str(tmp_path), progress=False, inject=inject).fit()
     expected = replay(TINY_GPT_TASK, config, str(tmp_path / "initial.safetensors"))
     diff = max_abs_diff(load_file(tmp_path / "final.safetensors"), expected)
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    events = read_lines(tmp_path / "events.jsonl")
+    metrics = read_lines(tmp_path / "metrics.jsonl")
     return summary, diff, events, metrics
 
 
@@ -153,7 +153,7 @@ def test_below_min_waits_for_capacity_then_fails_clearly(ray_cluster, tmp_path):
             Trainer(task, train=config, cluster=ClusterConfig(workers=2, min_wait_timeout_s=3.0), out_dir=str(out),
                     progress=False, inject=["kill:step=30:rank=1"]).fit()
         assert time.monotonic() - start >= 3.0
-        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+        events = read_lines(out / "events.jsonl")
         assert not any(e["kind"] == "membership_changed" for e in events)
     finally:
         thread.join()

@@ -6,7 +6,6 @@ Every run ends where the plain PyTorch replay ends (float32 tolerance, as elsewh
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import threading
@@ -16,6 +15,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, ElasticSampler, Trainer
 from tests.procs import worker_pids
+from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import PacedLoss, paced_task
 
@@ -29,7 +29,7 @@ def _run(task, out, **cluster):
     unpaced = dataclasses.replace(task, loss=PacedLoss())  # the same loss without the sleeps
     diff = max_abs_diff(load_file(out / "final.safetensors"),
                         replay(unpaced, task.defaults, str(out / "initial.safetensors")))
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    events = read_lines(out / "events.jsonl")
     return summary, diff, [e for e in events if e["kind"] == "membership_changed"]
 
 

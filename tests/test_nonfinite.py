@@ -6,7 +6,6 @@ the documented semantics; the tolerance is the suite's float32 one."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from elastic_dp.metrics import RunRecorder
 from elastic_dp.modes.guard import NonFiniteGuard
 from elastic_dp.worker import Replica
 from tests.ranks import run_ranks
+from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import POISONED, POISONED_TASK
 
@@ -61,10 +61,10 @@ def test_a_nan_sample_is_skipped_and_the_run_ends_on_the_replay(ray_cluster, tmp
     final = load_file(tmp_path / "final.safetensors")
     assert all(bool(torch.isfinite(t).all()) for t in final.values())
     assert max_abs_diff(final, replay(POISONED_TASK, config, str(tmp_path / "initial.safetensors"))) < TOL
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_lines(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(8))
     assert [m["step"] for m in metrics if m.get("nonfinite")] == [3] and metrics[3]["loss"] is None
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    events = read_lines(tmp_path / "events.jsonl")
     skipped = [e for e in events if e["kind"] == "nonfinite_step"]
     assert len(skipped) == 1 and skipped[0]["step"] == 3 and skipped[0]["loss_ranks"] == [0]
     assert summary.steps == 8 and summary.samples == 8 * config.global_batch

@@ -22,6 +22,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.procs import alive, cmdline, descendants
+from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import PacedLoss, paced_task
 
@@ -150,7 +151,7 @@ def test_gpt_job_under_ray_job_submit_with_token_auth(job_cluster, tmp_path):
     logs = job_cluster.logs(job_id)
     assert status == "SUCCEEDED", f"job ended {status}:\n{logs[-4000:]}"
     assert "elastic_dp run summary" in logs
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_lines(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     assert (out / "final.safetensors").is_file()
 
@@ -187,7 +188,7 @@ def test_a_resubmitted_job_resumes_where_the_killed_one_stopped(job_cluster, tmp
     os.kill(driver, signal.SIGKILL)
     assert len(workers) == 2
     assert _wait_for_job(job_cluster.address, first, job_cluster.env, timeout_s=60) == "FAILED"
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_lines(out / "metrics.jsonl")
     assert len(metrics) < steps, "the run ended before its driver was killed"
     deadline = time.monotonic() + 60
     while [p for p in tree if alive(p)] and time.monotonic() < deadline:
@@ -201,10 +202,10 @@ def test_a_resubmitted_job_resumes_where_the_killed_one_stopped(job_cluster, tmp
     status = _wait_for_job(job_cluster.address, second, job_cluster.env, timeout_s=200,
                            written=out / "final.safetensors")
     assert status == "SUCCEEDED", job_cluster.logs(second)[-4000:]
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    events = read_lines(out / "events.jsonl")
     decision = next(e for e in events if e["kind"] == "resume_decision")
     assert decision["resumed"] and decision["step"] == saved
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_lines(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(saved, steps))
     task = paced_task(PacedLoss())  # the same task without the sleeps
     expected = replay(task, dataclasses.replace(task.defaults, steps=steps), str(initial))

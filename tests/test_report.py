@@ -6,7 +6,6 @@ pixels, and the TensorBoard files are read back with TensorBoard's own reader.""
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from PIL import Image
 from elastic_dp import ClusterConfig, ConfigError, MetricsConfig, Trainer
 from elastic_dp.metrics import Throughput, known_peak_tflops
 from elastic_dp.report import ReportError, RunLog, plot_breakdown, plot_loss, read_run, write_report
+from tests.records import read_lines
 from tests.tasks import MLP_TASK
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,11 +36,11 @@ def run_dir(ray_cluster, tmp_path_factory) -> Path:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_lines(run_dir / "metrics.jsonl")
 
 
 def _events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return read_lines(run_dir / "events.jsonl")
 
 
 def test_report_draws_every_plot_and_marks_each_change_at_its_step(run_dir, tmp_path):

@@ -9,6 +9,7 @@ import shutil
 from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
+from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import TINY_GPT_TASK
 
@@ -41,11 +42,11 @@ def test_resume_at_other_worker_count_matches_uninterrupted_run(ray_cluster, tmp
     assert summary.steps == 2 and summary.samples == 2 * TINY_GPT_TASK.defaults.global_batch
     first_final = load_file(tmp_path / "first" / "final.safetensors")
     assert max_abs_diff(first_final, load_file(tmp_path / "second" / "initial.safetensors")) == 0.0
-    events = [json.loads(line) for line in (tmp_path / "second" / "events.jsonl").read_text().splitlines()]
+    events = read_lines(tmp_path / "second" / "events.jsonl")
     resumed_event = next(e for e in events if e["kind"] == "resumed")
     assert resumed_event["step"] == 4 and resumed_event["saved_world_size"] == 3
     assert resumed_event["world_size"] == 2
-    metrics = [json.loads(line) for line in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_lines(tmp_path / "second" / "metrics.jsonl")
     assert [m["generation"] for m in metrics] == [0, 0]  # resumed into generation 0, formed once
     manifest = json.loads(next((tmp_path / "ckpt").glob("step-00000006-*/manifest.json")).read_text())
     assert manifest["step"] == 6 and manifest["world_size"] == 2

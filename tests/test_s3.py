@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, CheckpointError, ClusterConfig, Trainer
 from elastic_dp.errors import StorageError
+from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import TINY_GPT_TASK
 
@@ -62,7 +63,7 @@ def _fit(workers, out, *, steps, storage, every=0, zero=0, resume=None):
 
 
 def _events(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    return read_lines(out / "events.jsonl")
 
 
 def _checkpoints(fs, run_prefix: str) -> dict[str, list[str]]:

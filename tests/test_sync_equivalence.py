@@ -10,13 +10,13 @@ by the global batch shows up at 1e-2 or more.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, Trainer
+from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import MLP_TASK, TINY_GPT_TASK
 
@@ -40,7 +40,7 @@ def test_n_workers_match_single_process_reference(ray_cluster, tmp_path, workers
     expected = replay(MLP_TASK, config, str(tmp_path / "initial.safetensors"))
     assert max_abs_diff(final, initial) > 1e-2, "training must have moved the parameters"
     assert max_abs_diff(final, expected) < TOL
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_lines(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(config.steps))
     assert all(m["samples"] == config.global_batch and m["world_size"] == workers for m in metrics)
     assert summary.samples == config.steps * config.global_batch

@@ -7,7 +7,6 @@ changed."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 from collections import Counter
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, ElasticSampler, Trainer
 from elastic_dp.modes.sync.window import MIN_LOOKAHEAD
+from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import PacedLoss, paced_task
 
@@ -38,7 +38,7 @@ def _run(out, inject, *, zero=0, record=None, workers=2, min_workers=1, seconds=
 
 
 def _lines(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_lines(path) if path.exists() else []  # not written yet
 
 
 def _touch_once(path, events, happened) -> threading.Thread:
