@@ -106,8 +106,9 @@ class PeerSnapshots:
         if self.into is None:
             return self._peer
         keys = self.own[-1].keys if self.own else ()  # the neighbour's optimizer is the same
-        shared = [Snapshot(step, self.into.slot(step), keys) for step in self.into.held()]
-        self._peer = [s for s in self._peer if s.step < min(self.into.held(), default=1 << 62)]
+        held = self.into.held()
+        shared = [Snapshot(step, self.into.slot(step), keys) for step in held]
+        self._peer = [s for s in self._peer if s.step < min(held, default=1 << 62)]
         self._peer = self._peer[max(0, len(self._peer) + len(shared) - SNAPSHOTS_KEPT):]
         return self._peer + shared
 
@@ -120,7 +121,8 @@ class PeerSnapshots:
         if self.out is None:
             own = pack(shard, out=spare(self.own))
         else:
-            replaced = set(self.out.held()) - {max(self.out.held(), default=-1)}  # the slot written next
+            held = self.out.held()
+            replaced = set(held[:-1])  # all but the newest: the slot written next
             self.own = [s for s in self.own if s.step not in replaced]
             own = Snapshot(shard.step, self.out.write(shard.step, lambda slot: _pack_into(shard, slot)),
                            state_keys(shard))
@@ -189,12 +191,10 @@ class PeerSnapshots:
     def drop(self) -> None:
         """Forget the transfer in flight, once its thread is done with the group (which
         the caller has aborted, so that a dead peer cannot hold it)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            try:
-                pending.done.result(timeout=SNAPSHOT_WAIT_S)
-            except Exception:
-                pass  # aborted: dropped
+        try:
+            self.wait(SNAPSHOT_WAIT_S)
+        except Exception:
+            pass  # aborted: dropped
 
     def find(self, kind: str, step: int) -> Snapshot:
         """The ``own`` or ``peer`` snapshot of ``step``."""
