@@ -71,10 +71,11 @@ class WorkerActor:
         yield from self.replica.run_window(plan)
 
     def grant(self, window: int, until: int, final: bool, faults: dict[int, Fault],
-              sizes: tuple[int, tuple[int, ...] | None] | None = None) -> None:
+              sizes: tuple[int, tuple[int, ...] | None] | None = None, stop: bool = False) -> None:
         """Control thread: let ``window`` run the steps before ``until`` (``final``: and no
-        more); ``sizes``: (step, slice sizes) from which the slices change (``--balance``)."""
-        self.replica.grants.extend(window, until, final, faults, sizes)
+        more); ``sizes``: (step, slice sizes) from which the slices change (``--balance``);
+        ``stop``: end the window after the next step, which carries the request in its vote."""
+        self.replica.grants.extend(window, until, final, faults, sizes, stop)
 
     def async_gradient(self, step: int, sampler: dict[str, int], bounds: list[int], fault: Fault | None,
                        slow: Fault | None, *pieces: torch.Tensor):

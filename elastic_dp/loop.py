@@ -10,6 +10,12 @@ receives the same grants, so every rank stops at the same step boundary: the coo
 chooses that boundary (for a join, a checkpoint, the last step) simply by not granting
 past it. An abort (``Grants.cancel``) ends a window whose worker waits for a grant.
 
+The coordinator can also end a window early, at a boundary no grant foresaw (a worker
+became ready to join): it asks every rank to stop (``Grants.extend(..., stop=True)``).
+A rank that has heard it says so in the next step's commit vote, which travels with
+the gradients (``reducer.VOTE``), so every rank learns it from the same tally and ends
+the window after the same step, however late the request reached each of them.
+
 ``Prefetcher`` collates the next step's slice on a background thread while the current
 step computes (into pinned memory when the device is a GPU). A prepared batch is keyed
 by (generation, step, rank, world size): after any change of membership the key differs,
@@ -58,6 +64,7 @@ class Grants:
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._window, self._until, self._final, self._cancelled = -1, 0, True, False
+        self._stop = False
         self._faults: dict[int, Fault] = {}
         self._sizes: list[tuple[int, tuple[int, ...] | None]] = []  # (from step, slice sizes), in order
         self._early: list[tuple] = []  # grants before their window
@@ -65,6 +72,7 @@ class Grants:
     def open(self, plan: WindowPlan) -> None:
         with self._cv:
             self._window, self._until, self._final, self._cancelled = plan.window, plan.until, plan.final, False
+            self._stop = False
             self._faults = dict(plan.faults)
             self._sizes = [(plan.start, plan.sizes)]
             early, self._early = self._early, []
@@ -72,22 +80,30 @@ class Grants:
                 self._extend(*grant)
 
     def extend(self, window: int, until: int, final: bool, faults: dict[int, Fault],
-               sizes: tuple[int, tuple[int, ...] | None] | None = None) -> None:
+               sizes: tuple[int, tuple[int, ...] | None] | None = None, stop: bool = False) -> None:
         """``sizes``: (first step, slice sizes) from which the slices change (``--balance``):
-        a step not granted before, so that every rank changes at the same step."""
+        a step not granted before, so that every rank changes at the same step. ``stop``:
+        end the window after the next step whose vote can carry the request (``stopping``)."""
         with self._cv:
-            self._extend(window, until, final, faults, sizes)
+            self._extend(window, until, final, faults, sizes, stop)
             self._cv.notify_all()
 
     def _extend(self, window: int, until: int, final: bool, faults: dict[int, Fault],
-                sizes: tuple[int, tuple[int, ...] | None] | None) -> None:
+                sizes: tuple[int, tuple[int, ...] | None] | None, stop: bool = False) -> None:
         if window > self._window:  # its window has not opened yet (calls may overtake each other)
-            self._early.append((window, until, final, faults, sizes))
-        elif window == self._window and until >= self._until:
-            self._until, self._final = until, final
-            self._faults.update(faults)
-            if sizes is not None:
-                self._sizes.append(sizes)
+            self._early.append((window, until, final, faults, sizes, stop))
+        elif window == self._window:
+            self._stop = self._stop or stop
+            if until >= self._until:
+                self._until, self._final = until, final
+                self._faults.update(faults)
+                if sizes is not None:
+                    self._sizes.append(sizes)
+
+    def stopping(self) -> bool:
+        """The coordinator asked this window to end early: the next step votes for it."""
+        with self._cv:
+            return self._stop
 
     def sizes(self, step: int) -> tuple[int, ...] | None:
         """The slice sizes of ``step`` (None: equal slices)."""

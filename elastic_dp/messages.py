@@ -27,6 +27,9 @@ class StepResult:
     nonfinite: bool = False
     """Some rank saw a non-finite loss or gradient: no rank applied the update (the step
     committed as a no-op)."""
+    stop: bool = False
+    """A rank was asked to end the window, and the vote of this step carried the request:
+    every rank ends its window after this step."""
     timings: dict[str, float] = field(default_factory=dict)
     step_s: float | None = None
     """In a window: the worker's wall time from the end of its previous step (or the

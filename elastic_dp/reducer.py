@@ -30,9 +30,11 @@ per-sample gradients divided by the global batch; the SUM over ranks then gives 
 global-batch gradient exactly (DESIGN invariant 2), with no division by the world size.
 
 The step's commit vote travels in the last bucket: its buffer carries ``VOTE`` more
-elements, in which each rank puts whether its step raised (``note_error``) and whether
+elements, in which each rank puts whether its step raised (``note_error``), whether
 any of its losses (``note_nonfinite``) or local gradients (the sum of each bucket, taken
-as it is launched, is not finite) is not finite. The SUM over ranks arrives with the last bucket's reduction;
+as it is launched, is not finite) is not finite, and whether the coordinator asked it to
+end its window of steps after this one (``note_stop``: every rank then ends it at the
+same step, the one whose tally carries the request). The SUM over ranks arrives with the last bucket's reduction;
 ``finish()`` returns it. In scatter mode, where every rank receives only its chunk, the
 last bucket is reduce-scattered from a copy in which each rank's chunk is followed by the
 vote, so every rank receives the whole tally. No collective is spent on the vote alone.
@@ -45,9 +47,9 @@ from typing import Callable
 
 import torch
 
-VOTE = 2
+VOTE = 3
 """Vote elements after the last bucket: [ranks with an error, ranks with a non-finite
-loss or local gradient]."""
+loss or local gradient, ranks asked to end the window after this step]."""
 
 from .collective import CollectiveGroup
 
@@ -159,6 +161,11 @@ class GradientReducer:
         """This rank's step raised: it votes against the commit (call before ``finish``)."""
         self._local[0] = 1.0
 
+    def note_stop(self) -> None:
+        """This rank was asked to end its window: every rank ends it after this step
+        (call after ``zero_grad`` and before the last bucket is launched)."""
+        self._local[2] = 1.0
+
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if not self._armed:
             return
@@ -211,7 +218,7 @@ class GradientReducer:
     def finish(self) -> list[float]:
         """Launch the buckets backward did not, wait for all; gradients are then global.
         Returns the vote summed over the ranks: [ranks with an error, ranks with a
-        non-finite loss or gradient]."""
+        non-finite loss or gradient, ranks asked to stop after this step]."""
         for bucket in self.buckets[self._next:]:
             bucket.ready = True
         self._launch_ready()

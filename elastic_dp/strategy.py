@@ -35,10 +35,14 @@ class Strategy(Protocol):
     def note_error(self) -> None:
         """This rank's step raised: it votes against the commit."""
 
+    def note_stop(self) -> None:
+        """This rank was asked to end its window after this step: the vote tells every rank."""
+
     def reduce_gradients(self) -> list[float]:
         """Complete the step's gradient reduction; gradients are then global. Returns the
         commit vote summed over the ranks, which travelled with the last bucket: [ranks
-        with an error, ranks with a non-finite loss or local gradient]."""
+        with an error, ranks with a non-finite loss or local gradient, ranks asked to end
+        the window after this step]."""
 
     def abandon(self) -> None:
         """Forget a step that failed part-way."""
@@ -125,6 +129,9 @@ class BucketedGradients:
 
     def note_error(self) -> None:
         self.reducer.note_error()
+
+    def note_stop(self) -> None:
+        self.reducer.note_stop()
 
     def reduce_gradients(self) -> list[float]:
         return self.reducer.finish()

@@ -39,9 +39,13 @@ from .task import Task, trainable
 
 logger = logging.getLogger(__name__)
 
-REPORT_INTERVAL_S = 0.1
-"""In a window a worker reports its committed steps at most this often (a failure, and
-the end of its grant, at once): short steps are reported many at a time."""
+REPORT_INTERVAL_S = 0.5
+"""In a window a worker reports its committed steps at most this often (its first step, a
+failure, the end of its grant and the end of the window at once): short steps are reported many at a
+time. Every report costs CPU in the worker and the driver (Ray's streaming machinery),
+which on a machine whose cores they share is taken from the training threads; nothing
+waits for a report, since grants run ``window.LOOKAHEAD_S`` ahead and a join ends the
+window through the vote (``loop.Grants.stopping``)."""
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -213,9 +217,11 @@ class Replica:
 
     def run_window(self, plan: WindowPlan) -> Iterator[list[StepResult]]:
         """Train the steps the coordinator grants, from ``plan.start``, until the window
-        ends (the last grant reached, or an abort) or a step does not commit. Results are
-        reported every ``REPORT_INTERVAL_S``, and at once when a step did not commit or the
-        grant runs out. Each step's slice is computed here, and the next one's
+        ends (the last grant reached, an abort, or a step whose vote carried the
+        coordinator's request to stop) or a step does not commit. Results are
+        reported every ``REPORT_INTERVAL_S`` (the window's first step at once: the coordinator
+        judges hangs by the pace of the steps it has heard of), and at once when a step did
+        not commit or the grant runs out. Each step's slice is computed here, and the next one's
         collated ahead."""
         sampler = ElasticSampler(plan.sampler["dataset_len"], global_batch=plan.sampler["global_batch"],
                                  seed=plan.sampler["seed"])
@@ -226,7 +232,7 @@ class Replica:
 
         self.grants.open(plan)
         step, report = plan.start, []
-        last = reported = time.perf_counter()
+        last, reported = time.perf_counter(), -math.inf  # the first step at once: the run's pace for the watchdog
         while True:
             if report and (last - reported >= REPORT_INTERVAL_S or not self.grants.granted(step)):
                 yield report  # before waiting for a grant: the coordinator grants on reports
@@ -251,7 +257,7 @@ class Replica:
             now = time.perf_counter()
             result.step_s, result.time, last = now - last, time.time(), now
             report.append(result)
-            if not result.committed:
+            if not result.committed or result.stop:  # a stop: every rank's tally said so
                 break
             step += 1
         self.slow = None
@@ -311,6 +317,8 @@ class Replica:
         if not self.model.training:
             self.model.train()
         self.strategy.zero_grad()
+        if self.grants.stopping():  # asked to end the window: the vote tells every rank
+            self.strategy.note_stop()
         # a fault of phase allreduce fires as the last bucket, with the vote, is launched
         self.strategy.reducer.before_vote = functools.partial(trigger, fault, "allreduce") if fault else None
         self.progress.enter("compute")
@@ -328,6 +336,7 @@ class Replica:
         vote = self._reduce_and_vote(step, result, local_error, fault)
         if vote is None:
             return result  # the group failed: result.error says how
+        result.stop = vote[2] > 0
         t2 = time.perf_counter()
         self.progress.enter("update")
         if local_error is not None or vote[0] > 0:

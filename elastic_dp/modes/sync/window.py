@@ -3,10 +3,12 @@
 The coordinator starts every member's ``run_window`` (a Ray streaming call: the
 ``StepResult``s of committed steps stream back, a few at a time) with the first steps
 granted (``LOOKAHEAD_S`` of them), and grants more as the committed steps come in, so the
-workers never wait for it. It stops granting at the boundary it chooses: ``limit`` (the last step, a
-checkpoint, an injected join), or the first boundary after ``keep_going`` says no (a
-worker is ready to join). A failure in step ``s`` stops the window there: the others
-are aborted as after a failed step call, and ``MembersLost`` names ``s``, the step the
+workers never wait for it. It stops granting at ``limit`` (the last step, a checkpoint, an
+injected join). When ``keep_going`` says no (a worker is ready to join) it asks every
+member to stop: the next step's commit vote carries the request to every rank, and all
+end the window after that step (``loop.Grants.stopping``), or at the end of the grant if
+they reach it first. A failure in step ``s`` stops the window there: the others are
+aborted as after a failed step call, and ``MembersLost`` names ``s``, the step the
 recovery starts from.
 """
 
@@ -31,12 +33,13 @@ from ..watchdog import Watchdog
 if TYPE_CHECKING:
     from .mode import SyncMode
 
-LOOKAHEAD_S = 0.5
+LOOKAHEAD_S = 2.0
 """How far ahead steps are granted, in the run's typical step time: enough that reports
-(every ``worker.REPORT_INTERVAL_S``) and the next grant arrive before the workers run out;
-the grant is extended when less than half of it remains. Between ``MIN_LOOKAHEAD`` and
-``MAX_LOOKAHEAD`` steps: a join waits for at most that many."""
-MIN_LOOKAHEAD, MAX_LOOKAHEAD = 8, 256
+(every ``worker.REPORT_INTERVAL_S``, 0.5 s) and the next grant arrive before the workers
+run out; the grant is extended when less than half of it remains. Between
+``MIN_LOOKAHEAD`` and ``MAX_LOOKAHEAD`` steps. A long grant does not delay a join: the
+window is stopped through the vote, one step after the request reaches a worker."""
+MIN_LOOKAHEAD, MAX_LOOKAHEAD = 8, 4096
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,10 @@ class Window:
         self.mode, self.number, self.start, self.limit, self.keep_going = mode, number, start, limit, keep_going
         self.members = list(mode.members)
         self.granted, self.final = start, False
+        self.stopping = False
+        """Every member was asked to stop (``keep_going`` said no)."""
+        self.stopped = False
+        """The window ended by the vote: the last committed step carried the stop."""
         typical = mode.gens.calls.typical_step_s
         self.lookahead = MIN_LOOKAHEAD if not typical else max(MIN_LOOKAHEAD,
                                                                 min(MAX_LOOKAHEAD, math.ceil(LOOKAHEAD_S / typical)))
@@ -69,22 +76,35 @@ class Window:
         return by_rank
 
     def _extend(self) -> None:
-        """After a commit: grant ``lookahead`` steps ahead, or make the grant final."""
+        """After a commit: grant ``lookahead`` steps ahead (up to ``limit``: then final)."""
         if self.final or self.granted - self.next >= self.lookahead // 2:
             return
-        sizes = None
-        if self.granted >= self.limit or not self.keep_going():
-            self.final = True
-            faults: dict[int, dict[int, Any]] = {}
-        else:
-            first = self.granted
-            faults = self._grant_to(min(self.limit, self.next + self.lookahead))
-            self.final = self.granted >= self.limit
-            new = self.mode.slice_sizes(self.members, first)
-            if new != self.sizes:  # from the first step of this grant, which no rank has begun
-                self.sizes, sizes = new, (first, new)
+        first, sizes = self.granted, None
+        faults = self._grant_to(min(self.limit, self.next + self.lookahead))
+        self.final = self.granted >= self.limit
+        new = self.mode.slice_sizes(self.members, first)
+        if new != self.sizes:  # from the first step of this grant, which no rank has begun
+            self.sizes, sizes = new, (first, new)
         for rank, m in enumerate(self.members):
             m.actor.grant.remote(self.number, self.granted, self.final, faults.get(rank, {}), sizes)
+
+    def _stop_if_asked(self) -> None:
+        """When ``keep_going`` says no: ask every member to stop after its next step (the
+        vote makes them agree on which), and grant nothing more."""
+        if self.stopping or self.keep_going():
+            return
+        self.stopping = self.final = True
+        for m in self.members:
+            m.actor.grant.remote(self.number, self.granted, True, {}, None, True)
+
+    def _unrun(self) -> None:
+        """The window stopped through the vote before its grant ran out: the steps granted
+        after it never ran on any rank; their faults are pending again."""
+        mode = self.mode
+        for step in sorted(self.handed):
+            mode.faults.put_back(self.handed.pop(step).values())
+        for step in range(self.next, self.granted):
+            mode.faults.forget_step(step, len(self.members))
 
     def run(self) -> int:
         """Train until the window ends; the committed steps afterwards."""
@@ -136,12 +156,16 @@ class Window:
                 last_commit = max([last_commit, *(r.time for r in results.values() if r.time)])
                 mode.faults.put_back(self.handed.pop(self.next, {}).values())  # none fired
                 waiting.watchdog.typical_step_s = calls.typical_step_s
+                self.stopped = all(r.stop for r in results.values())
                 self.next += 1
                 if not waiting.aborted:
                     waiting.renew()
                     self._extend()
+            if not waiting.aborted:
+                self._stop_if_asked()
         outcome = waiting.give_up()
-        if outcome.cause is None and self.next == self.granted:
+        if outcome.cause is None and (self.next == self.granted or self.stopped):
+            self._unrun()
             return self.next
         return self._failed(reports, outcome.lost, outcome.errors, outcome.cause or "the window ended early",
                             outcome.detect_s or 0.0)
