@@ -202,7 +202,7 @@ class Coordinator:
         if decision.action is Action.REFORM:
             self.decision = decision
             return Transition(RunState.RESIZING, decision.reason)
-        self.step = self.mode.advance(self.step, self._window_limit(), self._keep_going)
+        self.step = self.mode.advance(self.step, self._window_limit(), self._keep_going, self.membership.arrivals)
         self.save_due = self._due(self.step)
         return Transition(RunState.RUNNING)
 

@@ -61,6 +61,9 @@ class FakePool:
     def placed_but_starting(self) -> int:
         return 0
 
+    def progress_refs(self) -> list:
+        return []
+
     def stop(self, member) -> None:
         self.stopped.append(member)
         if member in self.alive:
@@ -96,7 +99,7 @@ class FakeMode:
         self._form(members)
         return resume.step if resume else 0
 
-    def advance(self, step: int, limit: int | None = None, keep_going=lambda: True) -> int:
+    def advance(self, step: int, limit: int | None = None, keep_going=lambda: True, wake=list) -> int:
         """A window: steps until ``limit``, or until ``keep_going`` says no between two."""
         limit = step + 1 if limit is None else limit
         while True:

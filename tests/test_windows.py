@@ -140,3 +140,27 @@ def test_balance_gives_a_straggler_fewer_samples_and_ends_on_the_replay(ray_clus
     assert fast + slow == 10 and slow < fast
     assert _trained(record) == _expected()
     assert [m["step"] for m in metrics] == list(range(STEPS))
+
+
+def _sleep(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_wait_on_the_workers_calls_wakes_when_a_starting_worker_moves_on(ray_cluster):
+    """A window waits on its members' streams and on ``wake()``'s refs (the starting
+    workers' placement and set-up): one of those finishing ends the wait at once, so the
+    coordinator asks ``keep_going`` then, not at the next report or heartbeat; it is never
+    taken for a member's result."""
+    import ray
+
+    from elastic_dp.modes.calls import Waiting
+
+    sleep = ray.remote(num_cpus=0)(_sleep)
+    call, starting = sleep.remote(20.0), sleep.remote(0.2)
+    waiting = Waiting({call: "worker-0"}, deadline_s=60.0, grace_s=1.0, abort=lambda members: None,
+                      wake=lambda: [starting])
+    began = time.monotonic()
+    assert waiting.ready() == [] and time.monotonic() - began < 10.0  # not the 20 s call, not the deadline
+    assert waiting.pending == {call: "worker-0"} and waiting.outcome.cause is None
+    ray.cancel(call, force=True)

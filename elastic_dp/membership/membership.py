@@ -101,6 +101,11 @@ class Membership:
         self.joiners += self.pool.poll()
         return self.policy.at_step_boundary(self.members, self.joiners)
 
+    def arrivals(self) -> list:
+        """Object refs done when a starting worker has moved on (``WorkerPool.progress_refs``):
+        a mode that waits on them with its workers' calls hears of a joiner at once."""
+        return self.pool.progress_refs()
+
     def lose(self, lost: Sequence[Hashable]) -> None:
         """Stop workers that died or hung; they leave the members and the joiners."""
         for member in lost:

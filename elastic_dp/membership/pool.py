@@ -105,6 +105,11 @@ class WorkerPool:
                 ready.append(member)
         return ready
 
+    def progress_refs(self) -> list:
+        """One object ref per pending worker, done when it has moved on (placed, or built):
+        a ``ray.wait`` on them wakes as soon as ``poll`` has news."""
+        return [m.placed_ref if m.actor is None else m.setup_ref for m in self.pending]
+
     def wait_ready(self, count: int, timeout_s: float) -> list[Member]:
         """Block until ``count`` workers are ready or ``timeout_s`` passes; return the ready ones."""
         deadline = time.monotonic() + timeout_s

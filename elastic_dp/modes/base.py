@@ -126,10 +126,13 @@ class TrainingMode(Protocol):
         """Start ``members`` from the checkpoint ``resume`` or from rank 0's fresh model;
         write the initial weights; return the first step to run."""
 
-    def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True) -> int:
+    def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True,
+                wake: Callable[[], list] = list) -> int:
         """Train from step ``step``, up to ``limit`` or an earlier step boundary once
-        ``keep_going()`` says no; return the committed steps afterwards. A loss of members
-        raises ``MembersLost`` naming the step it interrupted."""
+        ``keep_going()`` says no; return the committed steps afterwards. ``wake()``: object
+        refs whose completion may change ``keep_going``'s answer (a worker starting), to
+        wait on beside the workers' calls. A loss of members raises ``MembersLost``
+        naming the step it interrupted."""
 
     def resize(self, members: Sequence[Any]) -> None:
         """Between steps: continue on ``members`` (the current ones, plus joiners)."""

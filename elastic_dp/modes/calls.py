@@ -45,12 +45,14 @@ class Waiting:
     watched by ``watchdog``; on the first failure signal every member still in a call is
     aborted (``abort``) and the deadline becomes the grace period. ``gather`` waits for
     one result per member; a window of steps (``modes.sync.window``) for a stream each.
-    ``detect`` measures the first signal (default: seconds since the wait began)."""
+    ``detect`` measures the first signal (default: seconds since the wait began).
+    ``wake()``: refs that end a wait early too (none of them is returned as ready)."""
 
     def __init__(self, pending: dict[object, Any], *, deadline_s: float, grace_s: float,
                  abort: Callable[[list[Any]], None], watchdog: Watchdog | None = None, what: str = "call",
-                 detect: Callable[[], float] | None = None) -> None:
+                 detect: Callable[[], float] | None = None, wake: Callable[[], list] = list) -> None:
         self.pending, self.outcome = dict(pending), CallOutcome()
+        self.wake = wake
         self.deadline_s, self.grace_s, self.abort, self.watchdog, self.what = deadline_s, grace_s, abort, watchdog, what
         start = time.monotonic()
         self.detect = detect or (lambda: time.monotonic() - start)
@@ -75,7 +77,7 @@ class Waiting:
         or None when the grace period after an abort is over."""
         wait_s = max(0.0, self.deadline - time.monotonic())
         watchdog = self.watchdog
-        done, _ = ray.wait(list(self.pending), num_returns=1,
+        done, _ = ray.wait(list(self.pending) + self.wake(), num_returns=1,
                            timeout=min(wait_s, watchdog.due_in()) if watchdog else wait_s)
         for member, why in watchdog.check(set(self.pending.values())) if watchdog else ():
             for key in [k for k, m in self.pending.items() if m is member]:

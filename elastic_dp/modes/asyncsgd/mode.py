@@ -185,11 +185,14 @@ class AsyncMode:
             self.recorder.weights(name, state)
 
     # -- the sequencer ------------------------------------------------------------------
-    def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True) -> int:
+    def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True,
+                wake: Callable[[], list] = list) -> int:
         """Apply updates until ``limit`` of them are (default: one more), or, once
         ``keep_going()`` says no, until those already leased are. Either way it returns at
         a quiescent point: nothing is out, and the applied updates are exactly steps
-        ``0 .. version - 1`` (a lost worker's step is leased again even when no new one is)."""
+        ``0 .. version - 1`` (a lost worker's step is leased again even when no new one is).
+        ``keep_going`` is asked again after each report, or once one of ``wake()``'s refs
+        is done (a worker starting)."""
         limit = step + 1 if limit is None else limit
         ledger = self.ledger
         while True:
@@ -200,7 +203,7 @@ class AsyncMode:
             if not self.jobs:
                 self._check_shards(wait_s=10.0)  # every update applied on every shard, or a shard lost
                 return ledger.version
-            self._collect()
+            self._collect(wake() if leasing else [])
 
     def _lease(self, member: Any, step: int | None = None) -> None:
         """Give ``member`` a step (its own again after a refused update: ``step``), and start
@@ -217,10 +220,12 @@ class AsyncMode:
             *pulls)
         self.jobs[member] = _Job(step, ledger.version, refs[0], list(refs[1:]), fault)
 
-    def _collect(self) -> None:
-        """Wait for a report and act on it; raise ``MembersLost`` when a worker died."""
+    def _collect(self, wake: list) -> None:
+        """Wait for a report (or one of the refs in ``wake``) and act on it; raise
+        ``MembersLost`` when a worker died."""
         by_meta = {job.meta: member for member, job in self.jobs.items()}
-        ready, _ = ray.wait(list(by_meta), num_returns=1, timeout=min(POLL_S, self.watchdog.due_in()))
+        ready, _ = ray.wait(list(by_meta) + wake, num_returns=1, timeout=min(POLL_S, self.watchdog.due_in()))
+        ready = [ref for ref in ready if ref in by_meta]
         if not ready:
             hung = self.watchdog.check(list(self.jobs))
             if hung:

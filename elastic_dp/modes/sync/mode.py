@@ -126,13 +126,15 @@ class SyncMode:
         self.recorder.summary.sample = self._from_rank0("sample")
 
     # -- the step --------------------------------------------------------------------------
-    def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True) -> int:
+    def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True,
+                wake: Callable[[], list] = list) -> int:
         """Train from step ``step`` on every member in one window (``.window``): up to
         ``limit`` (default: one step), or to an earlier boundary once ``keep_going()``
-        says no. Returns the committed steps afterwards; a failure raises ``MembersLost``
-        naming the step it interrupted."""
+        says no (asked again whenever a report or one of ``wake()``'s refs comes in).
+        Returns the committed steps afterwards; a failure raises ``MembersLost`` naming
+        the step it interrupted."""
         self._windows += 1
-        return Window(self, self._windows, step, step + 1 if limit is None else limit, keep_going).run()
+        return Window(self, self._windows, step, step + 1 if limit is None else limit, keep_going, wake).run()
 
     def slice_sizes(self, members: list[Any], step: int) -> tuple[int, ...] | None:
         """The slice sizes of ``members`` (rank order) from ``step`` on (``--balance``;

@@ -48,8 +48,9 @@ class Window:
     """Runs steps ``start``..``limit - 1`` (or fewer) on the mode's current generation."""
 
     def __init__(self, mode: "SyncMode", number: int, start: int, limit: int,
-                 keep_going: Callable[[], bool]) -> None:
+                 keep_going: Callable[[], bool], wake: Callable[[], list] = list) -> None:
         self.mode, self.number, self.start, self.limit, self.keep_going = mode, number, start, limit, keep_going
+        self.wake = wake
         self.members = list(mode.members)
         self.granted, self.final = start, False
         self.stopping = False
@@ -130,7 +131,8 @@ class Window:
                 m.actor.abort_group.remote(mode.generation)  # also ends a wait for a grant
 
         waiting = Waiting(streams, deadline_s=calls.deadline_s, grace_s=calls.grace_s, abort=abort,
-                          watchdog=Watchdog(calls.bounds, calls.typical_step_s), what="step", detect=detect)
+                          watchdog=Watchdog(calls.bounds, calls.typical_step_s), what="step", detect=detect,
+                          wake=lambda: [] if self.stopping else self.wake())  # a joiner: ask keep_going at once
         while waiting.pending:
             ready = waiting.ready()
             if ready is None:
