@@ -77,7 +77,7 @@ class Window:
         return by_rank
 
     def _extend(self) -> None:
-        """After a commit: grant ``lookahead`` steps ahead (up to ``limit``: then final)."""
+        """After commits: grant ``lookahead`` steps ahead (up to ``limit``: then final)."""
         if self.final or self.granted - self.next >= self.lookahead // 2:
             return
         first, sizes = self.granted, None
@@ -162,9 +162,9 @@ class Window:
                 self.next += 1
                 if not waiting.aborted:
                     waiting.renew()
-                    self._extend()
-            if not waiting.aborted:
+            if not waiting.aborted:  # once per wake-up: a stop first, so no slicing is sent for steps never run
                 self._stop_if_asked()
+                self._extend()
         outcome = waiting.give_up()
         if outcome.cause is None and (self.next == self.granted or self.stopped):
             self._unrun()
