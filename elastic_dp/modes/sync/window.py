@@ -121,18 +121,15 @@ class Window:
         reports: dict[int, dict[Any, StepResult]] = defaultdict(dict)
         last_commit = time.time()  # detection is timed from the end of the last step known to commit
 
-        def detect() -> float:
-            newest = max((r.time for rs in reports.values() for r in rs.values() if r.time and r.committed),
-                         default=0.0)
-            return max(0.0, time.time() - max(last_commit, newest))
-
         def abort(running: list[Any]) -> None:
             for m in running:
                 m.actor.abort_group.remote(mode.generation)  # also ends a wait for a grant
 
+        # detect: the first signal's time (``_detection`` measures it once every report is in);
+        # wake: a starting worker's progress, so that keep_going is asked at once
         waiting = Waiting(streams, deadline_s=calls.deadline_s, grace_s=calls.grace_s, abort=abort,
-                          watchdog=Watchdog(calls.bounds, calls.typical_step_s), what="step", detect=detect,
-                          wake=lambda: [] if self.stopping else self.wake())  # a joiner: ask keep_going at once
+                          watchdog=Watchdog(calls.bounds, calls.typical_step_s), what="step", detect=time.time,
+                          wake=lambda: [] if self.stopping else self.wake())
         while waiting.pending:
             ready = waiting.ready()
             if ready is None:
@@ -170,7 +167,7 @@ class Window:
             self._unrun()
             return self.next
         return self._failed(reports, outcome.lost, outcome.errors, outcome.cause or "the window ended early",
-                            outcome.detect_s or 0.0)
+                            _detection(outcome.detect_s, reports, last_commit))
 
     def _failed(self, reports, lost, errors, cause: str, detect_s: float) -> int:
         """A step failed: record the steps every survivor committed before it (a step
@@ -203,3 +200,13 @@ class Window:
         mode.layout.stepped(step, results)
         mode._last = results
         raise MembersLost(self.members, lost, cause, detect_s, step=step)
+
+
+def _detection(signalled_at: float | None, reports: dict[int, dict[Any, StepResult]], last_commit: float) -> float:
+    """Seconds from the end of the newest step known to have committed (on any rank; the
+    survivors' reports of the steps before the failure come in after the signal, so this
+    is measured once they are in) to the first failure signal (``signalled_at``, Unix time)."""
+    if signalled_at is None:
+        return 0.0
+    newest = max((r.time for rs in reports.values() for r in rs.values() if r.time and r.committed), default=0.0)
+    return max(0.0, signalled_at - max(last_commit, newest))
