@@ -89,7 +89,7 @@ class Grants:
             self._cv.notify_all()
 
     def _extend(self, window: int, until: int, final: bool, faults: dict[int, Fault],
-                sizes: tuple[int, tuple[int, ...] | None] | None, stop: bool = False) -> None:
+                sizes: tuple[int, tuple[int, ...] | None] | None, stop: bool) -> None:
         if window > self._window:  # its window has not opened yet (calls may overtake each other)
             self._early.append((window, until, final, faults, sizes, stop))
         elif window == self._window:

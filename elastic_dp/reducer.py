@@ -34,8 +34,8 @@ elements, in which each rank puts whether its step raised (``note_error``), whet
 any of its losses (``note_nonfinite``) or local gradients (the sum of each bucket, taken
 as it is launched, is not finite) is not finite, and whether the coordinator asked it to
 end its window of steps after this one (``note_stop``: every rank then ends it at the
-same step, the one whose tally carries the request). The SUM over ranks arrives with the last bucket's reduction;
-``finish()`` returns it. In scatter mode, where every rank receives only its chunk, the
+same step, the one whose tally carries the request). The SUM over ranks arrives with the
+last bucket's reduction; ``finish()`` returns it. In scatter mode, where every rank receives only its chunk, the
 last bucket is reduce-scattered from a copy in which each rank's chunk is followed by the
 vote, so every rank receives the whole tally. No collective is spent on the vote alone.
 """

@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 0.5
 """In a window a worker reports its committed steps at most this often (its first step, a
-failure, the end of its grant and the end of the window at once): short steps are reported many at a
-time. Every report costs CPU in the worker and the driver (Ray's streaming machinery),
+failure, the end of its grant and the end of the window at once): short steps are
+reported many at a time. Every report costs CPU in the worker and the driver (Ray's streaming machinery),
 which on a machine whose cores they share is taken from the training threads; nothing
 waits for a report, since grants run ``window.LOOKAHEAD_S`` ahead and a join ends the
 window through the vote (``loop.Grants.stopping``)."""
@@ -232,7 +232,7 @@ class Replica:
 
         self.grants.open(plan)
         step, report = plan.start, []
-        last, reported = time.perf_counter(), -math.inf  # the first step at once: the run's pace for the watchdog
+        last, reported = time.perf_counter(), -math.inf  # the first step at once: the watchdog's pace
         while True:
             if report and (last - reported >= REPORT_INTERVAL_S or not self.grants.granted(step)):
                 yield report  # before waiting for a grant: the coordinator grants on reports
