@@ -5,9 +5,11 @@
    (32 -> 256 -> 1, global batch 64) whose step is so short that what a step costs besides
    its compute shows. DDP runs the way its users run it: each rank a process (a Ray actor
    holding one CPU slot) that loops over its own steps, torchrun-style, called once per
-   round. elastic_dp runs as it always does: its coordinator grants each round's steps as
-   one window. The two alternate in rounds of ``--steps-per-round`` steps so that machine
-   noise hits both alike; the first round of each is warm-up and not counted. Reported per
+   round; its processes keep freed memory as elastic_dp's workers do (elastic_dp.malloc).
+   elastic_dp runs as it always does: its coordinator grants each round's steps as one
+   window. The two alternate in rounds of ``--steps-per-round`` steps so that machine
+   noise hits both alike, the one that goes first alternating too; the first round is
+   warm-up and not counted. Reported per
    task: median step time of each, their ratio (elastic_dp / DDP), the median of the
    per-round ratios (with a 95% bootstrap interval: benchmarks.stats), the difference in
    milliseconds per step, and the CPU time the driver (the coordinator, all its threads)
@@ -59,24 +61,32 @@ def bench_step_time(args: argparse.Namespace, name: str, steps_per_round: int) -
     ours, theirs, driver_cpu, ddp_step = [], [], [], 0
     cpu_by_system = {"elastic_dp": [], "DDP": []}  # per counted round: kind -> thread -> CPU s per step
     try:
-        for round_ in range(args.rounds):
+        def run_ours() -> tuple[float, dict]:
             before, start, cpu = thread_cpu.reading(), time.perf_counter(), time.process_time()
             coordinator.run_until(coordinator.step + steps_per_round)
-            t_ours = (time.perf_counter() - start) / steps_per_round
+            seconds = (time.perf_counter() - start) / steps_per_round
             driver_cpu.append((time.process_time() - cpu) / steps_per_round)
-            between = thread_cpu.reading()
-            start = time.perf_counter()
+            return seconds, thread_cpu.spent(before, thread_cpu.reading())
+
+        def run_ddp() -> tuple[float, dict]:
+            nonlocal ddp_step
+            before, start = thread_cpu.reading(), time.perf_counter()
             ray.get([w.run.remote(ddp_step, steps_per_round) for w in ddp])
             ddp_step += steps_per_round
-            t_ddp = (time.perf_counter() - start) / steps_per_round
-            after = thread_cpu.reading()
+            return (time.perf_counter() - start) / steps_per_round, thread_cpu.spent(before, thread_cpu.reading())
+
+        for round_ in range(args.rounds):
+            if round_ % 2 == 0:  # the order alternates: neither always runs right after the other
+                (t_ours, cpu_ours), (t_ddp, cpu_ddp) = run_ours(), run_ddp()
+            else:
+                (t_ddp, cpu_ddp), (t_ours, cpu_ours) = run_ddp(), run_ours()
             print(f"{name} round {round_}: elastic_dp {t_ours * 1e3:.2f} ms/step, DDP {t_ddp * 1e3:.2f} ms/step"
                   + ("  (warm-up, not counted)" if round_ == 0 else ""), flush=True)
             if round_ > 0:
                 ours.append(t_ours)
                 theirs.append(t_ddp)
-                cpu_by_system["elastic_dp"].append(thread_cpu.spent(before, between))
-                cpu_by_system["DDP"].append(thread_cpu.spent(between, after))
+                cpu_by_system["elastic_dp"].append(cpu_ours)
+                cpu_by_system["DDP"].append(cpu_ddp)
     finally:
         coordinator.close()
         for w in ddp:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from elastic_dp.collective import CollectiveGroup
 from elastic_dp.data import ElasticSampler, micro_batches, split
+from elastic_dp.malloc import keep_freed_memory
 from elastic_dp.reducer import GradientReducer
 from jobs.gpt import TASK
 
@@ -43,13 +44,16 @@ class DDPWorker:
     users run it (torchrun-style): ``run`` loops over its own steps, its rank's slice of
     each computed here, with no driver in between; the benchmark calls it once per round.
     With ``zero`` its optimizer is torch's ZeroRedundancyOptimizer (optimizer-state
-    sharding, ZeRO stage 1)."""
+    sharding, ZeRO stage 1). Its process keeps freed memory as elastic_dp's workers do
+    (elastic_dp.malloc), so the benchmarks compare the trainers, not the allocators'
+    settings; a DDP process as users run it is slower by the page faults (docs/BENCHMARKS.md)."""
 
     def __init__(self, host: str, port: int, rank: int, world: int, zero: bool = False, task=TASK) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         torch.set_num_threads(1)
+        keep_freed_memory()
         store = dist.PrefixStore("zero/" if zero else "ddp/", dist.TCPStore(host, port, is_master=False))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         self.task, self.rank, self.world = task, rank, world

@@ -20,6 +20,7 @@ from .config import TrainConfig
 from .data import ElasticSampler
 from .faults import Fault, trigger
 from .loop import WindowPlan
+from .malloc import keep_freed_memory
 from .messages import Heartbeat, StepResult, WorkerInfo
 from .task import Task
 from .worker import Replica
@@ -35,6 +36,7 @@ class WorkerActor:
 
     def __init__(self, *, device: str, backend: str, num_threads: int, collective_timeout_s: float) -> None:
         torch.set_num_threads(num_threads)
+        keep_freed_memory()  # each step reuses the last one's memory (elastic_dp.malloc)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         if device == "cuda":
             torch.cuda.set_device(self.device)

@@ -45,6 +45,13 @@ class TrainConfig:
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB; each full bucket is all-reduced while backward goes
     on (``--bucket-mb``). Buckets are also ZeRO's unit of sharding."""
+    first_bucket_mb: float | None = None
+    """The first bucket (the last layers' gradients, the first that backward produces)
+    closes at this many MiB, so that their reduction starts while backward goes on through
+    the rest (``--first-bucket-mb``). None: 1 MiB on a GPU (as DDP's default), where the
+    collective runs beside the compute; on a CPU, no smaller first bucket: gloo's threads
+    take their CPU from the cores the compute needs, and the second collective cost more
+    than the overlap gave (docs/sync.md)."""
     zero: int = 0
     """ZeRO stage (``--zero``): 0 replicates everything; 1 shards the optimizer state (and
     the fp32 master weights of bf16/fp16 parameters); 2 also shards the gradients."""
@@ -101,6 +108,8 @@ class TrainConfig:
         _require(self.precision in ("fp32", "bf16"),
                  f"precision must be 'fp32' or 'bf16', got {self.precision!r} (--precision)")
         _require(self.bucket_mb > 0, f"bucket_mb must be positive, got {self.bucket_mb} (--bucket-mb)")
+        _require(self.first_bucket_mb is None or self.first_bucket_mb > 0,
+                 f"first_bucket_mb must be positive, got {self.first_bucket_mb} (--first-bucket-mb)")
         _require(self.zero in (0, 1, 2), f"zero must be stage 0, 1 or 2, got {self.zero!r} (--zero)")
         _require(self.mode in ("sync", "async"), f"mode must be sync or async, got {self.mode!r} (--mode)")
         _require(self.max_staleness >= 0,
@@ -123,6 +132,14 @@ class TrainConfig:
                  f"on_nonfinite must be 'skip' or 'fail', got {self.on_nonfinite!r} (--on-nonfinite)")
         _require(self.max_nonfinite_steps >= 1,
                  f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps} (--max-nonfinite-steps)")
+
+    def first_bucket_bytes(self, device_type: str) -> int:
+        """Where the first gradient bucket closes, in bytes, for workers on ``device_type``
+        (``first_bucket_mb``; at most ``bucket_mb``)."""
+        mb = self.first_bucket_mb
+        if mb is None:
+            mb = 1.0 if device_type == "cuda" else self.bucket_mb
+        return int(min(mb, self.bucket_mb) * 2**20)
 
     def lr_factor(self, step: int) -> float:
         """Multiplier on every param group's base learning rate at ``step`` (0-based)."""

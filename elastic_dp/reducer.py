@@ -53,12 +53,6 @@ loss or local gradient, ranks asked to end the window after this step]."""
 
 from .collective import CollectiveGroup
 
-FIRST_BUCKET_BYTES = 2**20
-"""The first bucket is closed at 1 MiB (as DDP's): the last layers' gradients then start
-their all-reduce while backward still runs through the rest, even when the model fits in
-one ``bucket_mb`` bucket."""
-
-
 @dataclass(slots=True)
 class Bucket:
     params: list[torch.nn.Parameter]
@@ -86,11 +80,12 @@ class GradientReducer:
     """All-reduces gradients in buckets overlapped with backward."""
 
     def __init__(self, params: list[torch.nn.Parameter], group: CollectiveGroup, *,
-                 bucket_bytes: int, reduce_fp32: bool, group_of: dict[int, int] | None = None,
-                 pad_to: int = 1, scatter_into: list[torch.Tensor] | None = None) -> None:
+                 bucket_bytes: int, reduce_fp32: bool, first_bucket_bytes: int | None = None,
+                 group_of: dict[int, int] | None = None, pad_to: int = 1,
+                 scatter_into: list[torch.Tensor] | None = None) -> None:
         self.group = group
         self.buckets = make_buckets([p for p in params if p.requires_grad], bucket_bytes, reduce_fp32,
-                                    group_of=group_of, pad_to=pad_to)
+                                    first_bucket_bytes=first_bucket_bytes, group_of=group_of, pad_to=pad_to)
         self.scatter_into = scatter_into
         if scatter_into is not None:
             expected = [b.padded // pad_to for b in self.buckets]
@@ -185,8 +180,9 @@ class GradientReducer:
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
-        if self.scatter_into is not None:
-            _attach(bucket, torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device))
+        if self.scatter_into is not None:  # each view is written below; only the padding is zeroed here
+            _attach(bucket, torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device))
+            bucket.buffer[bucket.numel:].zero_()
         for p, view in zip(bucket.params, bucket.views):
             if p.grad is None:
                 view.zero_()
@@ -263,9 +259,11 @@ def _attach(bucket: Bucket, buffer: torch.Tensor, carry_vote: bool = False) -> N
 
 
 def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp32: bool, *,
-                 group_of: dict[int, int] | None = None, pad_to: int = 1) -> list[Bucket]:
-    """Pack ``params``, last first, into buckets of about ``bucket_bytes`` (the first closes
-    at ``FIRST_BUCKET_BYTES`` already; no buffers yet).
+                 first_bucket_bytes: int | None = None, group_of: dict[int, int] | None = None,
+                 pad_to: int = 1) -> list[Bucket]:
+    """Pack ``params``, last first, into buckets of about ``bucket_bytes``; the first closes
+    at ``first_bucket_bytes`` already, where given (``TrainConfig.first_bucket_bytes``). No
+    buffers yet.
 
     A bucket holds parameters of one dtype on one device and, with ``group_of``
     (``id(param)`` -> param group), of one param group. Each such kind has one open
@@ -293,13 +291,14 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp3
         return Bucket(params=members, offsets=offsets, numel=offset, padded=-(-offset // pad_to) * pad_to,
                       dtype=dtype, as_view=all(p.dtype == dtype for p in members))
 
+    first = bucket_bytes if first_bucket_bytes is None else min(bucket_bytes, first_bucket_bytes)
     buckets: list[Bucket] = []
     open_: dict[tuple, tuple[list[torch.nn.Parameter], int]] = {}  # kind -> (params, bytes); insertion-ordered
     for p in reversed(params):
         members, size = open_.pop(kind(p), ([], 0))
         members.append(p)
         size += p.numel() * torch.empty((), dtype=buffer_dtype(p)).element_size()
-        if size >= (bucket_bytes if buckets else min(bucket_bytes, FIRST_BUCKET_BYTES)):
+        if size >= (bucket_bytes if buckets else first):
             buckets.append(bucket(members))
         else:
             open_[kind(p)] = (members, size)  # re-inserted: open buckets stay ordered by last use

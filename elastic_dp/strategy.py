@@ -151,6 +151,7 @@ class Replicated(BucketedGradients):
         self.optimizer = optimizer
         self.reducer = GradientReducer(self.params, group,
                                        bucket_bytes=int(config.bucket_mb * 2**20),
+                                       first_bucket_bytes=config.first_bucket_bytes(device.type),
                                        reduce_fp32=config.reduce_fp32)
 
     def clip_grad_norm(self, max_norm: float) -> float:

@@ -107,9 +107,9 @@ class Sharded(BucketedGradients):
         self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) in group_of]
-        bucket_bytes = int(config.bucket_mb * 2**20)
-        self.buckets = make_buckets(self.params, bucket_bytes, config.reduce_fp32, group_of=group_of,
-                                    pad_to=self.world_size)
+        bucket_bytes, first_bytes = int(config.bucket_mb * 2**20), config.first_bucket_bytes(self.device.type)
+        self.buckets = make_buckets(self.params, bucket_bytes, config.reduce_fp32, first_bucket_bytes=first_bytes,
+                                    group_of=group_of, pad_to=self.world_size)
         self.chunks = [b.padded // self.world_size for b in self.buckets]
         self.numels = [b.numel for b in self.buckets]
         self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
@@ -139,7 +139,7 @@ class Sharded(BucketedGradients):
         if stage == 2:
             self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
                                 for b, c in zip(self.buckets, self.chunks)]
-        self.reducer = GradientReducer(self.params, group, bucket_bytes=bucket_bytes,
+        self.reducer = GradientReducer(self.params, group, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bytes,
                                        reduce_fp32=config.reduce_fp32, group_of=group_of, pad_to=self.world_size,
                                        scatter_into=self.grad_chunks if stage == 2 else None)
         groups = [{**{k: v for k, v in g.items() if k != "params"},

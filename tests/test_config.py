@@ -12,6 +12,7 @@ from elastic_dp.faults import FaultPlan, parse_faults
     ("steps", -1, "--steps"), ("micro_batch", 0, "--micro-batch"), ("warmup_steps", -2, "--warmup-steps"),
     ("lr_reference_batch", 0, "--lr-reference-batch"), ("clip_grad_norm", 0.0, "--clip-grad-norm"),
     ("precision", "fp8", "--precision"), ("bucket_mb", 0, "--bucket-mb"),
+    ("first_bucket_mb", -1.0, "--first-bucket-mb"),
 ])
 def test_train_config_errors_name_the_flag(field, value, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -44,6 +45,17 @@ def test_workers_sharing_a_gpu_talk_through_gloo():
         ClusterConfig(backend="nccl").backend_for("cpu")
     with pytest.raises(ConfigError, match="--backend"):
         ClusterConfig(backend="mpi")
+
+
+def test_the_first_bucket_closes_early_on_a_gpu_not_on_a_cpu():
+    mib = 2**20
+    assert TrainConfig().first_bucket_bytes("cpu") == 25 * mib  # the whole bucket: one all-reduce
+    assert TrainConfig(zero=2).first_bucket_bytes("cpu") == 25 * mib
+    assert TrainConfig().first_bucket_bytes("cuda") == mib
+    assert TrainConfig(zero=1).first_bucket_bytes("cuda") == mib
+    assert TrainConfig(first_bucket_mb=4.0).first_bucket_bytes("cpu") == 4 * mib  # set: everywhere
+    assert TrainConfig(first_bucket_mb=4.0, zero=2).first_bucket_bytes("cuda") == 4 * mib
+    assert TrainConfig(bucket_mb=0.5).first_bucket_bytes("cuda") == mib // 2  # never past a bucket
 
 
 def test_lr_factor_warmup_and_linear_scaling():

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from elastic_dp import TaskError, TrainConfig
-from elastic_dp.reducer import GradientReducer
+from elastic_dp.reducer import GradientReducer, make_buckets
 from elastic_dp.task import Task
 from elastic_dp.worker import Replica
 from tests.ranks import run_ranks
@@ -59,6 +59,23 @@ def test_bucketed_gradients_equal_the_sum_over_ranks(bucket_bytes, grads_as_view
         for _, grads in results:
             torch.testing.assert_close(grads[n], expected, rtol=1e-5, atol=1e-5)
     assert results[0][0] == {1: 6, 100: 2, 10**6: 1}[bucket_bytes]
+
+
+def test_the_first_bucket_closes_at_first_bucket_bytes_and_the_others_at_bucket_bytes():
+    model = PartlyUsed()
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def partition(**sizes):
+        return [[names[id(p)] for p in b.params] for b in make_buckets(list(model.parameters()), reduce_fp32=True,
+                                                                      **sizes)]
+
+    # last first: b.bias 4 bytes, b.weight 24, unused.bias 24, unused.weight 144, a.bias 24, a.weight 144
+    assert partition(bucket_bytes=10**6) == [["b.bias", "b.weight", "unused.bias", "unused.weight", "a.bias",
+                                              "a.weight"]]
+    assert partition(bucket_bytes=10**6, first_bucket_bytes=100) == [
+        ["b.bias", "b.weight", "unused.bias", "unused.weight"], ["a.bias", "a.weight"]]
+    assert partition(bucket_bytes=30, first_bucket_bytes=100) == [  # never past bucket_bytes
+        ["b.bias", "b.weight", "unused.bias"], ["unused.weight"], ["a.bias", "a.weight"]]
 
 
 def test_a_rank_whose_loss_fails_makes_every_rank_skip_the_update():
