@@ -153,7 +153,8 @@ def bench_step_time(args: argparse.Namespace) -> dict:
     try:
         for round_ in range(args.rounds):
             line = []
-            for name, (coordinator, _) in [*runs.items(), *((n, (p, None)) for n, p in peers.items())]:
+            order = [*runs.items(), *((n, (p, None)) for n, p in peers.items())]
+            for name, (coordinator, _) in order if round_ % 2 == 0 else order[::-1]:  # no fixed neighbours
                 before, start = thread_cpu.reading(), time.perf_counter()
                 coordinator.run_steps(args.steps_per_round)
                 seconds = (time.perf_counter() - start) / args.steps_per_round

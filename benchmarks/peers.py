@@ -45,15 +45,17 @@ class DDPWorker:
     each computed here, with no driver in between; the benchmark calls it once per round.
     With ``zero`` its optimizer is torch's ZeroRedundancyOptimizer (optimizer-state
     sharding, ZeRO stage 1). Its process keeps freed memory as elastic_dp's workers do
-    (elastic_dp.malloc), so the benchmarks compare the trainers, not the allocators'
-    settings; a DDP process as users run it is slower by the page faults (docs/BENCHMARKS.md)."""
+    (elastic_dp.malloc; ``keep_memory``), so the benchmarks compare the trainers, not the
+    allocators' settings (docs/BENCHMARKS.md)."""
 
-    def __init__(self, host: str, port: int, rank: int, world: int, zero: bool = False, task=TASK) -> None:
+    def __init__(self, host: str, port: int, rank: int, world: int, zero: bool = False, task=TASK,
+                 keep_memory: bool = True) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         torch.set_num_threads(1)
-        keep_freed_memory()
+        if keep_memory:
+            keep_freed_memory()
         store = dist.PrefixStore("zero/" if zero else "ddp/", dist.TCPStore(host, port, is_master=False))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         self.task, self.rank, self.world = task, rank, world

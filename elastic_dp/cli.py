@@ -33,8 +33,8 @@ logger = logging.getLogger("elastic_dp.cli")
 _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": int,
                 "warmup_steps": int, "lr_reference_batch": int, "clip_grad_norm": float,
                 "precision": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int,
-                "snapshot_every": int, "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str, "max_staleness": int,
-                "staleness_lr": str, "ps_shards": int, "ps_device": str}
+                "snapshot_every": int, "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str,
+                "max_staleness": int, "staleness_lr": str, "ps_shards": int, "ps_device": str}
 
 
 def _worker_range(text: str) -> tuple[int, int]:

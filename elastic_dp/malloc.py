@@ -6,7 +6,7 @@ calls malloc. glibc's malloc gives memory back to the system whenever the top of
 has more than ``M_TRIM_THRESHOLD`` free (128 KiB to start, then adapted to the largest
 chunk freed), and serves large requests with ``mmap``, unmapped again when freed. Either
 way the next step touches those pages anew, and every 4 KiB of them costs a page fault.
-On the GPT job that is about 1,300 faults per step in one process and 1,500–2,000 per
+On the GPT job that was about 1,300 faults per step in one process, and up to 2,000 per
 worker and step in two, 1–4% of a CPU step (docs/BENCHMARKS.md). CUDA's caching allocator
 keeps device memory for the same reason.
 
@@ -14,8 +14,8 @@ So each worker sets both thresholds (``keep_freed_memory``): requests up to
 ``MMAP_THRESHOLD`` come from the heap, and the heap gives memory back only beyond
 ``TRIM_THRESHOLD`` free at its top. The worker's resident memory then stays near the
 step's peak, which every step reaches anyway. glibc's own environment variables
-(``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``) set by the user win: the worker
-then leaves the allocator alone, as it does with any other C library.
+(``USER_SETTINGS``) set by the user win: the worker then leaves the allocator alone, as it
+does with any other C library.
 """
 
 from __future__ import annotations

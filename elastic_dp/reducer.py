@@ -53,6 +53,7 @@ loss or local gradient, ranks asked to end the window after this step]."""
 
 from .collective import CollectiveGroup
 
+
 @dataclass(slots=True)
 class Bucket:
     params: list[torch.nn.Parameter]
