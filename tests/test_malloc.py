@@ -65,5 +65,7 @@ def test_a_worker_process_reuses_the_memory_its_last_step_freed():
 
 
 def test_the_users_own_allocator_settings_win():
-    mine = _result(_start("keep", "--no-steps", MALLOC_TRIM_THRESHOLD_="131072"))
-    assert mine["kept"] is False
+    mine, off = (_start("keep", "--no-steps", MALLOC_TRIM_THRESHOLD_="131072"),
+                 _start("keep", "--no-steps", ELASTIC_DP_KEEP_FREED_MEMORY="0"))
+    assert _result(mine)["kept"] is False
+    assert _result(off)["kept"] is False
