@@ -36,27 +36,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks import thread_cpu
 from benchmarks.stats import round_ratio_interval
-
-_HZ = os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_by_thread() -> dict[str, float]:
-    """CPU seconds so far of this process's threads: the main (training) thread, gloo's."""
-    main, gloo = 0.0, 0.0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:  # the thread ended
-            continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        seconds = (int(fields[11]) + int(fields[12])) / _HZ
-        if int(tid) == os.getpid():
-            main += seconds
-        elif "gloo" in name:
-            gloo += seconds
-    return {"training_thread": main, "gloo_threads": gloo,
+    """CPU seconds so far of this process's threads: the main (training) thread, gloo's;
+    and the minor page faults so far."""
+    threads = thread_cpu.process_threads(os.getpid())
+    return {"training_thread": threads[os.getpid()][1],
+            "gloo_threads": sum(cpu for name, cpu in threads.values() if "gloo" in name),
             "page_faults": float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)}
 
 

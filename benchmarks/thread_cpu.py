@@ -26,7 +26,7 @@ def _kind(cmdline: str) -> str | None:
     return None
 
 
-def _threads(pid: int) -> dict[int, tuple[str, float]]:
+def process_threads(pid: int) -> dict[int, tuple[str, float]]:
     """Thread id -> (name, user + system CPU seconds)."""
     found = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -54,7 +54,7 @@ def reading() -> dict[int, tuple[str, dict[int, tuple[str, float]]]]:
     out = {}
     for pid, kind in kinds.items():
         try:
-            out[pid] = (kind, _threads(pid))
+            out[pid] = (kind, process_threads(pid))
         except OSError:  # the process ended
             continue
     return out
