@@ -15,9 +15,8 @@ temporary buffers and allocator overhead are not included.
 
 Communication, bytes each worker sends per step, as elastic_dp's stages do it (ring
 algorithms; the all-to-alls that run stage 1 and 2's collectives on gloo send as many),
-peer snapshots apart: stage 0 all-reduces the gradients, 2(N-1)/N · GΨ; stage 1
-all-reduces them and all-gathers the updated parameters, 2(N-1)/N · GΨ + (N-1)/N · PΨ;
-stage 2 reduce-scatters the gradients and all-gathers the parameters, (N-1)/N · (G + P)Ψ.
+peer snapshots apart: stage 0 all-reduces the gradients, 2(N-1)/N · GΨ; stages 1 and 2
+reduce-scatter them and all-gather the updated parameters, (N-1)/N · (G + P)Ψ.
 """
 
 from __future__ import annotations
@@ -101,7 +100,7 @@ class MemoryPlan:
         n = self.workers
         p, g, _ = self._pgk
         share = (n - 1) / n
-        per_param = {0: 2 * share * g, 1: 2 * share * g + share * p, 2: share * (g + p)}[self.zero]
+        per_param = 2 * share * g if self.zero == 0 else share * (g + p)
         return per_param * self.params
 
     def report(self, gpu_memory: float | None = None) -> dict:

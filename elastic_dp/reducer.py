@@ -24,6 +24,11 @@ the ``r``-th of ``world_size`` equal chunks. In scatter mode (ZeRO stage 2) a bu
 reduce-scattered into the caller's per-bucket ``scatter_into`` chunk instead of
 all-reduced: its full buffer exists only from launch until the reduction completes, and
 the parameters' full gradients are released (set to None) as soon as they are copied in.
+In in-place scatter mode (ZeRO stage 1, ``scatter_in_place``) the buffers stay, as in
+all-reduce mode, with the gradients as views into them, and each bucket is
+reduce-scattered into the rank's own chunk of its buffer: that chunk then holds the global
+gradient and the rest of the buffer this rank's local one. It sends half the bytes of an
+all-reduce, and the rank reads only its chunk anyway.
 
 The caller scales each micro-batch's loss so that local gradients are the sum of the
 per-sample gradients divided by the global batch; the SUM over ranks then gives the
@@ -35,8 +40,8 @@ any of its losses (``note_nonfinite``) or local gradients (the sum of each bucke
 as it is launched, is not finite) is not finite, and whether the coordinator asked it to
 end its window of steps after this one (``note_stop``: every rank then ends it at the
 same step, the one whose tally carries the request). The SUM over ranks arrives with the
-last bucket's reduction; ``finish()`` returns it. In scatter mode, where every rank receives only its chunk, the
-last bucket is reduce-scattered from a copy in which each rank's chunk is followed by the
+last bucket's reduction; ``finish()`` returns it. In the scatter modes, where every rank receives only its
+chunk, the last bucket is reduce-scattered from a copy in which each rank's chunk is followed by the
 vote, so every rank receives the whole tally. No collective is spent on the vote alone.
 """
 
@@ -83,11 +88,18 @@ class GradientReducer:
     def __init__(self, params: list[torch.nn.Parameter], group: CollectiveGroup, *,
                  bucket_bytes: int, reduce_fp32: bool, first_bucket_bytes: int | None = None,
                  group_of: dict[int, int] | None = None, pad_to: int = 1,
-                 scatter_into: list[torch.Tensor] | None = None) -> None:
+                 scatter_into: list[torch.Tensor] | None = None, scatter_in_place: bool = False) -> None:
         self.group = group
         self.buckets = make_buckets([p for p in params if p.requires_grad], bucket_bytes, reduce_fp32,
                                     first_bucket_bytes=first_bucket_bytes, group_of=group_of, pad_to=pad_to)
         self.scatter_into = scatter_into
+        if scatter_into is not None and scatter_in_place:
+            raise ValueError("scatter_into and scatter_in_place exclude each other")
+        if (scatter_into is not None or scatter_in_place) and pad_to != group.world_size:
+            raise ValueError(f"a reduce-scatter needs buckets padded to the world size {group.world_size}, "
+                             f"not {pad_to}")
+        self.chunks: list[torch.Tensor] | None = scatter_into
+        """Scatter modes: per bucket, the chunk this rank receives (None: all-reduce mode)."""
         if scatter_into is not None:
             expected = [b.padded // pad_to for b in self.buckets]
             if [t.numel() for t in scatter_into] != expected:
@@ -95,7 +107,9 @@ class GradientReducer:
         else:
             for bucket in self.buckets:
                 _attach(bucket, torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device),
-                        carry_vote=bucket is self.buckets[-1])
+                        carry_vote=bucket is self.buckets[-1] and not scatter_in_place)
+            if scatter_in_place:
+                self.chunks = [b.buffer.view(pad_to, -1)[group.rank] for b in self.buckets]
         device = self.buckets[-1].params[0].device if self.buckets else torch.device("cpu")
         self._local = torch.zeros(VOTE, dtype=torch.float32, device=device)
         """This rank's vote, filled in during the step."""
@@ -198,14 +212,15 @@ class GradientReducer:
         if self.scatter_into is not None:
             for p in bucket.params:
                 p.grad = None  # the full gradient is in the buffer now; release it
+        if self.chunks is not None:
             if last:  # every rank's chunk followed by the vote: each rank receives the tally
-                world = bucket.padded // self.scatter_into[index].numel()
+                world = bucket.padded // self.chunks[index].numel()
                 source = torch.cat([bucket.buffer.view(world, -1),
                                     self._local.to(bucket.dtype).expand(world, VOTE)], dim=1)
                 self._scatter_out = torch.empty(source.shape[1], dtype=bucket.dtype, device=source.device)
                 bucket.work = self.group.reduce_scatter_async(self._scatter_out, source.view(-1))
-            else:
-                bucket.work = self.group.reduce_scatter_async(self.scatter_into[index], bucket.buffer)
+            else:  # in place: the chunk may be the rank's own part of the buffer
+                bucket.work = self.group.reduce_scatter_async(self.chunks[index], bucket.buffer)
         elif last:
             bucket.carrier[bucket.padded:] = self._local
             bucket.work = self.group.all_reduce_async(bucket.carrier)
@@ -222,14 +237,15 @@ class GradientReducer:
         self._armed = False
         for index, bucket in enumerate(self.buckets):
             bucket.work.wait()
-            if self.scatter_into is not None:  # the reduced chunk is in scatter_into
+            if self.chunks is not None:  # the reduced chunk is in self.chunks[index]
                 if index == len(self.buckets) - 1:
-                    chunk = self.scatter_into[index]
+                    chunk = self.chunks[index]
                     chunk.copy_(self._scatter_out[:chunk.numel()])
                     self._tally = self._scatter_out[chunk.numel():]
                     self._scatter_out = None
-                bucket.buffer, bucket.views = None, []
-                continue
+                if self.scatter_into is not None:
+                    bucket.buffer, bucket.views = None, []
+                continue  # in place: the gradients stay the views (global in the chunk only)
             if bucket.carrier is not None:
                 self._tally = bucket.carrier[bucket.padded:]
             for p, view in zip(bucket.params, bucket.views):
@@ -246,6 +262,7 @@ class GradientReducer:
     def disarm(self) -> None:
         """Forget a step that failed part-way; the next ``arm()`` starts clean."""
         self._armed = False
+        self._scatter_out = None
         if self.scatter_into is not None:
             for bucket in self.buckets:
                 bucket.buffer, bucket.views = None, []

@@ -13,7 +13,8 @@ Per rank and bucket the strategy holds:
   fp32 copy for bf16/fp16 parameters;
 - the optimizer state of its chunk: a torch optimizer of the task's class and param
   groups, over the master chunks (this is why the optimizer must be element-wise);
-- stage 1: the full gradient buffer (all-reduced as in stage 0, the rank reads its chunk);
+- stage 1: the full gradient buffer, reduce-scattered in place as backward produces it
+  (the rank's chunk of it holds the global gradient, the rest this rank's local one);
   stage 2: only the gradient chunk (the bucket is reduce-scattered as backward produces it
   and the full gradients are released).
 
@@ -141,7 +142,8 @@ class Sharded(BucketedGradients):
                                 for b, c in zip(self.buckets, self.chunks)]
         self.reducer = GradientReducer(self.params, group, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bytes,
                                        reduce_fp32=config.reduce_fp32, group_of=group_of, pad_to=self.world_size,
-                                       scatter_into=self.grad_chunks if stage == 2 else None)
+                                       scatter_into=self.grad_chunks if stage == 2 else None,
+                                       scatter_in_place=stage == 1)
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [m for m, gi in zip(self.masters, self.bucket_group) if gi == i]}
                   for i, g in enumerate(optimizer.param_groups)]
@@ -161,23 +163,18 @@ class Sharded(BucketedGradients):
         self._parameter_wait_s = 0.0
         self.reducer.zero_grad()
     def _grad_chunk(self, b: int) -> torch.Tensor:
-        if self.stage == 2:
-            return self.grad_chunks[b]
-        chunk = self.chunks[b]
-        return self.reducer.buckets[b].buffer[self.rank * chunk:(self.rank + 1) * chunk]
+        """Bucket ``b``'s reduced gradient chunk: stage 2's own tensor, or stage 1's part of
+        the full buffer (the rest of which holds this rank's local gradient)."""
+        return self.reducer.chunks[b]
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.stage == 1:  # every rank has the full reduced gradients: no communication
-            grads = [b.buffer for b in self.reducer.buckets]
-            total_sq = sum(g.float().pow(2).sum() for g in grads)
-        else:
-            grads = self.grad_chunks
-            total_sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum().reshape(1)
-            try:  # after the vote: a peer lost now fails the update here, not the step's vote
-                self.group.all_reduce(total_sq)
-            except Exception as exc:
-                raise self._collective_error("gradient norm all-reduce", exc) from None
-        total = torch.as_tensor(total_sq).sqrt().reshape(())
+        grads = self.reducer.chunks  # each rank holds the global gradient of its chunks only
+        total_sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum().reshape(1)
+        try:  # after the vote: a peer lost now fails the update here, not the step's vote
+            self.group.all_reduce(total_sq)
+        except Exception as exc:
+            raise self._collective_error("gradient norm all-reduce", exc) from None
+        total = total_sq.sqrt().reshape(())
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
         for g in grads:
             g.mul_(coef.to(g.dtype))

@@ -52,7 +52,7 @@ def test_workers_needed_is_the_fewest_that_fit(zero):
 def test_communication_per_step():
     n, psi = 4, 1e9
     assert MemoryPlan(psi, n, 0).comm_bytes_per_step() == pytest.approx(2 * 3 / 4 * 2 * psi)
-    assert MemoryPlan(psi, n, 1).comm_bytes_per_step() == pytest.approx((2 * 3 / 4 * 2 + 3 / 4 * 2) * psi)
+    assert MemoryPlan(psi, n, 1).comm_bytes_per_step() == pytest.approx(3 / 4 * 4 * psi)
     assert MemoryPlan(psi, n, 2).comm_bytes_per_step() == pytest.approx(3 / 4 * 4 * psi)
     assert MemoryPlan(psi, 1, 2).comm_bytes_per_step() == 0
 

@@ -61,6 +61,68 @@ def test_bucketed_gradients_equal_the_sum_over_ranks(bucket_bytes, grads_as_view
     assert results[0][0] == {1: 6, 100: 2, 10**6: 1}[bucket_bytes]
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+def test_reduce_scatter_gives_each_rank_its_chunk_of_the_sum_and_every_rank_the_vote(in_place):
+    """The ZeRO modes: stage 1 reduce-scatters into its own part of buffers that stay (the
+    gradients stay views into them), stage 2 into chunks of its own; in both each rank's
+    chunk is that chunk of the sum over the ranks, and the vote reaches every rank."""
+    torch.manual_seed(0)
+    initial = PartlyUsed().state_dict()
+    world = 3
+
+    def rank_fn(group):
+        model = PartlyUsed()
+        model.load_state_dict(initial)
+        params = list(model.parameters())
+        padded = [b.padded for b in make_buckets(params, 100, True, pad_to=world)]
+        chunks = None if in_place else [torch.full((n // world,), float("nan")) for n in padded]
+        reducer = GradientReducer(params, group, bucket_bytes=100, reduce_fp32=True, pad_to=world,
+                                  scatter_into=chunks, scatter_in_place=in_place)
+        reducer.zero_grad()
+        if group.rank == 1:
+            reducer.note_error()
+        reducer.arm()
+        model(torch.full((3, 6), float(group.rank + 1))).sum().backward()
+        tally = reducer.finish()
+        pairs = [(p, v) for b in reducer.buckets for p, v in zip(b.params, b.views)]
+        views = len(pairs) == len(params) and all(p.grad is not None and p.grad.data_ptr() == v.data_ptr()
+                                                  for p, v in pairs)
+        released = all(p.grad is None for p in params)
+        names = {id(p): n for n, p in model.named_parameters()}
+        layout = [([names[id(p)] for p in b.params], b.offsets, b.padded) for b in reducer.buckets]
+        buffers = [b.buffer.clone() for b in reducer.buckets] if in_place else None
+        return tally, [c.clone() for c in reducer.chunks], views, released, layout, buffers
+
+    results = run_ranks(world, rank_fn)
+    local = []  # per rank, its own gradients
+    for rank in range(world):
+        model = PartlyUsed()
+        model.load_state_dict(initial)
+        model(torch.full((3, 6), float(rank + 1))).sum().backward()
+        local.append({n: p.grad for n, p in model.named_parameters()})
+
+    def flat(grads, names, offsets, padded):
+        out = torch.zeros(padded)
+        for name, offset in zip(names, offsets):
+            if grads[name] is not None:  # "unused" has none: zeros
+                out[offset:offset + grads[name].numel()] = grads[name].reshape(-1)
+        return out
+
+    for rank, (tally, chunks, views, released, layout, buffers) in enumerate(results):
+        assert tally == [1.0, 0.0, 0.0]  # rank 1's error, known on every rank
+        assert (views, released) == ((True, False) if in_place else (False, True))
+        assert len(layout) == 2
+        for b, ((names, offsets, padded), chunk) in enumerate(zip(layout, chunks)):
+            total = sum(flat(grads, names, offsets, padded) for grads in local)
+            n = padded // world
+            mine = slice(rank * n, (rank + 1) * n)
+            torch.testing.assert_close(chunk, total[mine], rtol=1e-5, atol=1e-5)
+            if in_place:  # the chunk is the buffer's own part; the rest is not reduced
+                own = flat(local[rank], names, offsets, padded)
+                own[mine] = total[mine]
+                torch.testing.assert_close(buffers[b], own, rtol=1e-5, atol=1e-5)
+
+
 def test_the_first_bucket_closes_at_first_bucket_bytes_and_the_others_at_bucket_bytes():
     model = PartlyUsed()
     names = {id(p): n for n, p in model.named_parameters()}

@@ -395,14 +395,15 @@ def test_bf16_parameters_keep_fp32_master_weights_in_the_shard():
     torch.testing.assert_close(master_w.to(torch.bfloat16), final["0.weight"])
 
 
-def test_a_peer_lost_after_the_vote_fails_stage_2s_norm_all_reduce_in_the_result():
-    """Stage 2 all-reduces the gradient norm after the commit vote. A peer lost there (rank
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_peer_lost_after_the_vote_fails_the_norm_all_reduce_in_the_result(zero):
+    """Stages 1 and 2 all-reduce the gradient norm after the commit vote. A peer lost there (rank
     1 aborts its group instead of joining that all-reduce) fails rank 0's step as a
     CollectiveError in its result, not as an exception out of the step (which ended the
     worker's window and lost its reports of the steps committed before), and before its
     optimizer step: its chunk still holds step 1's state, which the recovery reads."""
     task = TINY_GPT_TASK  # clip_grad_norm=1.0
-    config = dataclasses.replace(task.defaults, zero=2)
+    config = dataclasses.replace(task.defaults, zero=zero)
     initial = _initial(task, config.seed)
     sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
 
