@@ -25,7 +25,8 @@ use one code path for every backend and device.
 gloo's reduce-scatter and all-gather are run as all-to-alls (``alltoall_base``): gloo's
 own reduce-scatter all-reduces a copy of the whole input, and its all-gather copies out of
 a buffer of its own; on two CPU ranks they took 2.5 and 1.6 times as long as the
-all-to-all does for the same bytes (docs/zero.md).
+all-to-all does for the same bytes (docs/zero.md). With two ranks the all-to-all sends
+nothing to the rank itself, so the chunk goes straight from the caller's tensor.
 """
 
 from __future__ import annotations
@@ -70,22 +71,23 @@ class _Staged:
 
 class _Summed:
     """gloo's reduce-scatter as an all-to-all: once every rank's chunk for this rank has
-    arrived (``received``, one row per rank), ``wait()`` sums them into ``output``."""
+    arrived (``rows``, one per rank in rank order; this rank's own may be its chunk of the
+    input, which was not sent), ``wait()`` sums them into ``output``."""
 
-    def __init__(self, work, received: torch.Tensor, output: torch.Tensor) -> None:
-        self.work, self.received, self.output = work, received, output
+    def __init__(self, work, rows: list[torch.Tensor], output: torch.Tensor) -> None:
+        self.work, self.rows, self.output = work, rows, output
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         _wait(self.work, timeout)
-        if self.received is not None:  # a second wait() has nothing left to do
-            rows, output = self.received, self.output
-            total = output if output.device == rows.device else torch.empty(output.shape, dtype=rows.dtype)
+        if self.rows is not None:  # a second wait() has nothing left to do
+            rows, output = self.rows, self.output
+            total = output if output.device == rows[0].device else torch.empty(output.shape, dtype=rows[0].dtype)
             torch.add(rows[0], rows[1], out=total.view(-1))  # a world of 1 makes no work
             for row in rows[2:]:
                 total.view(-1).add_(row)
             if total is not output:
                 output.copy_(total)
-            self.received = None
+            self.rows = None
         return True
 
 
@@ -225,7 +227,9 @@ class CollectiveGroup:
 
         On gloo it is an all-to-all (rank j is sent chunk j) whose ``wait()`` sums the
         chunks received, in rank order: gloo's own reduce-scatter all-reduces a copy of the
-        whole input, twice the bytes and 2.5 times the time (docs/zero.md).
+        whole input, twice the bytes and 2.5 times the time (docs/zero.md). With two ranks
+        only the other rank's chunk is sent, straight from ``input``, and this rank's own
+        chunk is added where it is, not copied to itself first.
         """
         pg = self._require()
         if pg is None:
@@ -233,10 +237,19 @@ class CollectiveGroup:
                 output.copy_(input)
             return _Done()
         if self.backend == "gloo":
-            source = _host(input) if self._staging(input) else input
-            received = torch.empty((self.world_size, output.numel()), dtype=source.dtype)
-            work = pg.alltoall_base(received.view(-1), source.reshape(-1), [], [], dist.AllToAllOptions())
-            return _Summed(work, received, output)
+            source = (_host(input) if self._staging(input) else input).reshape(-1)
+            n = output.numel()
+            if self.world_size == 2:  # the other rank's chunk is sent as it is; this rank's stays
+                other = 1 - self.rank
+                received = torch.empty(n, dtype=source.dtype)
+                sizes = [n, 0] if other == 0 else [0, n]
+                work = pg.alltoall_base(received, source[other * n:(other + 1) * n], sizes, sizes,
+                                        dist.AllToAllOptions())
+                own = source[self.rank * n:(self.rank + 1) * n]
+                return _Summed(work, [received, own] if other == 0 else [own, received], output)
+            received = torch.empty((self.world_size, n), dtype=source.dtype)
+            work = pg.alltoall_base(received.view(-1), source, [], [], dist.AllToAllOptions())
+            return _Summed(work, list(received), output)
         return pg._reduce_scatter_base(output, input)
 
     def all_gather_async(self, output: torch.Tensor, input: torch.Tensor):
@@ -246,7 +259,9 @@ class CollectiveGroup:
 
         On gloo it is an all-to-all that sends every rank a copy of ``input`` and receives
         straight into ``output``: gloo's own all-gather receives into a buffer of its own
-        and copies out of it, which takes 1.6 times as long (docs/zero.md).
+        and copies out of it, which takes 1.6 times as long (docs/zero.md). With two ranks
+        nothing is copied: ``input`` itself is sent to the other rank, whose chunk is
+        received in place (an all-to-all with nothing for itself).
         """
         pg = self._require()
         if pg is None:
@@ -254,7 +269,18 @@ class CollectiveGroup:
                 output.copy_(input)
             return _Done()
         if self.backend == "gloo":
-            send = torch.empty((self.world_size, input.numel()), dtype=input.dtype)
+            n = input.numel()
+            if self.world_size == 2:  # the chunk is sent as it is, and the other's received in place
+                other, flat = 1 - self.rank, output.view(-1)
+                mine, theirs = flat[self.rank * n:(self.rank + 1) * n], flat[other * n:(other + 1) * n]
+                if mine.data_ptr() != input.data_ptr():
+                    mine.copy_(input.reshape(-1))
+                send = _host(input) if self._staging(input) else input
+                target = torch.empty(n, dtype=output.dtype) if self._staging(output) else theirs
+                sizes = [n, 0] if other == 0 else [0, n]
+                work = pg.alltoall_base(target, send.reshape(-1), sizes, sizes, dist.AllToAllOptions())
+                return _Staged(work, [(theirs, target)] if target is not theirs else [], keep=send)
+            send = torch.empty((self.world_size, n), dtype=input.dtype)
             send.copy_(input.reshape(1, -1).expand(self.world_size, -1))  # from the GPU too, if there
             target = torch.empty(output.shape, dtype=output.dtype) if self._staging(output) else output
             work = pg.alltoall_base(target.view(-1), send.view(-1), [], [], dist.AllToAllOptions())
