@@ -252,19 +252,10 @@ class CollectiveGroup:
             return _Summed(work, list(received), output)
         return pg._reduce_scatter_base(output, input)
 
-    @property
-    def gathers_in_parts(self) -> bool:
-        """gloo with two ranks: an all-gather writes only the other rank's chunk of its
-        output, and can move a part of the chunk (``all_gather_async``'s ``part``) with no
-        copy. Elsewhere the output's every chunk may be written, and a part would need one."""
-        return self.backend == "gloo" and self.world_size == 2
-
-    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor, part: tuple[int, int] | None = None):
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor):
         """Start an all-gather: ``output`` gets every rank's ``input``, in rank order.
 
-        ``input`` may be this rank's own chunk of ``output`` (gathering in place). With
-        ``part = (lo, hi)`` (only where ``gathers_in_parts``), only elements ``lo:hi`` of
-        each rank's chunk are gathered.
+        ``input`` may be this rank's own chunk of ``output`` (gathering in place).
 
         On gloo it is an all-to-all that sends every rank a copy of ``input`` and receives
         straight into ``output``: gloo's own all-gather receives into a buffer of its own
@@ -273,9 +264,6 @@ class CollectiveGroup:
         received in place (an all-to-all with nothing for itself).
         """
         pg = self._require()
-        if part is not None and not self.gathers_in_parts:
-            raise ValueError(f"an all-gather of part of a chunk needs gloo with two ranks, not {self.backend} "
-                             f"with {self.world_size}")
         if pg is None:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
@@ -287,9 +275,6 @@ class CollectiveGroup:
                 mine, theirs = flat[self.rank * n:(self.rank + 1) * n], flat[other * n:(other + 1) * n]
                 if mine.data_ptr() != input.data_ptr():
                     mine.copy_(input.reshape(-1))
-                if part is not None:
-                    lo, hi = part
-                    input, theirs, n = mine[lo:hi], theirs[lo:hi], hi - lo
                 send = _host(input) if self._staging(input) else input
                 target = torch.empty(n, dtype=output.dtype) if self._staging(output) else theirs
                 sizes = [n, 0] if other == 0 else [0, n]

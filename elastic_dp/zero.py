@@ -85,7 +85,7 @@ class Sharded(BucketedGradients):
         self.base_groups = optimizer.param_groups
         self.generation: int | None = None  # of the layout below; None: not built yet
         self.snapshots = PeerSnapshots()
-        self._gathers: dict[tuple[int, int], Any] = {}  # (bucket, part) -> its all-gather, in flight
+        self._gathers: dict[int, Any] = {}  # bucket -> its parameter all-gather, in flight
         self.defer_gather: bool | None = None
         """Whether a step leaves its all-gather to the next forward (None: not learnt yet)."""
         self._seen: set[int] = set()  # parameters whose module ran forward (while learning)
@@ -94,29 +94,6 @@ class Sharded(BucketedGradients):
             ids = [id(p) for p in module.parameters(recurse=False)]
             if ids:
                 module.register_forward_pre_hook(lambda _module, _args, ids=ids: self._before_forward(ids))
-
-    def _gather_waits(self) -> dict[int, list[tuple[int, int]]]:
-        """Per parameter, the all-gathers (bucket, part) its forward waits for, and the
-        parts of each bucket's chunk: ``self.parts[b]``, in the order they are sent.
-
-        Where the group gathers in parts (gloo with two ranks: only the other rank's chunk
-        is written), each chunk goes in two parts, its end first: parameters are packed
-        last first, so the forward needs the end of a chunk first, and it waits for half of
-        the all-gather rather than all of it before it starts. A parameter waits only for
-        the parts of the other rank's chunk that it overlaps (its own chunk is updated
-        where it is). Elsewhere each bucket is one all-gather, which every parameter in it
-        waits for."""
-        in_parts = self.group.gathers_in_parts
-        self.parts = [[(c // 2, c), (0, c // 2)] if in_parts and c > 1 else [(0, c)] for c in self.chunks]
-        waits: dict[int, list[tuple[int, int]]] = {}
-        for b, (bucket, c) in enumerate(zip(self.buckets, self.chunks)):
-            for p, offset in zip(bucket.params, bucket.offsets):
-                if not in_parts:
-                    waits[id(p)] = [(b, 0)]
-                    continue
-                lo, hi = offset - (1 - self.rank) * c, offset + p.numel() - (1 - self.rank) * c  # in the other's
-                waits[id(p)] = [(b, k) for k, (start, end) in enumerate(self.parts[b]) if lo < end and start < hi]
-        return waits
 
     def _current(self) -> None:
         """Re-cut the layout for the group's generation, if it changed."""
@@ -137,7 +114,7 @@ class Sharded(BucketedGradients):
         self.chunks = [b.padded // self.world_size for b in self.buckets]
         self.numels = [b.numel for b in self.buckets]
         self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
-        self._waits_for = self._gather_waits()
+        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         order = {id(p): i for i, p in enumerate(self.params)}
         self.forward_order = sorted(range(len(self.buckets)),  # the first used first
                                     key=lambda b: min(order[id(p)] for p in self.buckets[b].params))
@@ -256,17 +233,13 @@ class Sharded(BucketedGradients):
         return self.param_buffers[b][self.rank * chunk:(self.rank + 1) * chunk]
 
     def _start_gather(self, b: int) -> None:
-        """Start the all-gather of bucket ``b``'s parameters from this rank's chunk (in
-        parts, where the group gathers in parts: ``_gather_waits``)."""
-        parts = self.parts[b]
-        for k, part in enumerate(parts):
-            self._gathers[(b, k)] = self.group.all_gather_async(self.param_buffers[b], self._own_params(b),
-                                                                part=part if len(parts) > 1 else None)
+        """Start the all-gather of bucket ``b``'s parameters from this rank's chunk."""
+        self._gathers[b] = self.group.all_gather_async(self.param_buffers[b], self._own_params(b))
 
-    def _wait_gathers(self, keys=None) -> None:
-        """Wait for the all-gathers ``keys`` ((bucket, part); default: all) still in flight."""
-        for key in list(self._gathers) if keys is None else keys:
-            work = self._gathers.pop(key, None)
+    def _wait_gathers(self, buckets=None) -> None:
+        """Wait for the all-gathers of ``buckets`` (default: all) still in flight."""
+        for b in list(self._gathers) if buckets is None else buckets:
+            work = self._gathers.pop(b, None)
             if work is not None:
                 try:
                     work.wait()
@@ -287,7 +260,7 @@ class Sharded(BucketedGradients):
             self._seen.update(ids)
         if self._gathers:
             start = time.perf_counter()
-            self._wait_gathers({key for i in ids for key in self._waits_for.get(i, ())})
+            self._wait_gathers({self.bucket_of[i] for i in ids if i in self.bucket_of})
             self._parameter_wait_s += time.perf_counter() - start
 
     def take_parameter_wait_s(self) -> float:

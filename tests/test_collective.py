@@ -115,34 +115,3 @@ def test_reduce_scatter_and_all_gather_equal_plain_sums_and_concatenations(world
         assert torch.equal(in_place, total[r * n:(r + 1) * n])
         assert torch.equal(gathered, torch.cat([x[:n] for x in inputs]))
         assert torch.equal(own, torch.cat([x[n:2 * n] for x in inputs]))
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_an_all_gather_in_parts_fills_only_that_part_of_the_other_chunks(world):
-    """With two gloo ranks a part of each chunk can be gathered on its own, in place, and
-    nothing else of the output is written; with three ranks asking for it is refused."""
-    n = 101
-
-    def rank_fn(group):
-        r = group.rank
-        output = torch.full((world * n,), float("nan"))
-        output[r * n:(r + 1) * n] = torch.arange(n, dtype=torch.float32) + 1000 * r
-        if not group.gathers_in_parts:
-            with pytest.raises(ValueError, match="two ranks"):
-                group.all_gather_async(output, output[r * n:(r + 1) * n], part=(50, n))
-            return None
-        group.all_gather_async(output, output[r * n:(r + 1) * n], part=(50, n)).wait()
-        after_first = output.clone()
-        group.all_gather_async(output, output[r * n:(r + 1) * n], part=(0, 50)).wait()
-        return after_first, output
-
-    results = run_ranks(world, rank_fn)
-    if world == 3:
-        assert results == [None] * 3
-        return
-    chunks = [torch.arange(n, dtype=torch.float32) + 1000 * j for j in range(2)]
-    for r, (after_first, output) in enumerate(results):
-        other = 1 - r
-        assert torch.equal(after_first[other * n + 50:(other + 1) * n], chunks[other][50:])
-        assert torch.isnan(after_first[other * n:other * n + 50]).all()  # not yet gathered
-        assert torch.equal(output, torch.cat(chunks))
