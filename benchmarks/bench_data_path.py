@@ -9,8 +9,9 @@ alternating rounds (the order reversed every other round; round 0 is warm-up).
 
 The peer is torch DDP, set up as bench_sync's (``bucket_cap_mb`` the job's 25 MiB, which
 in DDP also turns its 1 MiB first bucket off: one all-reduce for the GPT), or with ``--peer replica`` a second
-``Replica`` whose first bucket closes at ``--peer-first-bucket-mb``: an A/B of the bucket
-layout. Both run in the same processes, so they share the allocator: each process sets
+``Replica`` whose first bucket closes at ``--peer-first-bucket-mb``, or whose ZeRO stage
+is ``--peer-zero``: an A/B of the bucket layout, or of a sharded stage against stage 0
+(``--zero 1 --peer replica --peer-zero 0``). Both run in the same processes, so they share the allocator: each process sets
 it as a worker does (elastic_dp.malloc) unless ``--default-malloc``.
 
 Reported: each one's median step time (the slower rank's, per round), the median of the
@@ -62,19 +63,19 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     if not args.default_malloc:
         keep_freed_memory()
 
-    def replica(generation: int, first_bucket_mb: float | None) -> Replica:
-        config = dataclasses.replace(TASK.defaults, steps=10**9, zero=args.zero, first_bucket_mb=first_bucket_mb)
+    def replica(generation: int, first_bucket_mb: float | None, zero: int) -> Replica:
+        config = dataclasses.replace(TASK.defaults, steps=10**9, zero=zero, first_bucket_mb=first_bucket_mb)
         group = CollectiveGroup(backend="gloo", timeout_s=120)
         group.configure("127.0.0.1", port, generation=generation, rank=rank, world_size=world)
         made = Replica(TASK, config, torch.device("cpu"), group)
         made.broadcast_state(0)
         return made
 
-    ours = replica(1, args.first_bucket_mb)
+    ours = replica(1, args.first_bucket_mb, args.zero)
     if args.peer == "ddp":
         ddp = DDPWorker("127.0.0.1", port, rank, world, keep_memory=not args.default_malloc)
     else:
-        peer = replica(2, args.peer_first_bucket_mb)
+        peer = replica(2, args.peer_first_bucket_mb, args.zero if args.peer_zero is None else args.peer_zero)
     sampler = ElasticSampler(len(ours.dataset), global_batch=TASK.defaults.global_batch, seed=TASK.defaults.seed)
 
     def train(which: str, start: int) -> None:
@@ -114,6 +115,8 @@ def main() -> None:
                         help="elastic_dp's first bucket (default: its own, elastic_dp.config)")
     parser.add_argument("--peer", choices=["ddp", "replica"], default="ddp")
     parser.add_argument("--peer-first-bucket-mb", type=float, default=None, help="with --peer replica")
+    parser.add_argument("--peer-zero", type=int, default=None, choices=[0, 1, 2],
+                        help="with --peer replica: its ZeRO stage (default: --zero's)")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc at its defaults in both (the workers set it)")
     args = parser.parse_args()
