@@ -48,10 +48,11 @@ def test_one_worker_on_an_nccl_group_ends_where_the_gpu_replay_ends(ray_cluster,
     assert summary.steps == 6
 
 
-def test_two_workers_share_one_gpu_through_gloo_and_survive_a_kill(ray_cluster, tmp_path):
+@pytest.mark.parametrize("zero", [1, 2])
+def test_two_workers_share_one_gpu_through_gloo_and_survive_a_kill(ray_cluster, tmp_path, zero):
     cluster = ClusterConfig(workers=2, min_workers=1, device="cuda", gpus_per_worker=0.5)
     assert cluster.backend_for("cuda") == "gloo"
-    summary, diff = _run(tmp_path, cluster, inject=["kill:step=3:rank=1"], zero=2)
+    summary, diff = _run(tmp_path, cluster, inject=["kill:step=3:rank=1"], zero=zero)
     assert diff < TOL
     assert summary.steps == 6
 
@@ -105,8 +106,9 @@ def test_async_with_parameter_servers_on_the_gpu_ends_where_the_gpu_replay_ends(
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL group of 2 ranks needs 2 GPUs")
-def test_a_kill_on_a_two_gpu_nccl_group_reforms_in_place(ray_cluster, tmp_path):
+@pytest.mark.parametrize("zero", [0, 1, 2])  # stage 1 reduce-scatters in place on NCCL
+def test_a_kill_on_a_two_gpu_nccl_group_reforms_in_place(ray_cluster, tmp_path, zero):
     cluster = ClusterConfig(workers=2, min_workers=1, device="cuda")
-    summary, diff = _run(tmp_path, cluster, inject=["kill:step=2:rank=1:phase=allreduce"])
+    summary, diff = _run(tmp_path, cluster, inject=["kill:step=2:rank=1:phase=allreduce"], zero=zero)
     assert diff < TOL
     assert summary.steps == 6
