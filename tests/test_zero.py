@@ -511,10 +511,11 @@ def test_unknown_stage_is_refused(stage):
         TrainConfig(zero=stage)
 
 
-def test_gloo_with_cuda_tensors_stages_every_call_through_host_copies(monkeypatch):
+@pytest.mark.parametrize("zero", [1, 2])
+def test_gloo_with_cuda_tensors_stages_every_call_through_host_copies(monkeypatch, zero):
     """Workers that share a GPU talk through gloo, which takes CUDA tensors only by way of
     host copies (collective._Staged). No GPU here: every tensor is taken for one, so each
-    all-reduce, reduce-scatter, all-gather, broadcast and snapshot exchange of a ZeRO-2 run
+    all-reduce, reduce-scatter, all-gather, broadcast and snapshot exchange of a ZeRO run
     goes through the copies and their copy back; it must still end on stage 0's parameters."""
     from elastic_dp import collective
 
@@ -527,7 +528,7 @@ def test_gloo_with_cuda_tensors_stages_every_call_through_host_copies(monkeypatc
     monkeypatch.setattr(collective.CollectiveGroup, "_staging", staging)
     config = dataclasses.replace(MLP_TASK.defaults, steps=5, bucket_mb=0.0001)
     initial = _initial(MLP_TASK, config.seed)
-    sharded, _, _ = _train(MLP_TASK, dataclasses.replace(config, zero=2), 2, range(5), initial)
+    sharded, _, _ = _train(MLP_TASK, dataclasses.replace(config, zero=zero), 2, range(5), initial)
     assert staged
     monkeypatch.undo()
     reference, _, _ = _train(MLP_TASK, config, 2, range(5), initial)
