@@ -1,14 +1,11 @@
 """ZeRO stages 1 and 2 on gloo ranks run as threads (no Ray): the same parameters as stage 0
-and as a plain PyTorch replay, world-size-independent resharding and checkpoints, peer
-snapshots, and the optimizers it refuses."""
+and as a plain PyTorch replay, checkpoints at other world sizes, the parameter all-gather
+left to the next forward, and the optimizers it refuses. Resharding and peer snapshots:
+tests/test_zero_snapshots.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
@@ -18,57 +15,11 @@ from torch import nn
 from elastic_dp import ConfigError, ElasticSampler, Task, TrainConfig
 from elastic_dp.checkpoint import merge_shards
 from elastic_dp.data import split
-from elastic_dp import shm
 from elastic_dp.errors import CollectiveError
 from elastic_dp.worker import Replica
 from tests.ranks import run_ranks
 from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression, mlp
-
-CPU = torch.device("cpu")
-
-
-def _initial(task: Task, seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)  # built once: the ranks are threads sharing torch's RNG
-    return {k: v.clone() for k, v in task.model().state_dict().items()}
-
-
-def _train(task: Task, config: TrainConfig, world: int, steps: range, initial, *, start=None):
-    """Run ``steps`` on ``world`` thread ranks from ``initial`` weights (or a whole
-    TrainingState ``start``); return rank 0's final weights and every rank's training state."""
-    dataset_len = len(task.dataset())
-    sampler = ElasticSampler(dataset_len, global_batch=config.global_batch, seed=config.seed)
-
-    def rank_fn(group):
-        replica = Replica(task, config, CPU, group)
-        if start is not None:
-            replica.load_state(start)
-        else:
-            replica.model.load_state_dict(initial)
-            replica.broadcast_state(0)
-        for step in steps:
-            result = replica.step(step, split(sampler.batch(step), group.world_size)[group.rank])
-            assert result.committed, result.error
-        state = replica.training_state(steps.stop, {"seed": config.seed})
-        return replica.model_state(), state, replica
-
-    results = run_ranks(world, rank_fn)
-    return results[0][0], [r[1] for r in results], [r[2] for r in results]
-
-
-@pytest.fixture(params=["shared", "sent"])
-def transport(request, monkeypatch):
-    """Peer snapshots in shared memory (the thread ranks share a host), or sent over the group."""
-    monkeypatch.setenv(shm.ENV, "1" if request.param == "shared" else "0")
-    return request.param
-
-
-def _segments() -> list[str]:
-    """This process's snapshot segments still named in /dev/shm."""
-    return [n for n in os.listdir(shm.DIRECTORY) if n.startswith(f"{shm.PREFIX}{os.getpid()}-")]
-
-
-def _max_diff(a, b) -> float:
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+from tests.zero_runs import CPU, initial_weights, max_diff, train
 
 
 @pytest.mark.parametrize("task", [MLP_TASK, TINY_GPT_TASK], ids=["sgd-two-groups", "adamw-gpt"])
@@ -76,12 +27,12 @@ def _max_diff(a, b) -> float:
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_stages_reach_the_parameters_of_stage_0(task, zero, world):
     config = dataclasses.replace(task.defaults, steps=6, bucket_mb=0.0001)  # several buckets
-    initial = _initial(task, config.seed)
-    reference, _, _ = _train(task, config, world, range(6), initial)
-    sharded, _, replicas = _train(task, dataclasses.replace(config, zero=zero), world, range(6), initial)
+    initial = initial_weights(task, config.seed)
+    reference, _, _ = train(task, config, world, range(6), initial)
+    sharded, _, replicas = train(task, dataclasses.replace(config, zero=zero), world, range(6), initial)
     assert len(replicas[0].strategy.buckets) > 2
     assert all(r.strategy.defer_gather for r in replicas)  # each gather waited for in the next forward
-    assert _max_diff(sharded, reference) < 2e-5
+    assert max_diff(sharded, reference) < 2e-5
 
 
 class _HeadOutsideForward(nn.Module):
@@ -106,11 +57,11 @@ def test_parameters_read_outside_their_modules_forward_are_gathered_at_the_end_o
     task = dataclasses.replace(MLP_TASK, model=_HeadOutsideForward, loss=_head_outside_loss,
                                optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
     config = dataclasses.replace(task.defaults, steps=5, bucket_mb=0.0001)
-    initial = _initial(task, config.seed)
-    reference, _, _ = _train(task, config, 2, range(5), initial)
-    sharded, _, replicas = _train(task, dataclasses.replace(config, zero=zero), 2, range(5), initial)
+    initial = initial_weights(task, config.seed)
+    reference, _, _ = train(task, config, 2, range(5), initial)
+    sharded, _, replicas = train(task, dataclasses.replace(config, zero=zero), 2, range(5), initial)
     assert [r.strategy.defer_gather for r in replicas] == [False, False]
-    assert _max_diff(sharded, reference) < 2e-5
+    assert max_diff(sharded, reference) < 2e-5
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -120,9 +71,9 @@ def test_bf16_autocast_under_zero_tracks_stage_0(zero):
     as test_sync_equivalence does for bf16, compare whole updates: within 5% (L2) of stage
     0's update (measured 0.3%; a mis-scaled or stale shard is off by 50% or more)."""
     config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=4, precision="bf16")
-    initial = _initial(TINY_GPT_TASK, config.seed)
-    reference, _, _ = _train(TINY_GPT_TASK, config, 2, range(4), initial)
-    sharded, _, _ = _train(TINY_GPT_TASK, dataclasses.replace(config, zero=zero), 2, range(4), initial)
+    initial = initial_weights(TINY_GPT_TASK, config.seed)
+    reference, _, _ = train(TINY_GPT_TASK, config, 2, range(4), initial)
+    sharded, _, _ = train(TINY_GPT_TASK, dataclasses.replace(config, zero=zero), 2, range(4), initial)
 
     def flat(state):
         return torch.cat([state[k].float().flatten() for k in sorted(state)])
@@ -133,9 +84,9 @@ def test_bf16_autocast_under_zero_tracks_stage_0(zero):
 
 def test_stage_2_keeps_only_gradient_chunks_and_stage_1_keeps_full_gradients():
     config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=1)
-    initial = _initial(TINY_GPT_TASK, config.seed)
+    initial = initial_weights(TINY_GPT_TASK, config.seed)
     for zero, world in ((1, 3), (2, 3)):
-        _, _, replicas = _train(TINY_GPT_TASK, dataclasses.replace(config, zero=zero), world, range(1), initial)
+        _, _, replicas = train(TINY_GPT_TASK, dataclasses.replace(config, zero=zero), world, range(1), initial)
         for replica in replicas:
             numel = sum(p.numel() for p in replica.model.parameters())
             strategy = replica.strategy
@@ -152,185 +103,18 @@ def test_stage_2_keeps_only_gradient_chunks_and_stage_1_keeps_full_gradients():
 
 def test_a_checkpoint_saved_at_3_workers_resumes_at_2_and_at_4():
     task, config = TINY_GPT_TASK, dataclasses.replace(TINY_GPT_TASK.defaults, zero=2, bucket_mb=0.002)
-    initial = _initial(task, config.seed)
-    uninterrupted, _, _ = _train(task, dataclasses.replace(config, zero=0), 1, range(6), initial)
-    _, parts, _ = _train(task, config, 3, range(3), initial)
+    initial = initial_weights(task, config.seed)
+    uninterrupted, _, _ = train(task, dataclasses.replace(config, zero=0), 1, range(6), initial)
+    _, parts, _ = train(task, config, 3, range(3), initial)
     saved = merge_shards(parts)
     assert saved.step == 3 and saved.model
     assert {k.rpartition("/")[2] for k in saved.optimizer_tensors} == {"exp_avg", "exp_avg_sq", "step"}
     for world in (2, 4):
-        resumed, _, _ = _train(task, config, world, range(3, 6), None, start=saved)
-        assert _max_diff(resumed, uninterrupted) < 2e-5, world
-    stage0, _, _ = _train(task, dataclasses.replace(config, zero=0), 2, range(3, 6), None, start=saved)
-    assert _max_diff(stage0, uninterrupted) < 2e-5
+        resumed, _, _ = train(task, config, world, range(3, 6), None, start=saved)
+        assert max_diff(resumed, uninterrupted) < 2e-5, world
+    stage0, _, _ = train(task, dataclasses.replace(config, zero=0), 2, range(3, 6), None, start=saved)
+    assert max_diff(stage0, uninterrupted) < 2e-5
 
-
-def test_resharding_from_live_chunks_and_snapshots_continues_the_same_trajectory(transport):
-    """3 ranks train 3 steps; 2 new ranks continue from the old chunks, one of which comes
-    from its right neighbour's peer snapshot instead of its (lost) owner."""
-    task = TINY_GPT_TASK
-    config = dataclasses.replace(task.defaults, zero=1, bucket_mb=0.002)
-    initial = _initial(task, config.seed)
-    uninterrupted, _, _ = _train(task, dataclasses.replace(config, zero=0), 1, range(6), initial)
-    _, _, old = _train(task, config, 3, range(3), initial)
-    assert [{k: v for k, v in r.strategy.holdings().items() if "bytes" not in k} for r in old] == [
-        {"rank": r, "live": 3, "own": [2, 3], "peer": [2, 3]} for r in range(3)]
-    # a snapshot holds the chunk's fp32 master and AdamW's two moments (and step counts);
-    # the master is not sent: the neighbour copies it out of its gathered parameters; in
-    # shared memory nothing is sent, and the left neighbour's snapshots are not held twice
-    numel = sum(p.numel() for p in old[0].model.parameters())
-    assert 12 * numel / 3 <= old[0].strategy.holdings()["snapshot_bytes"] <= 12 * numel / 3 + 16 * 64
-    sent = old[0].strategy.holdings()["snapshot_sent_bytes"]
-    held = old[0].strategy.state_bytes()["snapshots"]
-    if transport == "shared":
-        assert sent == 0 and held == 2 * old[0].strategy.holdings()["snapshot_bytes"]
-        assert old[0].strategy.snapshots.into is not None and not _segments()  # mapped, names removed
-    else:
-        assert 8 * numel / 3 <= sent <= 8 * numel / 3 + 16 * 64
-        assert held == 4 * old[0].strategy.holdings()["snapshot_bytes"]
-    # state step 2's masters were copied in the next update, before its all-gather; step 3's by holdings()
-    for r in range(3):
-        for step in (2, 3):
-            own, peer = old[(r - 1) % 3].strategy.export("own", step), old[r].strategy.export("peer", step)
-            assert all(torch.equal(x, y) for x, y in zip(own.master, peer.master)), (r, step)
-            assert all(torch.equal(x, y) for k in own.state for x, y in zip(own.state[k], peer.state[k]))
-    # rank 1 is lost: its chunk comes from rank 2's peer snapshot (in shared memory, it
-    # outlives rank 1's references to it)
-    lost = old.pop(1)
-    lost.strategy.snapshots.configure(lost.group, 0)
-    del lost
-    old.insert(1, None)
-    chunks = [old[0].strategy.export("live", 3), old[2].strategy.export("peer", 3), old[2].strategy.export("own", 3)]
-    sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
-
-    def rank_fn(group):
-        replica = Replica(task, config, CPU, group)
-        replica.strategy.load_shards(lambda i: chunks[i], 3, 3)
-        for step in range(3, 6):
-            assert replica.step(step, split(sampler.batch(step), 2)[group.rank]).committed
-        return replica.model_state()
-
-    final = run_ranks(2, rank_fn)[0]
-    assert _max_diff(final, uninterrupted) < 2e-5
-
-
-def test_snapshots_every_k_steps_roll_back_to_a_consistent_step(transport):
-    task = MLP_TASK
-    config = dataclasses.replace(task.defaults, zero=2, snapshot_every=4)
-    _, _, replicas = _train(task, config, 2, range(6), _initial(task, config.seed))
-    assert [r.strategy.holdings()["own"] for r in replicas] == [[0, 4], [0, 4]]
-    assert [r.strategy.holdings()["peer"] for r in replicas] == [[0, 4], [0, 4]]
-    # the peer snapshot of rank 0 on rank 1 equals rank 0's own snapshot
-    a, b = replicas[0].strategy.export("own", 4), replicas[1].strategy.export("peer", 4)
-    assert all(torch.equal(x, y) for x, y in zip(a.master, b.master))
-    assert all(torch.equal(x, y) for k in a.state for x, y in zip(a.state[k], b.state[k]))
-
-
-def test_a_peer_snapshot_whose_all_gather_failed_is_not_held(monkeypatch):
-    """fp32 masters are not sent with a snapshot: the receiver copies them out of its
-    gathered parameters. When that all-gather fails (a peer lost), the snapshot of its
-    step is dropped, and the one before it is the newest held."""
-    monkeypatch.setenv(shm.ENV, "0")  # sent over the group, as to a neighbour on another host
-    task = MLP_TASK
-    config = dataclasses.replace(task.defaults, zero=2)
-    _, _, replicas = _train(task, config, 2, range(3), _initial(task, config.seed))
-
-    class Failed:
-        def wait(self):
-            raise RuntimeError("Connection closed by peer")
-
-    strategy = replicas[1].strategy
-    assert strategy.snapshots.pending is not None and strategy.snapshots.pending.masters_pending  # step 3's, in flight
-    strategy._gathers = {0: Failed()}
-    assert strategy.holdings()["peer"] == [2]  # step 3's dropped
-    assert replicas[0].strategy.holdings()["peer"] == [2, 3]
-
-
-def _equal_chunks(a, b) -> bool:
-    return (all(torch.equal(x, y) for x, y in zip(a.master, b.master)) and a.state.keys() == b.state.keys()
-            and all(torch.equal(x, y) for k in a.state for x, y in zip(a.state[k], b.state[k])))
-
-
-def test_a_snapshot_torn_in_shared_memory_is_not_held(monkeypatch):
-    """An owner killed while it writes a snapshot into shared memory leaves that slot
-    marked empty: its neighbour holds the step before, equal to the owner's live chunk."""
-    monkeypatch.setenv(shm.ENV, "1")
-    task = TINY_GPT_TASK
-    config = dataclasses.replace(task.defaults, zero=2, bucket_mb=0.002)
-    _, _, replicas = _train(task, config, 2, range(3), _initial(task, config.seed))
-    owner, neighbour = replicas[0].strategy, replicas[1].strategy
-    assert neighbour.holdings()["peer"] == [2, 3] and owner.snapshots.out is not None
-
-    def killed(slot):
-        slot[: slot.numel() // 2].fill_(float("nan"))
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        owner.snapshots.out.write(4, killed)  # over step 2's slot
-    assert neighbour.holdings()["peer"] == [3]
-    assert _equal_chunks(neighbour.export("peer", 3), owner.export("live", 3))
-
-
-def test_a_reset_chunk_is_not_mixed_with_older_snapshots_in_shared_memory(monkeypatch):
-    """Starting the chunk again (from the parameters, or a checkpoint) in the same
-    generation leaves no snapshot of the old trajectory held by the neighbour."""
-    monkeypatch.setenv(shm.ENV, "1")
-    task = MLP_TASK
-    config = dataclasses.replace(task.defaults, zero=2)
-    _, _, replicas = _train(task, config, 2, range(3), _initial(task, config.seed))
-    assert [r.strategy.holdings()["peer"] for r in replicas] == [[2, 3], [2, 3]]
-    for r in replicas:
-        r.strategy.reset_from_params(step=1)
-    assert [r.strategy.holdings()["peer"] for r in replicas] == [[1], [1]]
-    assert [r.strategy.holdings()["own"] for r in replicas] == [[1], [1]]
-
-
-def test_a_neighbour_without_shared_memory_is_sent_the_snapshot(monkeypatch):
-    """One rank of three cannot create its segment (a full /dev/shm): its snapshots go to
-    its right neighbour over the group; the other two pairs share memory."""
-    monkeypatch.setenv(shm.ENV, "1")
-    real, lock, calls = shm.Segment.create, threading.Lock(), []
-
-    def create(numel):
-        with lock:
-            calls.append(threading.current_thread().name)
-            first = len(calls) == 1
-        return None if first else real(numel)
-
-    monkeypatch.setattr(shm.Segment, "create", create)
-    task = TINY_GPT_TASK
-    config = dataclasses.replace(task.defaults, zero=1, bucket_mb=0.002)
-    _, _, replicas = _train(task, config, 3, range(3), _initial(task, config.seed))
-    sent = [r.strategy.holdings()["snapshot_sent_bytes"] for r in replicas]
-    assert sorted(s > 0 for s in sent) == [False, False, True], sent
-    x = sent.index(max(sent))
-    assert replicas[x].strategy.snapshots.out is None and replicas[(x + 1) % 3].strategy.snapshots.into is None
-    for r in range(3):
-        assert replicas[r].strategy.holdings()["peer"] == [2, 3]
-        left = replicas[(r - 1) % 3].strategy
-        assert _equal_chunks(replicas[r].strategy.export("peer", 3), left.export("live", 3)), r
-        assert _equal_chunks(replicas[r].strategy.export("peer", 2), left.export("own", 2)), r
-
-
-def test_a_segment_named_by_a_dead_process_is_removed_and_a_stranger_is_not_mapped(tmp_path):
-    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                             text=True, check=True).stdout)
-    stale = os.path.join(shm.DIRECTORY, f"{shm.PREFIX}{pid}-feedface")
-    ours = os.path.join(shm.DIRECTORY, f"{shm.PREFIX}{os.getpid()}-feedface")
-    for path in (stale, ours):
-        open(path, "wb").close()
-    try:
-        segment = shm.Segment.create(16)
-        assert not os.path.exists(stale) and os.path.exists(ours)  # its creator lives
-        assert shm.Segment.open(segment.path, segment.token, 16) is not None
-        assert shm.Segment.open(segment.path, segment.token + 1, 16) is None  # not the one announced
-        assert shm.Segment.open(segment.path, segment.token, 8) is None
-        assert shm.Segment.open(str(tmp_path / "elsewhere"), segment.token, 16) is None
-        segment.unlink()
-    finally:
-        for path in (stale, ours):
-            if os.path.exists(path):
-                os.unlink(path)
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -358,12 +142,12 @@ def test_the_forward_waits_for_the_all_gather_of_every_bucket_it_reads(zero, mon
     monkeypatch.setattr(CollectiveGroup, "all_gather_async", late)
     task = TINY_GPT_TASK
     config = dataclasses.replace(task.defaults, steps=4, bucket_mb=0.002)  # several buckets
-    initial = _initial(task, config.seed)
-    sharded, _, replicas = _train(task, dataclasses.replace(config, zero=zero), 2, range(4), initial)
+    initial = initial_weights(task, config.seed)
+    sharded, _, replicas = train(task, dataclasses.replace(config, zero=zero), 2, range(4), initial)
     assert all(r.strategy.defer_gather for r in replicas)  # the gathers were left to the forward
     monkeypatch.undo()
-    reference, _, _ = _train(task, config, 2, range(4), initial)
-    assert _max_diff(sharded, reference) < 2e-5
+    reference, _, _ = train(task, config, 2, range(4), initial)
+    assert max_diff(sharded, reference) < 2e-5
 
 
 def test_the_forwards_wait_for_its_parameters_is_timed_apart_from_its_compute():
@@ -372,7 +156,7 @@ def test_the_forwards_wait_for_its_parameters_is_timed_apart_from_its_compute():
     not ``compute_s``."""
     task = MLP_TASK
     config = dataclasses.replace(task.defaults, zero=2)
-    initial = _initial(task, config.seed)
+    initial = initial_weights(task, config.seed)
     sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
 
     class Late:
@@ -415,8 +199,8 @@ def test_bf16_parameters_keep_fp32_master_weights_in_the_shard():
 
     task = Task(model=bf16_mlp, dataset=Regression, loss=loss, optimizer=adam)
     config = TrainConfig(global_batch=8, zero=1, seed=1)
-    initial = _initial(task, config.seed)
-    final, parts, replicas = _train(task, config, 2, range(5), initial)
+    initial = initial_weights(task, config.seed)
+    final, parts, replicas = train(task, config, 2, range(5), initial)
     masters = replicas[0].strategy.masters
     assert all(m.dtype == torch.float32 for m in masters)
     # a 1e-3 Adam step is below bf16's resolution for most weights: only an fp32 master
@@ -437,7 +221,7 @@ def test_a_peer_lost_after_the_vote_fails_the_norm_all_reduce_in_the_result(zero
     optimizer step: its chunk still holds step 1's state, which the recovery reads."""
     task = TINY_GPT_TASK  # clip_grad_norm=1.0
     config = dataclasses.replace(task.defaults, zero=zero)
-    initial = _initial(task, config.seed)
+    initial = initial_weights(task, config.seed)
     sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
 
     def rank_fn(group):
@@ -461,7 +245,7 @@ def test_a_peer_lost_after_the_vote_fails_the_norm_all_reduce_in_the_result(zero
     result, live, before, after = run_ranks(2, rank_fn)[0]
     assert not result.committed and isinstance(result.error, CollectiveError)
     assert "gradient norm all-reduce" in str(result.error)
-    assert live == 1 and _max_diff(before, after) == 0.0  # no update applied
+    assert live == 1 and max_diff(before, after) == 0.0  # no update applied
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -472,7 +256,7 @@ def test_an_all_gather_that_cannot_start_leaves_the_chunk_updated_whole(zero):
     of a run whose all-gathers went through."""
     task = TINY_GPT_TASK
     config = dataclasses.replace(task.defaults, zero=zero, bucket_mb=0.002)  # several buckets
-    initial = _initial(task, config.seed)
+    initial = initial_weights(task, config.seed)
     sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
 
     def rank_fn(group, fail: bool):
@@ -527,9 +311,10 @@ def test_gloo_with_cuda_tensors_stages_every_call_through_host_copies(monkeypatc
 
     monkeypatch.setattr(collective.CollectiveGroup, "_staging", staging)
     config = dataclasses.replace(MLP_TASK.defaults, steps=5, bucket_mb=0.0001)
-    initial = _initial(MLP_TASK, config.seed)
-    sharded, _, _ = _train(MLP_TASK, dataclasses.replace(config, zero=zero), 2, range(5), initial)
+    initial = initial_weights(MLP_TASK, config.seed)
+    sharded, _, _ = train(MLP_TASK, dataclasses.replace(config, zero=zero), 2, range(5), initial)
     assert staged
     monkeypatch.undo()
-    reference, _, _ = _train(MLP_TASK, config, 2, range(5), initial)
-    assert _max_diff(sharded, reference) < 2e-5
+    reference, _, _ = train(MLP_TASK, config, 2, range(5), initial)
+    assert max_diff(sharded, reference) < 2e-5
+

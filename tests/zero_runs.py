@@ -1,0 +1,46 @@
+"""ZeRO runs on gloo ranks run as threads (no Ray), for tests/test_zero*.py: a task's
+initial weights, training a few steps on every rank, and the largest difference of two
+weight sets."""
+
+from __future__ import annotations
+
+import torch
+
+from elastic_dp import ElasticSampler, Task, TrainConfig
+from elastic_dp.data import split
+from elastic_dp.worker import Replica
+from tests.ranks import run_ranks
+
+CPU = torch.device("cpu")
+
+
+def initial_weights(task: Task, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)  # built once: the ranks are threads sharing torch's RNG
+    return {k: v.clone() for k, v in task.model().state_dict().items()}
+
+
+def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *, start=None):
+    """Run ``steps`` on ``world`` thread ranks from ``initial`` weights (or a whole
+    TrainingState ``start``); return rank 0's final weights and every rank's training state."""
+    dataset_len = len(task.dataset())
+    sampler = ElasticSampler(dataset_len, global_batch=config.global_batch, seed=config.seed)
+
+    def rank_fn(group):
+        replica = Replica(task, config, CPU, group)
+        if start is not None:
+            replica.load_state(start)
+        else:
+            replica.model.load_state_dict(initial)
+            replica.broadcast_state(0)
+        for step in steps:
+            result = replica.step(step, split(sampler.batch(step), group.world_size)[group.rank])
+            assert result.committed, result.error
+        state = replica.training_state(steps.stop, {"seed": config.seed})
+        return replica.model_state(), state, replica
+
+    results = run_ranks(world, rank_fn)
+    return results[0][0], [r[1] for r in results], [r[2] for r in results]
+
+
+def max_diff(a, b) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
