@@ -12,9 +12,10 @@ past it. An abort (``Grants.cancel``) ends a window whose worker waits for a gra
 
 The coordinator can also end a window early, at a boundary no grant foresaw (a worker
 became ready to join): it asks every rank to stop (``Grants.extend(..., stop=True)``).
-A rank that has heard it says so in the next step's commit vote, which travels with
-the gradients (``reducer.VOTE``), so every rank learns it from the same tally and ends
-the window after the same step, however late the request reached each of them.
+A rank that has heard it says so in the first commit vote it sends after that (read as
+the vote leaves with the last bucket, so the step in flight can carry it), which travels
+with the gradients (``reducer.VOTE``), so every rank learns it from the same tally and
+ends the window after the same step, however late the request reached each of them.
 
 ``Prefetcher`` collates the next step's slice on a background thread while the current
 step computes (into pinned memory when the device is a GPU). A prepared batch is keyed
@@ -83,7 +84,7 @@ class Grants:
                sizes: tuple[int, tuple[int, ...] | None] | None = None, stop: bool = False) -> None:
         """``sizes``: (first step, slice sizes) from which the slices change (``--balance``):
         a step not granted before, so that every rank changes at the same step. ``stop``:
-        end the window after the next step whose vote can carry the request (``stopping``)."""
+        end the window after the first step whose vote leaves after the request (``stopping``)."""
         with self._cv:
             self._extend(window, until, final, faults, sizes, stop)
             self._cv.notify_all()
@@ -101,7 +102,7 @@ class Grants:
                     self._sizes.append(sizes)
 
     def stopping(self) -> bool:
-        """The coordinator asked this window to end early: the next step votes for it."""
+        """The coordinator asked this window to end early: the next vote to leave carries it."""
         with self._cv:
             return self._stop
 

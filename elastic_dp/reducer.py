@@ -126,9 +126,9 @@ class GradientReducer:
         self._armed = False
         self._next = 0
         self.before_vote: Callable[[], None] | None = None
-        """Called just before this rank's vote leaves with the last bucket (fault
-        injection's ``allreduce`` phase: the other buckets are in flight, and the step
-        commits on no rank)."""
+        """Called just before this rank's vote leaves with the last bucket: the last moment
+        to ``note_stop`` (the worker's window), and fault injection's ``allreduce`` phase
+        (the other buckets are in flight, and the step commits on no rank)."""
 
     def close(self) -> None:
         """Remove the backward hooks (before another reducer takes over these parameters)."""
@@ -173,7 +173,7 @@ class GradientReducer:
 
     def note_stop(self) -> None:
         """This rank was asked to end its window: every rank ends it after this step
-        (call after ``zero_grad`` and before the last bucket is launched)."""
+        (call after ``zero_grad`` and before the last bucket is launched: ``before_vote``)."""
         self._local[2] = 1.0
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
@@ -257,7 +257,11 @@ class GradientReducer:
                     p.grad = view.to(p.dtype)
                 else:
                     p.grad.copy_(view)
-        return self._tally.tolist() if self.buckets else self._local.tolist()
+        if not self.buckets:  # nothing to reduce: the vote is this rank's alone
+            if self.before_vote is not None:
+                self.before_vote()
+            return self._local.tolist()
+        return self._tally.tolist()
 
     def disarm(self) -> None:
         """Forget a step that failed part-way; the next ``arm()`` starts clean."""

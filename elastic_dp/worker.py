@@ -317,10 +317,9 @@ class Replica:
         if not self.model.training:
             self.model.train()
         self.strategy.zero_grad()
-        if self.grants.stopping():  # asked to end the window: the vote tells every rank
-            self.strategy.note_stop()
-        # a fault of phase allreduce fires as the last bucket, with the vote, is launched
-        self.strategy.reducer.before_vote = functools.partial(trigger, fault, "allreduce") if fault else None
+        # as the last bucket leaves with the vote: a fault of phase allreduce fires, and a
+        # request to end the window heard by then (during this step too) goes with the vote
+        self.strategy.reducer.before_vote = functools.partial(self._before_vote, fault)
         self.progress.enter("compute")
         t0 = time.perf_counter()
         local_error: BaseException | None = None
@@ -363,6 +362,11 @@ class Replica:
         if self.config.zero:  # the forward's wait for the parameters' all-gathers
             result.timings["parameter_wait_s"] = parameter_wait
         return result
+
+    def _before_vote(self, fault: Fault | None) -> None:
+        trigger(fault, "allreduce")
+        if self.grants.stopping():  # asked to end the window: the vote tells every rank
+            self.strategy.note_stop()
 
     def _reduce_and_vote(self, step: int, result: StepResult, local_error: BaseException | None,
                          fault: Fault | None) -> torch.Tensor | None:

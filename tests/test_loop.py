@@ -24,16 +24,23 @@ UNTIL = 400  # the grant: far past the step at which the window stops
 
 
 @pytest.mark.parametrize("zero", [0, 2])
-def test_a_stop_heard_by_one_rank_ends_every_ranks_window_after_the_same_step(tmp_path, zero):
-    """Rank 1 alone is asked to stop, during step 3's forward. Its step 4 votes for it, so
-    every rank ends its window after step 4, though 400 steps were granted, and the
-    parameters are those of 5 steps of the plain replay."""
+@pytest.mark.parametrize("heard_in", ["forward", "update"])
+def test_a_stop_heard_by_one_rank_ends_every_ranks_window_after_the_same_step(tmp_path, zero, heard_in):
+    """Rank 1 alone is asked to stop in step 3: during its forward, before the step's vote
+    leaves, so step 3's vote carries it; or during its update, after the vote left, so
+    step 4's does. Every rank ends its window after that step, though 400 steps were
+    granted, and the parameters are those of as many steps of the plain replay."""
     local = threading.local()
     heard_at = 3
+    last = heard_at if heard_in == "forward" else heard_at + 1
+
+    def hear(step):
+        if local.rank == 1 and step == heard_at:
+            local.replica.grants.extend(1, UNTIL, True, {}, stop=True)  # what the control thread does
 
     def loss(model, batch):
-        if local.rank == 1 and local.step == heard_at:
-            local.replica.grants.extend(1, UNTIL, True, {}, stop=True)  # what the control thread does
+        if heard_in == "forward":
+            hear(local.step)
         return mse(model, batch)
 
     task = Task(model=mlp, dataset=Regression, loss=loss, optimizer=sgd_two_groups, defaults=MLP_TASK.defaults)
@@ -49,21 +56,26 @@ def test_a_stop_heard_by_one_rank_ends_every_ranks_window_after_the_same_step(tm
         replica.broadcast_state(0)
         local.rank, local.replica = group.rank, replica
         results = []
-        original = replica.step
+        original_step, original_update = replica.step, replica.strategy.optimizer_step
 
         def counted(step, *args, **kwargs):
             local.step = step
-            return original(step, *args, **kwargs)
+            return original_step(step, *args, **kwargs)
 
-        replica.step = counted
+        def update(step):
+            original_update(step)
+            if heard_in == "update":
+                hear(step)
+
+        replica.step, replica.strategy.optimizer_step = counted, update
         for report in replica.run_window(WindowPlan(1, 0, UNTIL, True, sampler)):
             results.extend(report)
         return [(r.step, r.committed, r.stop) for r in results], replica.settled_model().state_dict()
 
     ranks = run_ranks(3, rank_fn)
     for steps, _ in ranks:
-        assert steps == [(s, True, s == heard_at + 1) for s in range(heard_at + 2)]
-    expected = replay(MLP_TASK, config, str(tmp_path / "initial.safetensors"), steps=heard_at + 2)
+        assert steps == [(s, True, s == last) for s in range(last + 1)]
+    expected = replay(MLP_TASK, config, str(tmp_path / "initial.safetensors"), steps=last + 1)
     for _, state in ranks:
         assert max_abs_diff({k: v.detach() for k, v in state.items()}, expected) < TOL
 

@@ -5,8 +5,9 @@ The coordinator starts every member's ``run_window`` (a Ray streaming call: the
 granted (``LOOKAHEAD_S`` of them), and grants more as the committed steps come in, so the
 workers never wait for it. It stops granting at ``limit`` (the last step, a checkpoint, an
 injected join). When ``keep_going`` says no (a worker is ready to join) it asks every
-member to stop: the next step's commit vote carries the request to every rank, and all
-end the window after that step (``loop.Grants.stopping``), or at the end of the grant if
+member to stop: the first commit vote to leave after the request carries it to every
+rank (the step in flight's, if its last bucket has not left), and all end the window
+after that step (``loop.Grants.stopping``), or at the end of the grant if
 they reach it first. A failure in step ``s`` stops the window there: the others are
 aborted as after a failed step call, and ``MembersLost`` names ``s``, the step the
 recovery starts from.
@@ -38,7 +39,7 @@ LOOKAHEAD_S = 2.0
 (every ``worker.REPORT_INTERVAL_S``, 0.5 s) and the next grant arrive before the workers
 run out; the grant is extended when less than half of it remains. Between
 ``MIN_LOOKAHEAD`` and ``MAX_LOOKAHEAD`` steps. A long grant does not delay a join: the
-window is stopped through the vote, one step after the request reaches a worker."""
+window is stopped through the vote, at most one step after the request reaches a worker."""
 MIN_LOOKAHEAD, MAX_LOOKAHEAD = 8, 4096
 
 logger = logging.getLogger(__name__)
