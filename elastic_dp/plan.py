@@ -13,6 +13,15 @@ per worker: stage 0: (P + G + K)Ψ; stage 1: (P + G)Ψ + KΨ/N; stage 2: PΨ + (
 Mixed-precision Adam at stage 0 is the published 16 bytes per parameter. Activations,
 temporary buffers and allocator overhead are not included.
 
+Peer snapshots (stages 1 and 2, more than one worker): every ``--snapshot-every`` steps
+each rank packs its chunk of the fp32 masters and optimizer state, S = (4 + 4·m)Ψ/N bytes
+(the master is packed even where the parameters are fp32), and keeps the
+``SNAPSHOTS_KEPT`` newest of its own and of its left neighbour's, in host memory:
+2·SNAPSHOTS_KEPT·S per worker, or SNAPSHOTS_KEPT·S where the neighbour is on the same
+host and maps the owner's copies instead. NCCL sends from the device, so while a
+snapshot travels to a neighbour on another host the device holds a copy of it and the
+buffer it receives into, 2·S more, for one step. Neither is in the training-state total.
+
 Communication, bytes each worker sends per step, as elastic_dp's stages do it (ring
 algorithms; the all-to-alls that run stage 1 and 2's collectives on gloo send as many),
 peer snapshots apart: stage 0 all-reduces the gradients, 2(N-1)/N · GΨ; stages 1 and 2
@@ -26,6 +35,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from .errors import ConfigError
+from .shards import SNAPSHOTS_KEPT
 
 OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
 PRECISIONS = {"bf16": (2, 2, 4), "fp32": (4, 4, 0)}
@@ -85,6 +95,15 @@ class MemoryPlan:
     def per_worker_bytes(self, workers: int | None = None) -> dict[str, float]:
         return {k: v * self.params for k, v in self.bytes_per_param(workers).items()}
 
+    def snapshot_bytes(self) -> dict[str, float]:
+        """Per-worker bytes of peer snapshots: host memory with the left neighbour on
+        another host, and on the same host; the device's extra while one is sent (NCCL)."""
+        if self.zero == 0 or self.workers == 1:
+            return {"host": 0.0, "host_neighbour_on_same_host": 0.0, "device_while_sent": 0.0}
+        one = (4 + 4 * OPTIMIZER_MOMENTS[self.optimizer]) * self.params / self.workers
+        return {"host": 2 * SNAPSHOTS_KEPT * one, "host_neighbour_on_same_host": SNAPSHOTS_KEPT * one,
+                "device_while_sent": 2 * one}
+
     def workers_needed(self, gpu_memory: float) -> int | None:
         """Fewest workers whose per-worker training state fits in ``gpu_memory`` bytes; None
         when no number of workers is enough at this stage."""
@@ -110,6 +129,7 @@ class MemoryPlan:
                "per_worker_bytes_by_stage": {
                    str(z): MemoryPlan(self.params, self.workers, z, self.precision,
                                       self.optimizer).per_worker_bytes()["total"] for z in (0, 1, 2)},
+               "snapshot_bytes": self.snapshot_bytes(),
                "comm_bytes_per_step": self.comm_bytes_per_step()}
         if gpu_memory is not None:
             out["fits"] = self.per_worker_bytes()["total"] <= gpu_memory
@@ -127,6 +147,11 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
         lines.append(f"    {key.replace('_', ' '):16} {r['bytes_per_param'][key]:10.3f}  {r['per_worker_bytes'][key] / gib:10.2f}")
     by_stage = " / ".join(f"{v / gib:.2f}" for v in r["per_worker_bytes_by_stage"].values())
     lines.append(f"  stages 0 / 1 / 2 per worker: {by_stage} GiB")
+    snap = r["snapshot_bytes"]
+    if snap["host"]:
+        lines.append(f"  peer snapshots per worker: {snap['host'] / gib:.2f} GiB of host memory "
+                     f"({snap['host_neighbour_on_same_host'] / gib:.2f} GiB with the neighbour on the same host); "
+                     f"with NCCL, {snap['device_while_sent'] / gib:.2f} GiB more on the device while one is sent")
     lines.append(f"  communication per step: {r['comm_bytes_per_step'] / 1e9:.3f} GB sent by each worker")
     if gpu_memory is not None:
         need = r["workers_needed"]

@@ -105,12 +105,17 @@ class PeerSnapshots:
         newest: in its shared memory, or received (or given) before that was agreed."""
         if self.into is None:
             return self._peer
+        return self._peer + self._shared_peer()
+
+    def _shared_peer(self) -> list[Snapshot]:
+        """The left neighbour's snapshots in its shared memory; the ones held from before
+        (given, or received before sharing was agreed) that they supersede are let go."""
         keys = self.own[-1].keys if self.own else ()  # the neighbour's optimizer is the same
         held = self.into.held()
         shared = [Snapshot(step, self.into.slot(step), keys) for step in held]
         self._peer = [s for s in self._peer if s.step < min(held, default=1 << 62)]
         self._peer = self._peer[max(0, len(self._peer) + len(shared) - SNAPSHOTS_KEPT):]
-        return self._peer + shared
+        return shared
 
     def keep_own(self, shard: ShardState) -> Snapshot:
         """Pack ``shard`` (this rank's chunk) as the newest own snapshot: into shared memory
@@ -127,6 +132,8 @@ class PeerSnapshots:
             own = Snapshot(shard.step, self.out.write(shard.step, lambda slot: _pack_into(shard, slot)),
                            state_keys(shard))
         keep(self.own, own)
+        if self.into is not None:
+            self._shared_peer()  # let go of what the neighbour's shared snapshots supersede
         return own
 
     def _agree(self, numel: int) -> None:
@@ -205,8 +212,14 @@ class PeerSnapshots:
         return snap
 
     def bytes_held(self) -> int:
-        """Snapshot bytes in this process's memory (the left neighbour's shared ones are in its)."""
-        return sum(s.flat.numel() * s.flat.element_size() for s in self.own + self._peer)
+        """Snapshot bytes in this process's memory, with the transfer in flight's buffers
+        (the left neighbour's shared snapshots are in its memory)."""
+        tensors = {t.data_ptr(): t for t in [s.flat for s in self.own + self._peer]}
+        if self.pending is not None:
+            for t in (self.pending.own.flat, self.pending.received):
+                if t is not None:
+                    tensors.setdefault(t.data_ptr(), t)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def sizes(self) -> dict[str, int]:
         """Bytes of the newest own snapshot, and of what is sent of it."""

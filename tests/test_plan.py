@@ -57,6 +57,18 @@ def test_communication_per_step():
     assert MemoryPlan(psi, 1, 2).comm_bytes_per_step() == 0
 
 
+def test_snapshot_memory_only_where_chunks_are_snapshotted():
+    """Two own and two neighbour's snapshots of a chunk of fp32 master and Adam moments,
+    12Ψ/N each; none without sharding or without a neighbour (the measured figure:
+    tests/test_zero_snapshots.py)."""
+    one = 12 * 7.5e9 / 64
+    assert MemoryPlan(7.5e9, 64, 1).snapshot_bytes() == {
+        "host": 4 * one, "host_neighbour_on_same_host": 2 * one, "device_while_sent": 2 * one}
+    assert MemoryPlan(7.5e9, 64, 2, optimizer="sgd").snapshot_bytes()["host"] == 4 * 4 * 7.5e9 / 64
+    assert set(MemoryPlan(7.5e9, 64, 0).snapshot_bytes().values()) == {0.0}
+    assert set(MemoryPlan(7.5e9, 1, 2).snapshot_bytes().values()) == {0.0}
+
+
 @pytest.mark.parametrize("text, value", [("7.5e9", 7.5e9), ("125M", 125e6), ("80GB", 80e9), ("80GiB", 80 * 2**30),
                                          ("1.5b", 1.5e9)])
 def test_sizes(text, value):

@@ -17,6 +17,7 @@ import torch
 from elastic_dp import ElasticSampler
 from elastic_dp.data import split
 from elastic_dp import shm
+from elastic_dp.plan import MemoryPlan
 from elastic_dp.worker import Replica
 from tests.ranks import run_ranks
 from tests.tasks import MLP_TASK, TINY_GPT_TASK
@@ -94,6 +95,28 @@ def test_snapshots_every_k_steps_roll_back_to_a_consistent_step(transport):
     a, b = replicas[0].strategy.export("own", 4), replicas[1].strategy.export("peer", 4)
     assert all(torch.equal(x, y) for x, y in zip(a.master, b.master))
     assert all(torch.equal(x, y) for k in a.state for x, y in zip(a.state[k], b.state[k]))
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_elastic_dp_plan_counts_the_snapshot_memory_a_sharded_run_holds(transport, zero):
+    """``elastic-dp plan``'s host memory for peer snapshots against what 3 ranks training
+    AdamW hold after 3 steps: two of their own and two of their neighbour's, or, in shared
+    memory, only their own. Above the plan by no more than each bucket's padding to the
+    world size and AdamW's step count per bucket."""
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, zero=zero, bucket_mb=0.002)
+    _, _, ranks = train(task, config, 3, range(3), initial_weights(task, config.seed))
+    numel = sum(p.numel() for p in ranks[0].model.parameters())
+    planned = MemoryPlan(numel, 3, zero, precision="fp32", optimizer="adamw").snapshot_bytes()
+    expected = planned["host_neighbour_on_same_host" if transport == "shared" else "host"]
+    copies = 2 if transport == "shared" else 4
+    for r in ranks:
+        slack = copies * len(r.strategy.buckets) * (3 * (3 - 1) + 1) * 4
+        if transport == "sent":  # the last snapshot is still on its way: its buffer counts
+            assert r.strategy.snapshots.pending is not None
+            assert expected <= r.strategy.state_bytes()["snapshots"] <= expected + slack
+        r.strategy.holdings()  # the neighbour's last snapshot has arrived (or was written)
+        assert expected <= r.strategy.state_bytes()["snapshots"] <= expected + slack
 
 
 def test_a_peer_snapshot_whose_all_gather_failed_is_not_held(monkeypatch):
