@@ -1,4 +1,4 @@
-"""The worker process's C allocator: freed memory is kept for the next step.
+"""A worker's (or parameter-server shard's) C allocator: freed memory is kept for the next step.
 
 A training step allocates and frees the same buffers every step: activations, their
 gradients, ZeRO-2's bucket buffers. torch's CPU allocator has no cache of its own; it

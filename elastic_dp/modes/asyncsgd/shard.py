@@ -29,6 +29,7 @@ import torch
 from ...checkpoint import Checkpoint, Part, add_piece, dtype_name, optimizer_state, part_files, write_part
 from ...config import TrainConfig
 from ...faults import Fault, trigger
+from ...malloc import keep_freed_memory
 from ...storage import Storage
 from ...shards import check_shardable
 from ...task import Task, trainable
@@ -55,6 +56,7 @@ class Keeper:
     """Holds other shards' snapshots in its memory (each shard is one for the next)."""
 
     def __init__(self) -> None:
+        keep_freed_memory()  # each update's pull and snapshot reuse the last one's memory (elastic_dp.malloc)
         self.kept: dict[int, list[State]] = {}
 
     def keep(self, index: int, snapshot: State) -> None:
