@@ -43,7 +43,8 @@ def test_resharding_from_live_chunks_and_snapshots_continues_the_same_trajectory
     config = dataclasses.replace(task.defaults, zero=1, bucket_mb=0.002)
     initial = initial_weights(task, config.seed)
     uninterrupted, _, _ = train(task, dataclasses.replace(config, zero=0), 1, range(6), initial)
-    _, _, old = train(task, config, 3, range(3), initial)
+    # the last snapshots arrive while the groups exist (a transfer cut by a group's end is dropped)
+    _, _, old = train(task, config, 3, range(3), initial, before_exit=lambda r: r.strategy.holdings())
     assert [{k: v for k, v in r.strategy.holdings().items() if "bytes" not in k} for r in old] == [
         {"rank": r, "live": 3, "own": [2, 3], "peer": [2, 3]} for r in range(3)]
     # a snapshot holds the chunk's fp32 master and AdamW's two moments (and step counts);
@@ -88,7 +89,8 @@ def test_resharding_from_live_chunks_and_snapshots_continues_the_same_trajectory
 def test_snapshots_every_k_steps_roll_back_to_a_consistent_step(transport):
     task = MLP_TASK
     config = dataclasses.replace(task.defaults, zero=2, snapshot_every=4)
-    _, _, replicas = train(task, config, 2, range(6), initial_weights(task, config.seed))
+    _, _, replicas = train(task, config, 2, range(6), initial_weights(task, config.seed),
+                           before_exit=lambda r: r.strategy.holdings())  # received while the groups exist
     assert [r.strategy.holdings()["own"] for r in replicas] == [[0, 4], [0, 4]]
     assert [r.strategy.holdings()["peer"] for r in replicas] == [[0, 4], [0, 4]]
     # the peer snapshot of rank 0 on rank 1 equals rank 0's own snapshot
@@ -100,23 +102,32 @@ def test_snapshots_every_k_steps_roll_back_to_a_consistent_step(transport):
 @pytest.mark.parametrize("zero", [1, 2])
 def test_elastic_dp_plan_counts_the_snapshot_memory_a_sharded_run_holds(transport, zero):
     """``elastic-dp plan``'s host memory for peer snapshots against what 3 ranks training
-    AdamW hold after 3 steps: two of their own and two of their neighbour's, or, in shared
-    memory, only their own. Above the plan by no more than each bucket's padding to the
-    world size and AdamW's step count per bucket."""
+    AdamW hold after 3 steps: two of their own and two of their neighbour's (the last one
+    still on its way, then arrived), or, in shared memory, only their own. Above the plan
+    by no more than each bucket's padding to the world size and AdamW's step count per
+    bucket. Read on each rank while its group still exists."""
     task = TINY_GPT_TASK
     config = dataclasses.replace(task.defaults, zero=zero, bucket_mb=0.002)
-    _, _, ranks = train(task, config, 3, range(3), initial_weights(task, config.seed))
+    held: dict[int, list] = {}
+
+    def measure(replica):
+        strategy, readings = replica.strategy, []
+        if transport == "sent":  # the last snapshot is still on its way: its buffer counts
+            assert strategy.snapshots.pending is not None
+            readings.append(strategy.state_bytes()["snapshots"])
+        strategy.holdings()  # the left neighbour's last snapshot has arrived (or was written)
+        readings.append(strategy.state_bytes()["snapshots"])
+        held[strategy.rank] = (readings, len(strategy.buckets))
+
+    _, _, ranks = train(task, config, 3, range(3), initial_weights(task, config.seed), before_exit=measure)
     numel = sum(p.numel() for p in ranks[0].model.parameters())
     planned = MemoryPlan(numel, 3, zero, precision="fp32", optimizer="adamw").snapshot_bytes()
     expected = planned["host_neighbour_on_same_host" if transport == "shared" else "host"]
     copies = 2 if transport == "shared" else 4
-    for r in ranks:
-        slack = copies * len(r.strategy.buckets) * (3 * (3 - 1) + 1) * 4
-        if transport == "sent":  # the last snapshot is still on its way: its buffer counts
-            assert r.strategy.snapshots.pending is not None
-            assert expected <= r.strategy.state_bytes()["snapshots"] <= expected + slack
-        r.strategy.holdings()  # the neighbour's last snapshot has arrived (or was written)
-        assert expected <= r.strategy.state_bytes()["snapshots"] <= expected + slack
+    assert sorted(held) == [0, 1, 2]
+    for readings, buckets in held.values():
+        slack = copies * buckets * (3 * (3 - 1) + 1) * 4
+        assert all(expected <= b <= expected + slack for b in readings), (readings, expected)
 
 
 def test_a_peer_snapshot_whose_all_gather_failed_is_not_held(monkeypatch):
@@ -126,7 +137,12 @@ def test_a_peer_snapshot_whose_all_gather_failed_is_not_held(monkeypatch):
     monkeypatch.setenv(shm.ENV, "0")  # sent over the group, as to a neighbour on another host
     task = MLP_TASK
     config = dataclasses.replace(task.defaults, zero=2)
-    _, _, replicas = train(task, config, 2, range(3), initial_weights(task, config.seed))
+
+    def receive_on_rank_0(replica):  # while the groups exist: a transfer cut by a group's end is dropped
+        if replica.strategy.rank == 0:
+            replica.strategy.holdings()
+
+    _, _, replicas = train(task, config, 2, range(3), initial_weights(task, config.seed), before_exit=receive_on_rank_0)
 
     class Failed:
         def wait(self):

@@ -19,9 +19,10 @@ def initial_weights(task: Task, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in task.model().state_dict().items()}
 
 
-def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *, start=None):
+def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *, start=None, before_exit=None):
     """Run ``steps`` on ``world`` thread ranks from ``initial`` weights (or a whole
-    TrainingState ``start``); return rank 0's final weights and every rank's training state."""
+    TrainingState ``start``); return rank 0's final weights and every rank's training state.
+    ``before_exit(replica)`` runs on each rank after its steps, while its group still exists."""
     dataset_len = len(task.dataset())
     sampler = ElasticSampler(dataset_len, global_batch=config.global_batch, seed=config.seed)
 
@@ -36,6 +37,8 @@ def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *,
             result = replica.step(step, split(sampler.batch(step), group.world_size)[group.rank])
             assert result.committed, result.error
         state = replica.training_state(steps.stop, {"seed": config.seed})
+        if before_exit is not None:
+            before_exit(replica)
         return replica.model_state(), state, replica
 
     results = run_ranks(world, rank_fn)
