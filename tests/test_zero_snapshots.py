@@ -108,7 +108,7 @@ def test_elastic_dp_plan_counts_the_snapshot_memory_a_sharded_run_holds(transpor
     bucket. Read on each rank while its group still exists."""
     task = TINY_GPT_TASK
     config = dataclasses.replace(task.defaults, zero=zero, bucket_mb=0.002)
-    held: dict[int, list] = {}
+    held: dict[int, tuple[list[int], int]] = {}  # rank -> (snapshot bytes read, buckets)
 
     def measure(replica):
         strategy, readings = replica.strategy, []
