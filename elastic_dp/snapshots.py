@@ -35,6 +35,7 @@ import torch
 from . import shm
 from .collective import CollectiveGroup
 from .shards import SNAPSHOTS_KEPT, ShardState, Snapshot, keep, pack, packed_numel, spare, state_keys
+from .strategy import nbytes
 from .threads import set_os_name
 
 SNAPSHOT_WAIT_S = 5.0
@@ -105,7 +106,8 @@ class PeerSnapshots:
         newest: in its shared memory, or received (or given) before that was agreed."""
         if self.into is None:
             return self._peer
-        return self._peer + self._shared_peer()
+        shared = self._shared_peer()  # first: it lets go of the held ones it supersedes
+        return self._peer + shared
 
     def _shared_peer(self) -> list[Snapshot]:
         """The left neighbour's snapshots in its shared memory; the ones held from before
@@ -214,12 +216,10 @@ class PeerSnapshots:
     def bytes_held(self) -> int:
         """Snapshot bytes in this process's memory, with the transfer in flight's buffers
         (the left neighbour's shared snapshots are in its memory)."""
-        tensors = {t.data_ptr(): t for t in [s.flat for s in self.own + self._peer]}
-        if self.pending is not None:
-            for t in (self.pending.own.flat, self.pending.received):
-                if t is not None:
-                    tensors.setdefault(t.data_ptr(), t)
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        flats = [s.flat for s in self.own + self._peer]
+        if self.pending is not None:  # its send is one of ``own`` unless copied to the device
+            flats += [t for t in (self.pending.own.flat, self.pending.received) if t is not None]
+        return nbytes({t.data_ptr(): t for t in flats}.values())
 
     def sizes(self) -> dict[str, int]:
         """Bytes of the newest own snapshot, and of what is sent of it."""

@@ -18,6 +18,7 @@ from elastic_dp import ElasticSampler
 from elastic_dp.data import split
 from elastic_dp import shm
 from elastic_dp.plan import MemoryPlan
+from elastic_dp.shards import Snapshot
 from elastic_dp.worker import Replica
 from tests.ranks import run_ranks
 from tests.tasks import MLP_TASK, TINY_GPT_TASK
@@ -192,6 +193,21 @@ def test_a_reset_chunk_is_not_mixed_with_older_snapshots_in_shared_memory(monkey
         r.strategy.reset_from_params(step=1)
     assert [r.strategy.holdings()["peer"] for r in replicas] == [[1], [1]]
     assert [r.strategy.holdings()["own"] for r in replicas] == [[1], [1]]
+
+
+def test_a_held_snapshot_that_shared_ones_supersede_is_let_go(monkeypatch):
+    """A snapshot the neighbour holds from before sharing was agreed (the one it is given at
+    the start) is no longer listed, nor counted, once two shared ones are newer."""
+    monkeypatch.setenv(shm.ENV, "1")
+    task = MLP_TASK
+    config = dataclasses.replace(task.defaults, zero=2)
+    _, _, replicas = train(task, config, 2, range(3), initial_weights(task, config.seed))
+    snapshots = replicas[1].strategy.snapshots
+    before = snapshots.bytes_held()
+    given = Snapshot(1, snapshots.own[-1].flat.clone(), snapshots.own[-1].keys)
+    snapshots._peer.insert(0, given)  # as if it were still held from the start
+    assert [s.step for s in snapshots.peer] == [2, 3]
+    assert snapshots.bytes_held() == before
 
 
 def test_a_neighbour_without_shared_memory_is_sent_the_snapshot(monkeypatch):
