@@ -139,11 +139,13 @@ def test_a_peer_snapshot_whose_all_gather_failed_is_not_held(monkeypatch):
     task = MLP_TASK
     config = dataclasses.replace(task.defaults, zero=2)
 
-    def receive_on_rank_0(replica):  # while the groups exist: a transfer cut by a group's end is dropped
+    def transfers_done(replica):  # while the groups exist: a transfer cut by a group's end is dropped
         if replica.strategy.rank == 0:
             replica.strategy.holdings()
+        else:  # rank 1's snapshot of step 3 stays pending, its masters not yet copied
+            replica.strategy.snapshots.pending.done.result(timeout=30)
 
-    _, _, replicas = train(task, config, 2, range(3), initial_weights(task, config.seed), before_exit=receive_on_rank_0)
+    _, _, replicas = train(task, config, 2, range(3), initial_weights(task, config.seed), before_exit=transfers_done)
 
     class Failed:
         def wait(self):
