@@ -54,10 +54,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     torch.set_num_threads(1)
     from benchmarks.peers import DDPWorker
     from elastic_dp import ElasticSampler
-    from elastic_dp.collective import CollectiveGroup
+    from elastic_dp.comm.group import CollectiveGroup
     from elastic_dp.data import rank_slice
     from elastic_dp.malloc import keep_freed_memory
-    from elastic_dp.worker import Replica
+    from elastic_dp.worker.replica import Replica
     from jobs.gpt import TASK
 
     if not args.default_malloc:

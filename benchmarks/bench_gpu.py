@@ -9,7 +9,7 @@ runs it after the CUDA tests).
 2. Utilisation: ``benchmarks.tasks.FILL_GPT_TASK`` (a GPT of about 0.8 B parameters,
    context 1024, bf16 autocast, global batch 16) trained by elastic_dp on one worker and
    by the plain loop (in this driver process); model FLOPs utilisation = FLOPs per sample x samples/s / the GPU's
-   dense bf16 peak (``elastic_dp.metrics.PEAK_TFLOPS``, or ``--peak-tflops``).
+   dense bf16 peak (``elastic_dp.observe.metrics.PEAK_TFLOPS``, or ``--peak-tflops``).
 
     python -m benchmarks.bench_gpu --rounds 6 --steps-per-round 20
 """
@@ -30,7 +30,7 @@ from benchmarks.peers import local_ray
 from benchmarks.tasks import FILL_GPT_TASK
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, Task
 from elastic_dp.api import build_coordinator
-from elastic_dp.metrics import RunRecorder, known_peak_tflops
+from elastic_dp.observe.metrics import RunRecorder, known_peak_tflops
 from jobs.gpt import TASK
 
 

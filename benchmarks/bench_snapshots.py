@@ -38,11 +38,11 @@ VARIANTS = {"zero0": (0, "1"), "zero1_shared": (1, "1"), "zero1_sent": (1, "0"),
 
 def _rank(rank: int, world: int, port: int, rounds: int, steps: int, out: str) -> None:
     torch.set_num_threads(1)
-    from elastic_dp import shm
-    from elastic_dp.collective import CollectiveGroup
+    from elastic_dp.state.zero import shm
+    from elastic_dp.comm.group import CollectiveGroup
     from elastic_dp.data import ElasticSampler, rank_slice
     from elastic_dp.malloc import keep_freed_memory
-    from elastic_dp.worker import Replica
+    from elastic_dp.worker.replica import Replica
     from jobs.gpt import TASK
 
     keep_freed_memory()  # as a worker actor does

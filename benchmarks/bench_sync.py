@@ -43,7 +43,7 @@ from benchmarks.peers import DDPWorker, ReduceWorker, local_ray, remote
 from benchmarks.tasks import TINY_MLP_TASK
 from elastic_dp import CheckpointConfig, ClusterConfig
 from elastic_dp.api import build_coordinator
-from elastic_dp.metrics import RunRecorder
+from elastic_dp.observe.metrics import RunRecorder
 from jobs.gpt import TASK
 
 TASKS = {"gpt": TASK, "mlp": TINY_MLP_TASK}

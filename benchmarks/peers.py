@@ -20,10 +20,10 @@ import ray
 import torch
 import torch.distributed as dist
 
-from elastic_dp.collective import CollectiveGroup
+from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.data import ElasticSampler, micro_batches, split
 from elastic_dp.malloc import keep_freed_memory
-from elastic_dp.reducer import GradientReducer
+from elastic_dp.comm.reducer import GradientReducer
 from jobs.gpt import TASK
 
 

@@ -4,14 +4,14 @@ Public names: ``Trainer``, ``Task``, the config dataclasses, ``ElasticSampler``,
 (fault injection) and the exception classes. Everything else is internal.
 """
 
-from .api import Trainer
-from .config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig
-from .data import ElasticSampler, split
-from .errors import (CheckpointError, ClusterError, CollectiveError, ConfigError, ElasticDPError,
+from elastic_dp.api import Trainer
+from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig
+from elastic_dp.data import ElasticSampler, split
+from elastic_dp.errors import (CheckpointError, ClusterError, CollectiveError, ConfigError, ElasticDPError,
                      MembershipError, NonFiniteError, PlacementError, StorageError, TaskError, WorkerError)
-from .faults import Fault
-from .metrics import RunSummary
-from .task import Task, load_task
+from elastic_dp.faults import Fault
+from elastic_dp.observe.metrics import RunSummary
+from elastic_dp.task import Task, load_task
 
 __all__ = [
     "Trainer", "Task", "load_task", "TrainConfig", "ClusterConfig", "CheckpointConfig", "MetricsConfig",

@@ -21,11 +21,11 @@ import json
 import logging
 import sys
 
-from .api import Trainer
-from .config import CheckpointConfig, ClusterConfig, MetricsConfig
-from .errors import ElasticDPError
-from .plan import MemoryPlan, parse_size, render
-from .task import load_task
+from elastic_dp.api import Trainer
+from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig
+from elastic_dp.errors import ElasticDPError
+from elastic_dp.observe.plan import MemoryPlan, parse_size, render
+from elastic_dp.task import load_task
 
 logger = logging.getLogger("elastic_dp.cli")
 
@@ -166,7 +166,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import write_report  # matplotlib only when a report is drawn
+    from elastic_dp.observe.report import write_report  # matplotlib only when a report is drawn
     out = write_report(args.run_dir, args.out)
     print(f"wrote {out / 'report.md'} and its plots")
     return 0

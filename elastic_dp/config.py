@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import ConfigError
+from elastic_dp.errors import ConfigError
 
 
 def _require(ok: bool, message: str) -> None:
@@ -234,7 +234,7 @@ class ClusterConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    """Durable checkpoints (see elastic_dp.checkpoint for the format)."""
+    """Durable checkpoints (see elastic_dp.durable.checkpoint for the format)."""
 
     dir: str | None = None
     """Local directory (or shared mount) that holds the checkpoints (``--checkpoint-dir``)."""

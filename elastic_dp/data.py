@@ -21,8 +21,8 @@ import functools
 
 import numpy as np
 
-from .config import TrainConfig
-from .errors import CheckpointError, ConfigError
+from elastic_dp.config import TrainConfig
+from elastic_dp.errors import CheckpointError, ConfigError
 
 
 class ElasticSampler:

@@ -29,8 +29,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
 
-from .config import CheckpointConfig, ClusterConfig, TrainConfig
-from .errors import ConfigError
+from elastic_dp.config import CheckpointConfig, ClusterConfig, TrainConfig
+from elastic_dp.errors import ConfigError
 
 STEP_PHASES = ("forward", "allreduce", "optimizer", "snapshot")
 SAVE_PHASES = ("checkpoint", "upload")

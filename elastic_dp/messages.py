@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from elastic_dp.faults import Fault
+
 
 @dataclass(slots=True)
 class StepResult:
@@ -89,3 +91,25 @@ class Progress:
         now = time.monotonic()
         return Heartbeat(self.count, self.phase, now - self._since, now - self._moved)
 
+
+@dataclass(frozen=True, slots=True)
+class WindowPlan:
+    """What one rank needs to run a window on its own."""
+
+    window: int
+    """The window's number in this run: grants name it (a late grant of an earlier window
+    is ignored; one that arrives before its window opened is kept for it)."""
+    start: int
+    """The first step of the window."""
+    until: int
+    """Steps before this one may run; more may be granted unless ``final``."""
+    final: bool
+    sampler: dict[str, int]
+    """``seed``, ``global_batch``, ``dataset_len``: each rank computes its own slices."""
+    faults: dict[int, Fault] = field(default_factory=dict)
+    """This rank's faults, by step."""
+    slow: Fault | None = None
+    """This rank's straggler fault (``slow``), if any."""
+    sizes: tuple[int, ...] | None = None
+    """Slice sizes by rank (``--balance``), from ``start`` until a grant changes them;
+    None: equal slices."""

@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from .config import TrainConfig
-from .errors import TaskError
+from elastic_dp.config import TrainConfig
+from elastic_dp.errors import TaskError
 
 
 @dataclass(kw_only=True)

@@ -8,7 +8,7 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from elastic_dp.collective import CollectiveGroup
+from elastic_dp.comm.group import CollectiveGroup
 
 T = TypeVar("T")
 

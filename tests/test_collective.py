@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic_dp.collective import CollectiveGroup, _socket_fds
+from elastic_dp.comm.group import CollectiveGroup, _socket_fds
 from tests.ranks import run_ranks
 
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from elastic_dp import TaskError, TrainConfig
-from elastic_dp.reducer import GradientReducer, make_buckets
+from elastic_dp.comm.reducer import GradientReducer, make_buckets
 from elastic_dp.task import Task
-from elastic_dp.worker import Replica
+from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
 from tests.tasks import Regression, mlp, mse, sgd_two_groups
 

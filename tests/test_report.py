@@ -15,8 +15,8 @@ import pytest
 from PIL import Image
 
 from elastic_dp import ClusterConfig, ConfigError, MetricsConfig, Trainer
-from elastic_dp.metrics import Throughput, known_peak_tflops
-from elastic_dp.report import ReportError, RunLog, plot_breakdown, plot_loss, read_run, write_report
+from elastic_dp.observe.metrics import Throughput, known_peak_tflops
+from elastic_dp.observe.report import ReportError, RunLog, plot_breakdown, plot_loss, read_run, write_report
 from tests.records import read_lines
 from tests.tasks import MLP_TASK
 

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from elastic_dp import ConfigError, ElasticSampler, Task, TrainConfig
-from elastic_dp.checkpoint import merge_shards
+from elastic_dp.durable.checkpoint import merge_shards
 from elastic_dp.data import split
 from elastic_dp.errors import CollectiveError
-from elastic_dp.worker import Replica
+from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
 from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression, mlp
 from tests.zero_runs import CPU, initial_weights, max_diff, train
@@ -122,7 +122,7 @@ def test_the_forward_waits_for_the_all_gather_of_every_bucket_it_reads(zero, mon
     """The all-gathers' data is made to land only when each is waited for (in a scratch
     copy until then), so a forward that read a parameter before waiting for its bucket
     would train on the last step's weights: the run must still end on stage 0's."""
-    from elastic_dp.collective import CollectiveGroup
+    from elastic_dp.comm.group import CollectiveGroup
 
     real = CollectiveGroup.all_gather_async
 
@@ -301,7 +301,7 @@ def test_gloo_with_cuda_tensors_stages_every_call_through_host_copies(monkeypatc
     host copies (collective._Staged). No GPU here: every tensor is taken for one, so each
     all-reduce, reduce-scatter, all-gather, broadcast and snapshot exchange of a ZeRO run
     goes through the copies and their copy back; it must still end on stage 0's parameters."""
-    from elastic_dp import collective
+    from elastic_dp.comm import group as collective
 
     staged = []
 

@@ -10,7 +10,9 @@ import os
 import pytest
 import torch
 
-from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer, shm
+from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer
+
+from elastic_dp.state.zero import shm
 from tests.tasks import TINY_GPT_TASK
 from tests.test_elastic import run_against_replay
 

@@ -16,10 +16,10 @@ import torch
 
 from elastic_dp import ElasticSampler
 from elastic_dp.data import split
-from elastic_dp import shm
-from elastic_dp.plan import MemoryPlan
-from elastic_dp.shards import Snapshot
-from elastic_dp.worker import Replica
+from elastic_dp.state.zero import shm
+from elastic_dp.observe.plan import MemoryPlan
+from elastic_dp.state.zero.chunks import Snapshot
+from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
 from tests.tasks import MLP_TASK, TINY_GPT_TASK
 from tests.zero_runs import CPU, initial_weights, max_diff, train

@@ -8,7 +8,7 @@ import torch
 
 from elastic_dp import ElasticSampler, Task, TrainConfig
 from elastic_dp.data import split
-from elastic_dp.worker import Replica
+from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
 
 CPU = torch.device("cpu")

@@ -1,0 +1,384 @@
+"""The collective group: one torch.distributed process group per generation.
+
+A ``CollectiveGroup`` is an object with a lifecycle, never a global::
+
+    group = CollectiveGroup(backend="gloo", timeout_s=300)
+    group.configure(store_host, store_port, generation=g, rank=r, world_size=n)
+    work = group.all_reduce_async(tensor)   # SUM; ReduceOp.AVG is unreliable on gloo
+    ...
+    group.destroy()
+
+The rendezvous keys of generation ``g`` live under the prefix ``gen{g}/`` of the
+coordinator's TCPStore (DESIGN invariant 1): a straggler from ``g-1`` can never join
+``g``, and re-forming on the same store needs that fresh prefix anyway. The process group
+is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), not through
+``init_process_group``, so no default group or environment variable is involved and a
+new generation is just a new object.
+
+With one rank there is nothing to communicate: the same calls complete at once, so the
+single-worker case runs the same code as any other.
+
+gloo with CUDA tensors (workers sharing one GPU, which NCCL refuses): each call copies its
+tensors to host memory, runs there, and ``wait()`` copies the result back, so the callers
+use one code path for every backend and device.
+
+gloo's reduce-scatter and all-gather are run as all-to-alls (``alltoall_base``): gloo's
+own reduce-scatter all-reduces a copy of the whole input, and its all-gather copies out of
+a buffer of its own; on two CPU ranks they took 2.5 and 1.6 times as long as the
+all-to-all does for the same bytes (docs/zero.md). With two ranks the all-to-all sends
+nothing to the rank itself, so the chunk goes straight from the caller's tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from elastic_dp.errors import CollectiveError
+
+logger = logging.getLogger(__name__)
+
+
+class _Done:
+    """A completed work handle, for the single-rank group."""
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+
+class _Staged:
+    """A gloo call on host copies of CUDA tensors: ``wait()`` copies the results back.
+    ``keep``: a tensor the call reads, held until it is done."""
+
+    def __init__(self, work, results: list[tuple[torch.Tensor, torch.Tensor]],
+                 keep: torch.Tensor | None = None) -> None:
+        self.work, self.results, self.keep = work, results, keep  # results: (device tensor, its host copy)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        _wait(self.work, timeout)
+        for device, host in self.results:
+            device.copy_(host)
+        self.keep = None
+        return True
+
+
+class _Summed:
+    """gloo's reduce-scatter as an all-to-all: once every rank's chunk for this rank has
+    arrived (``rows``, one per rank in rank order; this rank's own may be its chunk of the
+    input, which was not sent), ``wait()`` sums them into ``output``."""
+
+    def __init__(self, work, rows: list[torch.Tensor], output: torch.Tensor) -> None:
+        self.work, self.rows, self.output = work, rows, output
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        _wait(self.work, timeout)
+        if self.rows is not None:  # a second wait() has nothing left to do
+            rows, output = self.rows, self.output
+            total = output if output.device == rows[0].device else torch.empty(output.shape, dtype=rows[0].dtype)
+            torch.add(rows[0], rows[1], out=total.view(-1))  # a world of 1 makes no work
+            for row in rows[2:]:
+                total.view(-1).add_(row)
+            if total is not output:
+                output.copy_(total)
+            self.rows = None
+        return True
+
+
+def _wait(work, timeout: datetime.timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+class CollectiveGroup:
+    """A process group for one generation, with configure / abort / destroy."""
+
+    def __init__(self, *, backend: str, timeout_s: float) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+        self.backend = backend
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.generation = -1
+        self.rank = 0
+        self.world_size = 0
+        self._store: dist.Store | None = None
+        self._pg: dist.ProcessGroup | None = None
+        self._sockets: list[int] = []  # the gloo group's own TCP sockets, for abort()
+        self._aborted = -1  # every generation up to this one is aborted
+        self._lock = threading.Lock()  # configure (training thread) against abort (control thread)
+
+    @property
+    def configured(self) -> bool:
+        return self.world_size > 0
+
+    def configure(self, store_host: str, store_port: int, *, generation: int, rank: int,
+                  world_size: int) -> None:
+        """Join generation ``generation`` as ``rank`` of ``world_size`` (blocks until all join).
+
+        Every rank first announces itself under the generation's prefix and waits until
+        all have (polling, so that ``abort(generation)`` from another thread ends the wait
+        with ``CollectiveError``: a peer that died before joining would otherwise hold the
+        others in the process group's rendezvous until the timeout). Then the group is built.
+        """
+        if self.configured:
+            self.destroy()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        with self._lock:
+            self._check_not_aborted(generation, rank)
+            self.generation, self.rank, self.world_size = generation, rank, world_size
+        if world_size == 1:
+            return
+        try:
+            store = dist.TCPStore(store_host, store_port, is_master=False, timeout=self.timeout)
+            self._store = dist.PrefixStore(f"gen{generation}/", store)
+            self._arrive(generation, rank, world_size)
+            self._build(rank, world_size)
+        except BaseException:
+            self._forget()
+            raise
+        if generation <= self._aborted:  # aborted while the group was being built
+            self.abort(generation)
+        logger.debug("gen %d rank %d/%d: %s group formed", generation, rank, world_size, self.backend)
+
+    def _check_not_aborted(self, generation: int, rank: int) -> None:
+        if generation <= self._aborted:
+            raise CollectiveError(f"gen {generation} rank {rank}: the group was aborted while it formed",
+                                  rank=rank)
+
+    def _arrive(self, generation: int, rank: int, world_size: int) -> None:
+        """Announce this rank and wait until every rank of the generation has."""
+        self._store.set(f"arrived/{rank}", b"1")
+        self._wait_keys([f"arrived/{r}" for r in range(world_size)], generation, rank, "not every rank joined")
+
+    def _wait_keys(self, keys: list[str], generation: int, rank: int, what: str) -> None:
+        """Poll the store until ``keys`` are set: ``abort(generation)`` from another thread
+        ends the wait with CollectiveError, as the collective timeout does."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self._store.check(keys):
+            self._check_not_aborted(generation, rank)
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"gen {generation} rank {rank}: {what} within the "
+                                      f"collective timeout of {self.timeout.total_seconds():.0f} s", rank=rank)
+            time.sleep(0.002)
+
+    def share(self, key: str, value: str) -> None:
+        """Tell the other ranks of this generation ``value`` under ``key`` (set-up between
+        ranks, such as where a peer snapshot's shared memory is: ``elastic_dp.state.zero.snapshots``)."""
+        self._require()
+        self._store.set(key, value.encode())
+
+    def shared(self, key: str) -> str:
+        """What a rank ``share``d under ``key``, once it has (an abort ends the wait)."""
+        self._require()
+        self._wait_keys([key], self.generation, self.rank, f"no rank shared {key!r}")
+        return self._store.get(key).decode()
+
+    def _build(self, rank: int, world_size: int) -> None:
+        if self.backend == "gloo":
+            before = _socket_fds()
+            self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, self.timeout)
+            after = _socket_fds()
+            self._sockets = [fd for fd, inode in after.items() if before.get(fd) != inode]
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
+
+    def _require(self) -> dist.ProcessGroup | None:
+        if not self.configured:
+            raise RuntimeError("the collective group is not configured")
+        return self._pg
+
+    def _staging(self, tensor: torch.Tensor) -> bool:
+        return self.backend == "gloo" and tensor.is_cuda
+
+    def all_reduce_async(self, tensor: torch.Tensor):
+        """Start a SUM all-reduce of ``tensor`` in place; returns a handle with ``wait()``."""
+        pg = self._require()
+        if pg is None:
+            return _Done()
+        if self._staging(tensor):
+            host = _host(tensor)
+            return _Staged(pg.allreduce([host]), [(tensor, host)])
+        return pg.allreduce([tensor])
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.all_reduce_async(tensor).wait()
+        return tensor
+
+    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor):
+        """Start a SUM reduce-scatter: ``output`` gets this rank's chunk of the sum of ``input``.
+
+        ``input`` has ``world_size`` times the elements of ``output``; rank r receives
+        elements ``[r * n, (r + 1) * n)``. ``output`` may be that chunk of ``input``.
+
+        On gloo it is an all-to-all (rank j is sent chunk j) whose ``wait()`` sums the
+        chunks received, in rank order: gloo's own reduce-scatter all-reduces a copy of the
+        whole input, twice the bytes and 2.5 times the time (docs/zero.md). With two ranks
+        only the other rank's chunk is sent, straight from ``input``, and this rank's own
+        chunk is added where it is, not copied to itself first.
+        """
+        pg = self._require()
+        if pg is None:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        if self.backend == "gloo":
+            source = (_host(input) if self._staging(input) else input).reshape(-1)
+            n = output.numel()
+            if self.world_size == 2:  # the other rank's chunk is sent as it is; this rank's stays
+                other = 1 - self.rank
+                received = torch.empty(n, dtype=source.dtype)
+                sizes = [n, 0] if other == 0 else [0, n]
+                work = pg.alltoall_base(received, source[other * n:(other + 1) * n], sizes, sizes,
+                                        dist.AllToAllOptions())
+                own = source[self.rank * n:(self.rank + 1) * n]
+                return _Summed(work, [received, own] if other == 0 else [own, received], output)
+            received = torch.empty((self.world_size, n), dtype=source.dtype)
+            work = pg.alltoall_base(received.view(-1), source, [], [], dist.AllToAllOptions())
+            return _Summed(work, list(received), output)
+        return pg._reduce_scatter_base(output, input)
+
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor):
+        """Start an all-gather: ``output`` gets every rank's ``input``, in rank order.
+
+        ``input`` may be this rank's own chunk of ``output`` (gathering in place).
+
+        On gloo it is an all-to-all that sends every rank a copy of ``input`` and receives
+        straight into ``output``: gloo's own all-gather receives into a buffer of its own
+        and copies out of it, which takes 1.6 times as long (docs/zero.md). With two ranks
+        nothing is copied: ``input`` itself is sent to the other rank, whose chunk is
+        received in place (an all-to-all with nothing for itself).
+        """
+        pg = self._require()
+        if pg is None:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        if self.backend == "gloo":
+            n = input.numel()
+            if self.world_size == 2:  # the chunk is sent as it is, and the other's received in place
+                other, flat = 1 - self.rank, output.view(-1)
+                mine, theirs = flat[self.rank * n:(self.rank + 1) * n], flat[other * n:(other + 1) * n]
+                if mine.data_ptr() != input.data_ptr():
+                    mine.copy_(input.reshape(-1))
+                send = _host(input) if self._staging(input) else input
+                target = torch.empty(n, dtype=output.dtype) if self._staging(output) else theirs
+                sizes = [n, 0] if other == 0 else [0, n]
+                work = pg.alltoall_base(target, send.reshape(-1), sizes, sizes, dist.AllToAllOptions())
+                return _Staged(work, [(theirs, target)] if target is not theirs else [], keep=send)
+            send = torch.empty((self.world_size, n), dtype=input.dtype)
+            send.copy_(input.reshape(1, -1).expand(self.world_size, -1))  # from the GPU too, if there
+            target = torch.empty(output.shape, dtype=output.dtype) if self._staging(output) else output
+            work = pg.alltoall_base(target.view(-1), send.view(-1), [], [], dist.AllToAllOptions())
+            return _Staged(work, [(output, target)] if target is not output else [], keep=send)
+        return pg._allgather_base(output, input)
+
+    def exchange_async(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> list:
+        """Start sending ``send`` to rank ``dst`` and receiving rank ``src``'s tensor into
+        ``recv`` (either may be None: that half is left out); their handles. ``send`` must
+        not change until they are waited for."""
+        pg = self._require()
+        if pg is None:
+            if send is not None and recv is not None:
+                recv.copy_(send)
+            return [_Done()]
+        works = []
+        if send is not None:
+            works.append(_Staged(pg.send([_host(send)], dst, 0), []) if self._staging(send)
+                         else pg.send([send], dst, 0))
+        if recv is not None:
+            if self._staging(recv):
+                host = torch.empty(recv.shape, dtype=recv.dtype)
+                works.append(_Staged(pg.recv([host], src, 0), [(recv, host)]))
+            else:
+                works.append(pg.recv([recv], src, 0))
+        return works
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
+        pg = self._require()
+        if pg is not None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = src
+            if self._staging(tensor):
+                host = _host(tensor)
+                _Staged(pg.broadcast([host], opts), [(tensor, host)]).wait()
+            else:
+                pg.broadcast([tensor], opts).wait()
+        return tensor
+
+    def abort(self, generation: int | None = None) -> None:
+        """Make every collective blocked on this group raise, on this rank, now.
+
+        ``generation`` (default: the current one) and every earlier one are aborted: a
+        group of a later generation is left alone (a late abort cannot hit the next
+        group), and one still forming gives up its rendezvous (``configure`` raises).
+
+        Safe to call from another thread while the training thread is blocked in a
+        collective; the group is unusable afterwards (``destroy()`` it once the blocked
+        collective has returned). NCCL has a real abort. gloo has none that releases a
+        blocked rank (DESIGN, pitfalls), so the group's connected TCP sockets are shut
+        down, which makes the blocked call raise in a few ms. Its listening socket is left
+        alone: shutting that one down aborts the process.
+        """
+        with self._lock:
+            generation = self.generation if generation is None else generation
+            self._aborted = max(self._aborted, generation)
+            if self._pg is None or generation < self.generation:
+                return
+            pg, sockets = self._pg, list(self._sockets)
+        if self.backend == "nccl":
+            pg.abort()
+            return
+        for fd in sockets:
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue  # already closed
+            try:
+                if (sock.family in (socket.AF_INET, socket.AF_INET6)
+                        and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
+            finally:
+                sock.close()  # closes the duplicate only
+
+    def destroy(self) -> None:
+        """Release the group once no collective on it is running (after an abort, too)."""
+        if self._pg is not None and self.backend == "nccl":
+            self._pg.shutdown()
+        self._forget()  # for gloo, dropping the last reference closes its sockets and threads
+
+    def _forget(self) -> None:
+        self._pg = None
+        self._store = None
+        self._sockets = []
+        self.world_size = 0
+
+
+def _socket_fds() -> dict[int, str]:
+    """This process's socket file descriptors and their inodes."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            found[int(name)] = link
+    return found

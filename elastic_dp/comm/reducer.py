@@ -1,0 +1,328 @@
+"""Bucketed gradient all-reduce, launched from backward hooks.
+
+Parameters are packed, in reverse registration order (roughly the order backward
+produces their gradients), into buckets of about ``bucket_bytes``. During the last
+micro-batch's backward, each parameter's post-accumulate-grad hook marks it ready; when a
+bucket is complete its gradients are copied into the bucket's flat buffer and an
+asynchronous SUM all-reduce starts, while backward carries on with earlier layers.
+
+Buckets are launched strictly in index order, on every rank: collectives are matched by
+their order, so a bucket that is ready early waits for its predecessors. ``finish()``
+launches whatever backward did not (unused parameters count as zero gradients), waits,
+and leaves the reduced gradients in ``param.grad``.
+
+Where the bucket has the parameters' dtype, each ``param.grad`` *is* a view into the
+bucket's buffer (as DDP's ``gradient_as_bucket_view``): autograd accumulates into it in
+place, the all-reduce runs on it in place, and no gradient is copied. That is why
+gradients are zeroed by ``zero_grad()`` here and never set to None. Buckets reduced in
+fp32 for bf16 parameters copy in and out instead.
+
+For the sharded stages (elastic_dp.state.zero.stages) the same buckets are the unit of sharding:
+they never mix parameters of different optimizer param groups (``group_of``) and each
+buffer is padded to a multiple of the world size (``pad_to``) so that rank ``r`` owns
+the ``r``-th of ``world_size`` equal chunks. In scatter mode (ZeRO stage 2) a bucket is
+reduce-scattered into the caller's per-bucket ``scatter_into`` chunk instead of
+all-reduced: its full buffer exists only from launch until the reduction completes, and
+the parameters' full gradients are released (set to None) as soon as they are copied in.
+In in-place scatter mode (ZeRO stage 1, ``scatter_in_place``) the buffers stay, as in
+all-reduce mode, with the gradients as views into them, and each bucket is
+reduce-scattered into the rank's own chunk of its buffer: that chunk then holds the global
+gradient and the rest of the buffer this rank's local one. It sends half the bytes of an
+all-reduce, and the rank reads only its chunk anyway.
+
+The caller scales each micro-batch's loss so that local gradients are the sum of the
+per-sample gradients divided by the global batch; the SUM over ranks then gives the
+global-batch gradient exactly (DESIGN invariant 2), with no division by the world size.
+
+The step's commit vote travels in the last bucket: its buffer carries ``VOTE`` more
+elements, in which each rank puts whether its step raised (``note_error``), whether
+any of its losses (``note_nonfinite``) or local gradients (the sum of each bucket, taken
+as it is launched, is not finite) is not finite, and whether the coordinator asked it to
+end its window of steps after this one (``note_stop``: every rank then ends it at the
+same step, the one whose tally carries the request). The SUM over ranks arrives with the
+last bucket's reduction; ``finish()`` returns it. In the scatter modes, where every rank receives only its
+chunk, the last bucket is reduce-scattered from a copy in which each rank's chunk is followed by the
+vote, so every rank receives the whole tally. No collective is spent on the vote alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+VOTE = 3
+"""Vote elements after the last bucket: [ranks with an error, ranks with a non-finite
+loss or local gradient, ranks asked to end the window after this step]."""
+
+from elastic_dp.comm.group import CollectiveGroup
+
+
+@dataclass(slots=True)
+class Bucket:
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    """Where each parameter starts in the bucket's flat buffer."""
+    numel: int
+    """Elements of the parameters; the buffer has ``padded`` >= ``numel`` (zeros after)."""
+    padded: int
+    dtype: torch.dtype
+    as_view: bool
+    """The buffer has the parameters' dtype, so the views serve as their ``.grad``."""
+    buffer: torch.Tensor | None = None
+    carrier: torch.Tensor | None = None
+    """The last bucket's reduced tensor: ``buffer`` followed by the vote (``buffer`` is a
+    view of it); None for the others."""
+    views: list[torch.Tensor] = field(default_factory=list)
+    """Per parameter, its slice of ``buffer`` shaped like the parameter."""
+    pending: int = 0
+    ready: bool = False
+    work: object | None = None
+    seen: set[int] = field(default_factory=set)
+
+
+class GradientReducer:
+    """All-reduces gradients in buckets overlapped with backward."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group: CollectiveGroup, *,
+                 bucket_bytes: int, reduce_fp32: bool, first_bucket_bytes: int | None = None,
+                 group_of: dict[int, int] | None = None, pad_to: int = 1,
+                 scatter_into: list[torch.Tensor] | None = None, scatter_in_place: bool = False) -> None:
+        self.group = group
+        self.buckets = make_buckets([p for p in params if p.requires_grad], bucket_bytes, reduce_fp32,
+                                    first_bucket_bytes=first_bucket_bytes, group_of=group_of, pad_to=pad_to)
+        self.scatter_into = scatter_into
+        if scatter_into is not None and scatter_in_place:
+            raise ValueError("scatter_into and scatter_in_place exclude each other")
+        if (scatter_into is not None or scatter_in_place) and pad_to != group.world_size:
+            raise ValueError(f"a reduce-scatter needs buckets padded to the world size {group.world_size}, "
+                             f"not {pad_to}")
+        self.chunks: list[torch.Tensor] | None = scatter_into
+        """Scatter modes: per bucket, the chunk this rank receives (None: all-reduce mode)."""
+        if scatter_into is not None:
+            expected = [b.padded // pad_to for b in self.buckets]
+            if [t.numel() for t in scatter_into] != expected:
+                raise ValueError(f"scatter_into needs chunks of {expected} elements")
+        else:
+            for bucket in self.buckets:
+                _attach(bucket, torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device),
+                        carry_vote=bucket is self.buckets[-1] and not scatter_in_place)
+            if scatter_in_place:
+                self.chunks = [b.buffer.view(pad_to, -1)[group.rank] for b in self.buckets]
+        device = self.buckets[-1].params[0].device if self.buckets else torch.device("cpu")
+        self._local = torch.zeros(VOTE, dtype=torch.float32, device=device)
+        """This rank's vote, filled in during the step."""
+        self._sums = torch.zeros(len(self.buckets), dtype=torch.float32, device=device)
+        """Per bucket, the sum of this rank's gradients (checked for NaN and infinity)."""
+        self._tally = torch.zeros(VOTE)
+        self._scatter_out: torch.Tensor | None = None  # scatter mode: the last chunk and the tally
+        self._bucket_of: dict[int, int] = {}
+        self._hooks = []
+        for b, bucket in enumerate(self.buckets):
+            for p in bucket.params:
+                self._bucket_of[id(p)] = b
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._armed = False
+        self._next = 0
+        self.before_vote: Callable[[], None] | None = None
+        """Called just before this rank's vote leaves with the last bucket: the last moment
+        to ``note_stop`` (the worker's window), and fault injection's ``allreduce`` phase
+        (the other buckets are in flight, and the step commits on no rank)."""
+
+    def close(self) -> None:
+        """Remove the backward hooks (before another reducer takes over these parameters)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def zero_grad(self) -> None:
+        """Zero every gradient (the views stay attached as ``param.grad``) and the vote."""
+        self._local.zero_()
+        for bucket in self.buckets:
+            if self.scatter_into is not None:
+                bucket.buffer, bucket.views = None, []
+                for p in bucket.params:
+                    p.grad = None
+                continue
+            (bucket.carrier if bucket.carrier is not None else bucket.buffer).zero_()
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view if bucket.as_view else None
+
+    def arm(self) -> None:
+        """Reduce during the next backward (the last micro-batch of a step).
+
+        A no-op when already armed, so a step that failed part-way through its last
+        backward can call it again and still launch every bucket exactly once.
+        """
+        if self._armed:
+            return
+        self._armed = True
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.pending, bucket.ready, bucket.work = len(bucket.params), False, None
+            bucket.seen.clear()
+
+    def note_nonfinite(self) -> None:
+        """A loss of this rank's step is not finite: it votes to skip the update."""
+        self._local[1] += 1.0
+
+    def note_error(self) -> None:
+        """This rank's step raised: it votes against the commit (call before ``finish``)."""
+        self._local[0] = 1.0
+
+    def note_stop(self) -> None:
+        """This rank was asked to end its window: every rank ends it after this step
+        (call after ``zero_grad`` and before the last bucket is launched: ``before_vote``)."""
+        self._local[2] = 1.0
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return
+        bucket = self.buckets[self._bucket_of[id(param)]]
+        if id(param) in bucket.seen:  # a parameter used twice fires once per use
+            return
+        bucket.seen.add(id(param))
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            bucket.ready = True
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].ready:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        if self.scatter_into is not None:  # each view is written below; only the padding is zeroed here
+            _attach(bucket, torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device))
+            bucket.buffer[bucket.numel:].zero_()
+        for p, view in zip(bucket.params, bucket.views):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+        self._sums[index] = bucket.buffer.sum(dtype=torch.float32)  # non-finite if any element is
+        last = index == len(self.buckets) - 1
+        if last:  # this rank's gradients: a NaN or an infinity anywhere votes to skip
+            if self.before_vote is not None:
+                self.before_vote()
+            self._local[1] += (~torch.isfinite(self._sums)).any()
+        if self.scatter_into is not None:
+            for p in bucket.params:
+                p.grad = None  # the full gradient is in the buffer now; release it
+        if self.chunks is not None:
+            if last:  # every rank's chunk followed by the vote: each rank receives the tally
+                world = bucket.padded // self.chunks[index].numel()
+                source = torch.cat([bucket.buffer.view(world, -1),
+                                    self._local.to(bucket.dtype).expand(world, VOTE)], dim=1)
+                self._scatter_out = torch.empty(source.shape[1], dtype=bucket.dtype, device=source.device)
+                bucket.work = self.group.reduce_scatter_async(self._scatter_out, source.view(-1))
+            else:  # in place: the chunk may be the rank's own part of the buffer
+                bucket.work = self.group.reduce_scatter_async(self.chunks[index], bucket.buffer)
+        elif last:
+            bucket.carrier[bucket.padded:] = self._local
+            bucket.work = self.group.all_reduce_async(bucket.carrier)
+        else:
+            bucket.work = self.group.all_reduce_async(bucket.buffer)
+
+    def finish(self) -> list[float]:
+        """Launch the buckets backward did not, wait for all; gradients are then global.
+        Returns the vote summed over the ranks: [ranks with an error, ranks with a
+        non-finite loss or gradient, ranks asked to stop after this step]."""
+        for bucket in self.buckets[self._next:]:
+            bucket.ready = True
+        self._launch_ready()
+        self._armed = False
+        for index, bucket in enumerate(self.buckets):
+            bucket.work.wait()
+            if self.chunks is not None:  # the reduced chunk is in self.chunks[index]
+                if index == len(self.buckets) - 1:
+                    chunk = self.chunks[index]
+                    chunk.copy_(self._scatter_out[:chunk.numel()])
+                    self._tally = self._scatter_out[chunk.numel():]
+                    self._scatter_out = None
+                if self.scatter_into is not None:
+                    bucket.buffer, bucket.views = None, []
+                continue  # in place: the gradients stay the views (global in the chunk only)
+            if bucket.carrier is not None:
+                self._tally = bucket.carrier[bucket.padded:]
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                    continue
+                if bucket.as_view:
+                    p.grad = view
+                elif p.grad is None:
+                    p.grad = view.to(p.dtype)
+                else:
+                    p.grad.copy_(view)
+        if not self.buckets:  # nothing to reduce: the vote is this rank's alone
+            if self.before_vote is not None:
+                self.before_vote()
+            return self._local.tolist()
+        return self._tally.tolist()
+
+    def disarm(self) -> None:
+        """Forget a step that failed part-way; the next ``arm()`` starts clean."""
+        self._armed = False
+        self._scatter_out = None
+        if self.scatter_into is not None:
+            for bucket in self.buckets:
+                bucket.buffer, bucket.views = None, []
+
+
+def _attach(bucket: Bucket, buffer: torch.Tensor, carry_vote: bool = False) -> None:
+    if carry_vote:  # the buffer is followed by the vote, reduced with it
+        bucket.carrier = torch.zeros(buffer.numel() + VOTE, dtype=buffer.dtype, device=buffer.device)
+        buffer = bucket.carrier[:buffer.numel()]
+    bucket.buffer = buffer
+    bucket.views = [buffer[o:o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)]
+
+
+def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp32: bool, *,
+                 first_bucket_bytes: int | None = None, group_of: dict[int, int] | None = None,
+                 pad_to: int = 1) -> list[Bucket]:
+    """Pack ``params``, last first, into buckets of about ``bucket_bytes``; the first closes
+    at ``first_bucket_bytes`` already, where given (``TrainConfig.first_bucket_bytes``). No
+    buffers yet.
+
+    A bucket holds parameters of one dtype on one device and, with ``group_of``
+    (``id(param)`` -> param group), of one param group. Each such kind has one open
+    bucket, filled in reverse registration order and closed when full, so parameters of
+    different kinds that alternate in the model (weights and biases in a weight-decay
+    split) do not cut each other's buckets short; buckets are ordered by when they were
+    closed, roughly when backward completes them, and the last, partly filled ones come
+    last. The partition does not depend on ``pad_to``: only each bucket's padded length
+    does, so buckets keep their identity when the world size changes.
+    """
+    def buffer_dtype(p: torch.nn.Parameter) -> torch.dtype:
+        if reduce_fp32 and p.dtype in (torch.bfloat16, torch.float16):
+            return torch.float32
+        return p.dtype
+
+    def kind(p: torch.nn.Parameter) -> tuple:
+        return p.dtype, buffer_dtype(p), p.device, (group_of or {}).get(id(p))
+
+    def bucket(members: list[torch.nn.Parameter]) -> Bucket:
+        dtype = buffer_dtype(members[0])
+        offsets, offset = [], 0
+        for p in members:
+            offsets.append(offset)
+            offset += p.numel()
+        return Bucket(params=members, offsets=offsets, numel=offset, padded=-(-offset // pad_to) * pad_to,
+                      dtype=dtype, as_view=all(p.dtype == dtype for p in members))
+
+    first = bucket_bytes if first_bucket_bytes is None else min(bucket_bytes, first_bucket_bytes)
+    buckets: list[Bucket] = []
+    open_: dict[tuple, tuple[list[torch.nn.Parameter], int]] = {}  # kind -> (params, bytes); insertion-ordered
+    for p in reversed(params):
+        members, size = open_.pop(kind(p), ([], 0))
+        members.append(p)
+        size += p.numel() * torch.empty((), dtype=buffer_dtype(p)).element_size()
+        if size >= (bucket_bytes if buckets else first):
+            buckets.append(bucket(members))
+        else:
+            open_[kind(p)] = (members, size)  # re-inserted: open buckets stay ordered by last use
+    buckets.extend(bucket(members) for members, _ in open_.values())
+    return buckets

@@ -1,0 +1,141 @@
+"""Membership: who is in the group. The control plane's half that knows nothing of steps.
+
+It owns the worker pool, the elastic policy and the joiners: it places the first
+workers, admits ready joiners at step boundaries (the coordinator picks the boundary),
+stops lost workers and asks for replacements, and times the wait below MIN. It holds no
+tensors and does not call the workers; a ``Pool`` is anything with the methods below
+(``WorkerPool`` on Ray, a fake in the unit tests), and members are opaque objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Hashable, Protocol, Sequence
+
+from elastic_dp.errors import PlacementError
+from elastic_dp.control.membership.policy import Action, ElasticPolicy, MembershipDecision
+
+logger = logging.getLogger(__name__)
+
+
+class Pool(Protocol):
+    """Starts and stops workers; ``elastic_dp.control.membership.pool.WorkerPool`` on Ray."""
+
+    pending: list
+    """Requested workers that are not ready yet."""
+
+    def start(self, count: int) -> None:
+        """Request ``count`` more workers."""
+
+    def poll(self) -> list:
+        """The requested workers that became ready since the last call."""
+
+    def wait_ready(self, count: int, timeout_s: float) -> list:
+        """Block until ``count`` workers became ready or ``timeout_s`` passed; return them."""
+
+    def placed_but_starting(self) -> int:
+        """Workers placed on the cluster whose task is still being built."""
+
+    def stop(self, member) -> None:
+        """Stop ``member`` and release its resources."""
+
+    def stop_all(self) -> None:
+        """Stop every worker the pool started."""
+
+    def request_capacity(self, count: int) -> None:
+        """Ask the cluster's autoscaler for room for ``count`` workers (0: withdraw)."""
+
+    def placement_error(self, wanted: int, timeout_s: float, ready: int) -> PlacementError:
+        """The error for ``wanted`` workers not placed within ``timeout_s``."""
+
+
+class Membership:
+    """The members of the current generation, the ready joiners, and the pool behind them.
+
+    ``held_back`` workers (injected joins) are not requested at the start: the target
+    grows by one for each when ``grow`` is called at its step.
+    """
+
+    def __init__(self, pool: Pool, *, min_workers: int, max_workers: int, held_back: int = 0,
+                 wait_timeout_s: float = 300.0, placement_timeout_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.min_workers, self.max_workers = min_workers, max_workers
+        self.target = max(min_workers, max_workers - held_back)
+        self.wait_timeout_s, self.placement_timeout_s = wait_timeout_s, placement_timeout_s
+        self.clock = clock
+        self.members: list = []
+        """The current generation, in rank order."""
+        self.joiners: list = []
+        """Ready workers not in the current generation."""
+        self._waiting_since: float | None = None
+
+    @property
+    def policy(self) -> ElasticPolicy:
+        return ElasticPolicy(min_workers=self.min_workers, max_workers=self.target,
+                             wait_timeout_s=self.wait_timeout_s)
+
+    def place(self) -> list:
+        """Request the first workers; return the ready ones once MIN are (more if placed).
+        The autoscaler is asked for room for the target (MAX) at once, so the nodes for
+        workers that do not fit now are started while the run trains on the others."""
+        self.pool.request_capacity(self.target)
+        self.pool.start(self.target)
+        ready = self.pool.wait_ready(self.min_workers, self.placement_timeout_s)
+        if len(ready) < self.min_workers:
+            raise self.pool.placement_error(self.min_workers, self.placement_timeout_s, len(ready))
+        while self.pool.placed_but_starting() and len(ready) < self.target:  # placed: nearly ready
+            ready += self.pool.wait_ready(1, self.placement_timeout_s)
+        return ready
+
+    def grow(self, count: int) -> None:
+        """Injected joins: raise the target by ``count`` and wait until the new workers are ready."""
+        self.target = min(self.max_workers, self.target + count)
+        self.pool.request_capacity(self.target)
+        self.pool.start(count)
+        self.joiners += self.pool.wait_ready(count, self.placement_timeout_s)
+
+    def at_step_boundary(self) -> MembershipDecision:
+        """Between steps: CONTINUE, or REFORM to admit the joiners that are ready."""
+        self.joiners += self.pool.poll()
+        return self.policy.at_step_boundary(self.members, self.joiners)
+
+    def arrivals(self) -> list:
+        """Object refs done when a starting worker has moved on (``WorkerPool.progress_refs``):
+        a mode that waits on them with its workers' calls hears of a joiner at once."""
+        return self.pool.progress_refs()
+
+    def lose(self, lost: Sequence[Hashable]) -> None:
+        """Stop workers that died or hung; they leave the members and the joiners."""
+        for member in lost:
+            self.pool.stop(member)
+        self.members = [m for m in self.members if m not in lost]
+        self.joiners = [j for j in self.joiners if j not in lost]
+
+    def after_failure(self, survivors: Sequence[Hashable], *, has_checkpoint: bool) -> MembershipDecision:
+        """Members failed; ``survivors`` (rank order) are the rest of the group that was
+        running or forming. Asks for replacements up to the target, then decides: REFORM,
+        RESTORE, WAIT (below MIN; the wait is timed from the first WAIT) or FAIL."""
+        self.joiners += self.pool.poll()
+        joiners = [j for j in self.joiners if j not in survivors]
+        self.pool.start(self.policy.wanted(len(survivors), len(self.pool.pending) + len(joiners)))
+        now = self.clock()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        decision = self.policy.after_failure(survivors, joiners, waited_s=now - self._waiting_since,
+                                             has_checkpoint=has_checkpoint)
+        if decision.action is not Action.WAIT:
+            self._waiting_since = None
+        return decision
+
+    def admit(self, members: Sequence[Hashable]) -> None:
+        """``members`` (rank order) form the new generation; they are no longer joiners."""
+        self.members = list(members)
+        self.joiners = [j for j in self.joiners if j not in members]
+
+    def close(self) -> None:
+        """Stop every worker, and withdraw the request for capacity."""
+        self.pool.stop_all()
+        self.pool.request_capacity(0)
+        self.members, self.joiners = [], []

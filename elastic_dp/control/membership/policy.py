@@ -1,0 +1,99 @@
+"""Membership policy: when to shrink, grow, wait or give up. Pure decisions, no Ray, no torch.
+
+``Membership`` reports what it sees — which members of the current generation are alive,
+which new workers are ready to join, how long it has waited — and the policy returns a
+``MembershipDecision``; the coordinator acts on it. Members are opaque ids; the
+order of ``MembershipDecision.members`` is the rank order of the next generation
+(survivors keep their relative order, joiners come after), so ranks stay dense.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from elastic_dp.errors import ConfigError
+
+
+class Action(enum.Enum):
+    CONTINUE = "continue"
+    """Keep the current generation."""
+    REFORM = "reform"
+    """Form the next generation over ``members``."""
+    WAIT = "wait"
+    """Too few workers: wait for capacity to return."""
+    RESTORE = "restore"
+    """No copy of the state survives: restart ``members`` from the latest durable checkpoint."""
+    FAIL = "fail"
+    """Give up; ``reason`` says why and what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipDecision:
+    action: Action
+    members: tuple[Hashable, ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticPolicy:
+    """Keep between ``min_workers`` and ``max_workers`` workers; wait up to
+    ``wait_timeout_s`` below ``min_workers`` before failing."""
+
+    min_workers: int
+    max_workers: int
+    wait_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ConfigError(f"--workers MIN:MAX needs 1 <= MIN <= MAX, got "
+                              f"{self.min_workers}:{self.max_workers}")
+        if self.wait_timeout_s < 0:
+            raise ConfigError(f"the wait timeout must be >= 0, got {self.wait_timeout_s} (--min-wait-timeout)")
+
+    def wanted(self, current: int, pending: int) -> int:
+        """How many more workers to request, given ``current`` members and ``pending`` starts."""
+        return max(0, self.max_workers - current - pending)
+
+    def after_failure(self, survivors: Sequence[Hashable], joiners: Sequence[Hashable], *,
+                      waited_s: float, has_checkpoint: bool) -> MembershipDecision:
+        """Members of the current generation failed; ``survivors`` are the rest, in rank order."""
+        if not survivors:
+            if not has_checkpoint:
+                return MembershipDecision(Action.FAIL, reason=(
+                    "every worker failed and there is no durable checkpoint to restart from: "
+                    "pass --checkpoint-dir and --checkpoint-every so a run can recover from this"))
+            if len(joiners) >= self.min_workers:
+                return MembershipDecision(Action.RESTORE, tuple(joiners[:self.max_workers]),
+                                          reason="no worker survived; restarting from the latest checkpoint")
+            return self._wait_or_fail(0, len(joiners), waited_s)
+        return self._reform(survivors, joiners, waited_s)
+
+    def at_step_boundary(self, members: Sequence[Hashable], joiners: Sequence[Hashable]) -> MembershipDecision:
+        """Between steps: admit ready joiners while below ``max_workers``."""
+        room = self.max_workers - len(members)
+        if not joiners or room <= 0:
+            return MembershipDecision(Action.CONTINUE, tuple(members))
+        admitted = tuple(joiners[:room])
+        return MembershipDecision(Action.REFORM, (*members, *admitted),
+                                  reason=f"{len(admitted)} worker(s) joining")
+
+    def _reform(self, survivors: Sequence[Hashable], joiners: Sequence[Hashable], waited_s: float) -> MembershipDecision:
+        keep = tuple(survivors[:self.max_workers])
+        admitted = tuple(joiners[:self.max_workers - len(keep)])
+        total = len(keep) + len(admitted)
+        if total < self.min_workers:
+            return self._wait_or_fail(len(keep), len(admitted), waited_s)
+        return MembershipDecision(Action.REFORM, (*keep, *admitted),
+                                  reason=f"{len(keep)} survivor(s), {len(admitted)} joiner(s)")
+
+    def _wait_or_fail(self, alive: int, joiners: int, waited_s: float) -> MembershipDecision:
+        have = alive + joiners
+        if waited_s < self.wait_timeout_s:
+            return MembershipDecision(Action.WAIT, reason=(
+                f"{have} of the {self.min_workers} workers needed are available; waiting up to "
+                f"{self.wait_timeout_s:.0f} s for capacity"))
+        return MembershipDecision(Action.FAIL, reason=(
+            f"only {have} workers available after waiting {waited_s:.0f} s, below the minimum of "
+            f"{self.min_workers}: lower MIN in --workers MIN:MAX, add capacity, or raise --min-wait-timeout"))

@@ -1,0 +1,162 @@
+"""The worker pool: starting, tracking and stopping worker actors on the Ray cluster.
+
+Each worker gets a placement group of its own (one bundle), so the pool can grow and
+shrink one worker at a time: a failed worker's bundle is released, a new request waits in
+Ray until the cluster has room. ``poll()`` reports which started workers are built and
+ready to join. This is the only part of membership that talks to Ray
+(``elastic_dp.control.membership.Membership`` drives it, or a fake in tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.autoscaler.sdk import request_resources
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from elastic_dp.worker.actor import remote_worker_class
+from elastic_dp.config import ClusterConfig, TrainConfig
+from elastic_dp.errors import PlacementError
+from elastic_dp.messages import WorkerInfo
+from elastic_dp.control.placement import resolve_device, worker_bundle
+from elastic_dp.task import Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Member:
+    """One worker actor and its placement group."""
+
+    id: int
+    group: PlacementGroup
+    actor: object | None = None
+    setup_ref: object | None = None
+    placed_ref: object | None = None
+    info: WorkerInfo | None = None
+    stopped: bool = False
+
+    def __repr__(self) -> str:
+        return f"worker-{self.id}"
+
+    @property
+    def ready_time(self) -> float:
+        """Wall-clock time at which the worker finished building its task."""
+        return self.info.ready_time
+
+
+class WorkerPool:
+    """Starts workers in the background and hands out the ones that are ready."""
+
+    def __init__(self, task: Task, train: TrainConfig, cluster: ClusterConfig) -> None:
+        self.task, self.train, self.cluster = task, train, cluster
+        self._device: str | None = None  # resolved on the first start, when Ray is up
+        self._ids = itertools.count()
+        self._cls = remote_worker_class()
+        self.pending: list[Member] = []   # placement or setup not finished
+        self.all: list[Member] = []
+
+    @property
+    def device(self) -> str:
+        """``cpu`` or ``cuda``: the cluster config's device, ``auto`` resolved."""
+        if self._device is None:
+            device = resolve_device(self.cluster.device)
+            self.cluster.backend_for(device)  # --backend nccl on CPU workers is refused here
+            self._device = device
+        return self._device
+
+    def start(self, count: int) -> None:
+        """Request ``count`` more workers; they become ready when placed and built."""
+        for _ in range(count):
+            member = Member(id=next(self._ids), group=placement_group([worker_bundle(self.device, self.cluster.gpus_per_worker)]))
+            member.placed_ref = member.group.ready()
+            self.pending.append(member)
+            self.all.append(member)
+
+    def poll(self) -> list[Member]:
+        """Advance pending workers; return the ones that became ready to join."""
+        ready: list[Member] = []
+        for member in list(self.pending):
+            if member.actor is None:
+                if not ray.wait([member.placed_ref], timeout=0)[0]:
+                    continue
+                gpu = self.cluster.gpus_per_worker if self.device == "cuda" else 0
+                member.actor = self._cls.options(
+                    num_cpus=1, num_gpus=gpu, max_restarts=0, max_concurrency=3,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=member.group,
+                                                                         placement_group_bundle_index=0),
+                ).remote(device=self.device, backend=self.cluster.backend_for(self.device), num_threads=1,
+                         collective_timeout_s=self.cluster.collective_timeout_s)
+                member.setup_ref = member.actor.setup.remote(self.task, self.train)
+            done, _ = ray.wait([member.setup_ref], timeout=0)
+            if done:
+                self.pending.remove(member)
+                try:
+                    member.info = ray.get(member.setup_ref)
+                except ray.exceptions.RayActorError as exc:
+                    logger.warning("%r died while starting: %s", member, exc)
+                    self.stop(member)
+                    continue  # task errors (TaskError) propagate
+                ready.append(member)
+        return ready
+
+    def progress_refs(self) -> list:
+        """One object ref per pending worker, done when it has moved on (placed, or built):
+        a ``ray.wait`` on them wakes as soon as ``poll`` has news."""
+        return [m.placed_ref if m.actor is None else m.setup_ref for m in self.pending]
+
+    def wait_ready(self, count: int, timeout_s: float) -> list[Member]:
+        """Block until ``count`` workers are ready or ``timeout_s`` passes; return the ready ones."""
+        deadline = time.monotonic() + timeout_s
+        ready: list[Member] = []
+        while True:
+            ready += self.poll()
+            if len(ready) >= count or time.monotonic() >= deadline:
+                return ready
+            time.sleep(0.05)
+
+    def placed_but_starting(self) -> int:
+        return sum(1 for m in self.pending if m.actor is not None)
+
+    def stop(self, member: Member) -> None:
+        """Kill the worker and release its bundle (once; a second call does nothing)."""
+        if member.stopped:
+            return
+        member.stopped = True
+        if member.actor is not None:
+            ray.kill(member.actor, no_restart=True)
+        remove_placement_group(member.group)
+        if member in self.pending:
+            self.pending.remove(member)
+
+    def stop_all(self) -> None:
+        for member in self.all:
+            try:
+                self.stop(member)
+            except Exception as exc:  # already gone
+                logger.debug("stopping %r: %s", member, exc)
+        self.all.clear()
+
+    def request_capacity(self, count: int) -> None:
+        """A standing request to Ray's autoscaler (KubeRay's in-tree one on Kubernetes) for a
+        cluster with room for ``count`` workers; 0 withdraws it. Without an autoscaler it
+        only records the request."""
+        try:
+            request_resources(bundles=[worker_bundle(self.device, self.cluster.gpus_per_worker)] * count)
+        except Exception as exc:  # an older or unusual cluster: the run goes on without it
+            logger.warning("could not ask the autoscaler for %d workers: %s", count, exc)
+
+    def placement_error(self, wanted: int, timeout_s: float, ready: int) -> PlacementError:
+        """The error for ``wanted`` workers not placed within ``timeout_s`` (``ready`` are)."""
+        placed = ready + self.placed_but_starting()
+        bundle = worker_bundle(self.device, self.cluster.gpus_per_worker)
+        total = int(min(ray.cluster_resources().get(k, 0) // v for k, v in bundle.items()))
+        return PlacementError(
+            f"could not place {wanted} workers ({bundle} each) within {timeout_s:.0f} s: {placed} were "
+            f"placed and the cluster has room for {total} in all. Lower --workers (or MIN in "
+            "--workers MIN:MAX), free or add capacity, or raise --placement-timeout")

@@ -1,0 +1,120 @@
+"""Where the synchronous mode's training state lives, and how it moves when members change.
+
+A layout is chosen once from the ZeRO stage (``make_layout``). The mode asks it to carry
+the state over every change of members — a re-formation after a failure, a resize that
+admits joiners, a restart from the durable checkpoint — and to collect the checkpoint's
+parts. ``ReplicatedLayout`` (stage 0) is here; ``ShardedLayout`` (stages 1 and 2) is in
+``.sharded``; a fully sharded layout (ZeRO-3) would be one more class behind the same
+interface.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+
+from elastic_dp.durable.checkpoint import Checkpoint
+from elastic_dp.faults import Fault
+from elastic_dp.messages import StepResult
+from elastic_dp.control.modes.base import Failure, Recovery, RecoveryResult, classify
+from elastic_dp.control.modes.calls import raise_for
+from elastic_dp.control.modes.sync.group import Generations
+
+
+class StateLayout(Protocol):
+    """The synchronous mode's state, seen from the coordinator (no tensors)."""
+
+    def rank_order(self, members: list[Any]) -> list[Any]:
+        """The rank order for a generation over ``members`` (given in the policy's order)."""
+
+    def started(self, step: int) -> None:
+        """Every member of the current generation holds the state after ``step`` steps."""
+
+    def stepped(self, step: int, results: dict[Any, StepResult]) -> None:
+        """An attempt at step ``step`` returned ``results`` (those members are alive)."""
+
+    def reform(self, members: list[Any], failure: Failure, faults: dict[int, Fault]) -> RecoveryResult:
+        """Form the next generation over ``members`` with the newest state that survived."""
+
+    def resize(self, members: list[Any]) -> None:
+        """Between steps: form the next generation over ``members`` (current ones + joiners)."""
+
+    def load(self, checkpoint: Checkpoint) -> None:
+        """Every member of the current generation reads and loads ``checkpoint``."""
+
+    def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
+        """Form the next generation over ``members`` and load ``checkpoint`` into it."""
+
+
+class ReplicatedLayout:
+    """ZeRO stage 0: every member holds the whole state.
+
+    After a failure each survivor holds the state before the failed step, or after it if
+    the step committed there (it died after the vote). The newest one is copied, through
+    Ray's object store, to every member that does not hold it (joiners have no optimizer
+    state to receive a broadcast into); the group is formed after the copy. A failure in
+    the middle leaves each member with a state this layout knows, so the next attempt
+    starts from what is then the newest.
+    """
+
+    def __init__(self, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> None:
+        self.gens = generations
+        self.sampler_state = sampler_state
+        self.at: dict[Any, int] = {}
+        """The state step each member holds (members without state are absent)."""
+
+    def rank_order(self, members: list[Any]) -> list[Any]:
+        return list(members)  # any order: every member holds everything
+
+    def started(self, step: int) -> None:
+        self.at = {m: step for m in self.gens.members}
+
+    def stepped(self, step: int, results: dict[Any, StepResult]) -> None:
+        for member, result in results.items():
+            self.at[member] = step + 1 if result.committed else step
+
+    def reform(self, members: list[Any], failure: Failure, faults: dict[int, Fault]) -> RecoveryResult:
+        holders = [m for m in failure.survivors if m in self.at]
+        if not holders:
+            return RecoveryResult(Recovery.STATE_LOST, reason="no surviving worker holds the training state")
+        source = max(holders, key=self.at.__getitem__)  # the first of the newest, in rank order
+        step = self.at[source]
+        self._spread(members, source, faults)
+        return RecoveryResult(classify(failure, step), step)
+
+    def resize(self, members: list[Any]) -> None:
+        self._spread(members, self.gens.members[0], {})
+
+    def _spread(self, members: list[Any], source: Any, faults: dict[int, Fault]) -> None:
+        step = self.at[source]
+        needs = [m for m in members if self.at.get(m) != step]
+        if needs:
+            meta, state = source.actor.share_state.remote(step, self.sampler_state())
+            group = members if source in members else [source, *members]  # who survives if it dies
+            self.gens.run(group, {meta: source})  # the source is alive until it shared
+            loaded = self.gens.calls.gather({m.actor.load_state.remote(state): m for m in needs},
+                                            self.gens.generation)
+            self.at.update({m: step for m in loaded.results})
+            raise_for(members, loaded)
+        self.gens.form(members, faults)
+        self.at = {m: step for m in members}
+
+    def load(self, checkpoint: Checkpoint) -> None:
+        self.at = {}  # members that loaded the checkpoint hold its state; the others, no known one
+        members = self.gens.members
+        loaded = self.gens.calls.gather({m.actor.load_checkpoint.remote(checkpoint): m for m in members},
+                                        self.gens.generation)
+        self.at.update({m: checkpoint.step for m in loaded.results})
+        raise_for(members, loaded)
+
+    def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
+        self.gens.form(members)
+        self.load(checkpoint)
+
+
+def make_layout(zero: int, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> StateLayout:
+    """The layout of ZeRO stage ``zero``."""
+    if zero == 0:
+        return ReplicatedLayout(generations, sampler_state)
+    from elastic_dp.control.modes.sync.sharded import ShardedLayout
+    return ShardedLayout(generations, sampler_state)

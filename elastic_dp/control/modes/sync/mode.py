@@ -1,0 +1,213 @@
+"""Synchronous data parallelism: every member trains a slice of each step's global batch.
+
+For step ``s`` the mode takes the sampler's global batch, splits it into contiguous
+slices over the current ranks, and the step counts when every member reports it
+committed (DESIGN invariants 2, 5). A member lost in a step raises ``MembersLost``; once
+the coordinator has decided who continues, the layout (``.layouts``) carries the state
+over to the next generation and says which step comes next (invariant 4). The mode
+never touches a tensor: state moves between workers, checkpoints and the output as
+opaque objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from typing import Any, Callable
+
+from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
+from elastic_dp.config import ClusterConfig, TrainConfig
+from elastic_dp.data import ElasticSampler, check_resumable
+from elastic_dp.errors import TaskError
+from elastic_dp.faults import FaultPlan
+from elastic_dp.messages import StepResult
+from elastic_dp.observe.metrics import RunRecorder, known_peak_tflops
+from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult
+from elastic_dp.control.modes.calls import Calls
+from elastic_dp.control.modes.guard import NonFiniteGuard
+from elastic_dp.control.modes.saving import SaveOutcome, Saves
+from elastic_dp.control.modes.watchdog import HangBounds
+from elastic_dp.control.modes.sync.group import Generations
+from elastic_dp.control.modes.sync.balance import Balancer
+from elastic_dp.control.modes.sync.layouts import make_layout
+from elastic_dp.control.modes.sync.window import Window
+
+logger = logging.getLogger(__name__)
+
+class SyncMode:
+    """Synchronous SGD over one collective group per generation (``TrainingMode``)."""
+
+    def __init__(self, train: TrainConfig, cluster: ClusterConfig, recorder: RunRecorder, faults: FaultPlan) -> None:
+        self.train, self.recorder, self.faults = train, recorder, faults
+        bounds = HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s, stall_floor_s=cluster.stall_floor_s,
+                            stall_factor=cluster.stall_factor)
+        self.gens = Generations(Calls(deadline_s=cluster.step_timeout_s, grace_s=cluster.abort_grace_s,
+                                      bounds=bounds))
+        self._step_times: deque[float] = deque(maxlen=50)  # the last committed steps, for the hang bound
+        self.layout = make_layout(train.zero, self.gens, self._sampler_state)
+        self.guard = NonFiniteGuard(train.on_nonfinite, train.max_nonfinite_steps, recorder)
+        self.sampler: ElasticSampler | None = None
+        self._last: dict[Any, StepResult] = {}  # the results of the last failed attempt
+        self._windows = 0
+        self.balancer = Balancer(train.global_batch) if train.balance else None
+        self._sizes: tuple[int, ...] | None = None  # the last slicing recorded ...
+        self._sized: list[Any] = []  # ... and the members it was for
+        self.saves: Saves | None = None
+        self.asynchronous_saves = True
+        self.settings: dict[str, Any] = {}
+        """The run's settings, recorded in each checkpoint's manifest."""
+
+    @property
+    def generation(self) -> int:
+        return self.gens.generation
+
+    @property
+    def members(self) -> list[Any]:
+        return self.gens.members
+
+    # -- start and end -------------------------------------------------------------------
+    def start(self, members: list[Any], resume: Checkpoint | None) -> int:
+        members = self.layout.rank_order(members)
+        self._make_sampler(members)
+        if self.recorder.throughput.peak_flops is None:  # no --peak-tflops: a known GPU's
+            peak = known_peak_tflops(members[0].info.device_name)
+            self.recorder.throughput.peak_flops = peak * 1e12 if peak else None
+        if resume is not None:
+            check_resumable(resume.sampler, self.train, dataset_len=self.sampler.dataset_len)
+        logger.info("%d workers; model has %d parameters; dataset has %d samples, %d steps per epoch",
+                    len(members), members[0].info.num_params, self.sampler.dataset_len,
+                    self.sampler.steps_per_epoch)
+        start = time.perf_counter()
+        self.gens.form(members)
+        form_s = time.perf_counter() - start
+        if resume is not None:  # read and verified by the workers before anything is written
+            self.layout.load(resume)
+        self.recorder.event("group_formed", generation=self.generation, world_size=len(members),
+                            form_s=round(form_s, 4))
+        if resume is not None:
+            self.recorder.event("resumed", step=resume.step, saved_world_size=resume.world_size,
+                                world_size=len(members), checkpoint=resume.url)
+        else:
+            self.gens.call_all("broadcast_state", 0)
+            self.layout.started(0)
+        self._write_weights("initial")
+        return resume.step if resume is not None else 0
+
+    def _make_sampler(self, members: list[Any]) -> None:
+        lengths = {m.info.dataset_len for m in members}
+        if len(lengths) != 1:
+            raise TaskError(f"workers built datasets of different lengths {sorted(lengths)}: the dataset "
+                            "factory must build the same dataset on every worker")
+        self.sampler = ElasticSampler(lengths.pop(), global_batch=self.train.global_batch, seed=self.train.seed)
+
+    def _sampler_state(self) -> dict[str, int]:
+        return {"seed": self.sampler.seed, "global_batch": self.sampler.global_batch,
+                "dataset_len": self.sampler.dataset_len}
+
+    def _from_rank0(self, method: str, *args: Any) -> Any:
+        rank0 = self.members[0]  # its loss is a failure of the whole group (the others survive)
+        return self.gens.run(self.members, {getattr(rank0.actor, method).remote(*args): rank0})[rank0]
+
+    def _write_weights(self, name: str) -> None:
+        """``<out>/<name>.safetensors``: written by rank 0 straight to an ``--out`` URI, or
+        by this driver into its local ``--out`` directory."""
+        if self.recorder.remote:
+            self._from_rank0("write_weights", self.recorder.storage, f"{name}.safetensors")
+        elif self.recorder.storage is not None:
+            self.recorder.weights(name, self._from_rank0("model_state"))
+
+    def close(self) -> None:
+        pass  # the workers are all it has
+
+    def finish(self) -> None:
+        self._write_weights("final")
+        self.recorder.summary.sample = self._from_rank0("sample")
+
+    # -- the step --------------------------------------------------------------------------
+    def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True,
+                wake: Callable[[], list] = list) -> int:
+        """Train from step ``step`` on every member in one window (``.window``): up to
+        ``limit`` (default: one step), or to an earlier boundary once ``keep_going()``
+        says no (asked again whenever a report or one of ``wake()``'s refs comes in).
+        Returns the committed steps afterwards; a failure raises ``MembersLost`` naming
+        the step it interrupted."""
+        self._windows += 1
+        return Window(self, self._windows, step, step + 1 if limit is None else limit, keep_going, wake).run()
+
+    def slice_sizes(self, members: list[Any], step: int) -> tuple[int, ...] | None:
+        """The slice sizes of ``members`` (rank order) from ``step`` on (``--balance``;
+        None: equal slices); a change is recorded as a ``rebalanced`` event."""
+        if self.balancer is None:
+            return None
+        sizes = self.balancer.sizes(members, self._sizes if members == self._sized else None)
+        if sizes is not None and sizes != self._sizes:
+            self.recorder.event("rebalanced", step=step, sizes=list(sizes), world_size=len(members))
+        self._sizes, self._sized = sizes, list(members)
+        return sizes
+
+    def _record(self, step: int, results: list[StepResult]) -> None:
+        seconds = max((r.step_s for r in results if r.step_s is not None), default=0.0)
+        samples = sum(r.samples for r in results)
+        skipped = any(r.nonfinite for r in results)
+        loss = None if skipped or not samples else sum(r.loss_sum for r in results) / samples
+        # no result: the state the survivors hold shows the step committed, but no report of it came back
+        first = results[0] if results else StepResult(step=step, rank=0, generation=self.generation, committed=True)
+        timings = {k: round(max(r.timings.get(k, 0.0) for r in results), 6) for k in first.timings}
+        if first.timings:  # the rest of the step: waiting for its batch or a grant, reporting
+            timings["other_s"] = round(max(0.0, seconds - max(sum(r.timings.values()) for r in results)), 6)
+        # every sample of the step was trained (the gradients of a rank lost after the vote
+        # were in the all-reduce), even when fewer results came back
+        self.recorder.step(step=step, loss=loss, samples=self.train.global_batch, step_s=seconds,
+                           world_size=len(self.members), generation=self.generation, timings=timings,
+                           nonfinite=skipped, lr=first.lr, grad_norm=first.grad_norm,
+                           at=max((r.time for r in results if r.time is not None), default=None))
+        if results:
+            self._step_times.append(seconds)
+            self.gens.calls.typical_step_s = statistics.median(self._step_times)
+        self.guard.check(step, results)
+
+    # -- membership changes ----------------------------------------------------------------
+    def resize(self, members: list[Any]) -> None:
+        self.layout.resize(self.layout.rank_order(members))
+
+    def reform(self, members: list[Any], failure: Failure) -> RecoveryResult:
+        members = self.layout.rank_order(members)
+        faults = self.faults.take_reform(failure.step, len(members)) if failure.in_flight else {}
+        try:
+            result = self.layout.reform(members, failure, faults)
+        except MembersLost as lost:
+            self.faults.put_back(f for rank, f in faults.items() if members[rank] not in lost.lost)
+            raise
+        self.faults.put_back(faults.values())  # none fired: every rank joined
+        if result.outcome is Recovery.COMMITTED and failure.in_flight:
+            results = [r for r in self._last.values() if r.committed] or [r for r in self._last.values()
+                                                                           if r.samples]
+            self._record(failure.step, results)
+        return result
+
+    def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
+        self.layout.restore(self.layout.rank_order(members), checkpoint)
+
+    def save(self, store: CheckpointStore, step: int) -> None:
+        """Start a checkpoint of the state after ``step`` committed steps: every rank
+        writes its own part (``..saving``); ``settle_saves`` reports when it is committed."""
+        if self.saves is None:
+            self.saves = Saves(store, self.gens.calls, asynchronous=self.asynchronous_saves,
+                               settings=self.settings)
+        members = self.members
+        faults = self.faults.take_checkpoint(step - 1, len(members))
+        try:
+            self.saves.start(members, self.generation, step, self._sampler_state(), faults)
+        except MembersLost as lost:
+            self.faults.put_back(f for rank, f in faults.items() if members[rank] not in lost.lost)
+            raise
+        # every rank came back from its copy: a fault of that phase did not fire (one of
+        # phase upload fires, if at all, in the background upload: it is not handed out again)
+        self.faults.put_back(f for f in faults.values() if f.phase == "checkpoint")
+
+    def settle_saves(self, wait: bool = False) -> list[SaveOutcome]:
+        """The saves that ended (committed or abandoned) since the last call; ``wait``:
+        first wait for the one in flight."""
+        return self.saves.poll(wait) if self.saves is not None else []

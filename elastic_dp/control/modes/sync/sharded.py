@@ -1,0 +1,165 @@
+"""The sharded layout (ZeRO stages 1 and 2), seen from the coordinator.
+
+Each rank owns one chunk of the state and its right neighbour keeps a peer snapshot of
+it (``elastic_dp.state.zero.stages``); ranks alternate between nodes (``spread_over_nodes``), so that
+neighbour is on another node wherever the cluster allows. After a failure the survivors report what they hold, and
+``shard_sources`` picks the newest step at which every old chunk is still held
+somewhere; the holders export those chunks to Ray's object store, and each rank of the
+next generation re-cuts its new chunk out of them. The exported chunks stay the source
+until a generation has imported them: a worker lost while that generation forms costs
+only another attempt with the same chunks. When a chunk and its snapshot are lost
+together, only the durable checkpoint can restore the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+from elastic_dp.durable.checkpoint import Checkpoint
+from elastic_dp.faults import Fault
+from elastic_dp.messages import StepResult
+from elastic_dp.control.modes.base import Failure, Recovery, RecoveryResult, classify
+from elastic_dp.control.modes.sync.group import Generations
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """Where each old rank's ZeRO chunk comes from, all at one step."""
+
+    step: int
+    """The state step (committed steps) the next generation starts from."""
+    sources: tuple[tuple[int, str], ...]
+    """Per old rank: (the old rank that holds the chunk, ``live`` | ``own`` | ``peer``)."""
+
+
+def shard_sources(world_size: int, holdings: dict[int, dict]) -> ShardPlan | None:
+    """Pick the newest step at which every old rank's chunk is still held somewhere.
+
+    ``holdings`` maps each surviving old rank to what it reported: ``live`` (the step of
+    its live chunk), ``own`` (steps of snapshots of its own chunk) and ``peer`` (steps of
+    snapshots of rank ``r-1``'s chunk). A chunk at step ``t`` is held by its owner (live or
+    own snapshot) or by its right neighbour (peer snapshot). None: some chunk and its
+    replica are both lost, and only a durable checkpoint can restore the state.
+    """
+    steps = sorted({t for h in holdings.values() for t in (h["live"], *h["own"], *h["peer"])}, reverse=True)
+    for step in steps:
+        sources = []
+        for rank in range(world_size):
+            owner, right = holdings.get(rank), holdings.get((rank + 1) % world_size)
+            if owner is not None and owner["live"] == step:
+                sources.append((rank, "live"))
+            elif owner is not None and step in owner["own"]:
+                sources.append((rank, "own"))
+            elif right is not None and step in right["peer"] and world_size > 1:
+                sources.append(((rank + 1) % world_size, "peer"))
+            else:
+                break
+        else:
+            return ShardPlan(step, tuple(sources))
+    return None
+
+
+def spread_over_nodes(members: list[Any], node_of: Callable[[Any], str]) -> list[Any]:
+    """A rank order in which rank ``r+1`` (cyclically: the holder of rank ``r``'s peer
+    snapshot) is on another node than rank ``r`` wherever the nodes allow.
+
+    The nodes' members, the largest node first, fill the even positions and then the odd
+    ones: two cyclic neighbours are then at least ``n // 2`` apart in that sequence, so
+    every pair is on two nodes when no node holds more than ``n // 2`` members. On one node
+    the given order is kept."""
+    by_node: dict[str, list[Any]] = {}
+    for m in members:
+        by_node.setdefault(node_of(m), []).append(m)
+    if len(by_node) < 2:
+        return list(members)
+    sequence = [m for group in sorted(by_node.values(), key=len, reverse=True) for m in group]
+    slots = [*range(0, len(members), 2), *range(1, len(members), 2)]
+    order: list[Any] = [None] * len(members)
+    for slot, member in zip(slots, sequence):
+        order[slot] = member
+    return order
+
+
+@dataclass(frozen=True, slots=True)
+class _Exported:
+    """Every chunk of one generation at ``step``, in the object store."""
+
+    step: int
+    world_size: int
+    refs: list[Any]
+    """Per old rank, its chunk (a ``ShardState``)."""
+
+
+class ShardedLayout:
+    """ZeRO stages 1 and 2: every member holds one chunk; re-formation re-cuts them."""
+
+    def __init__(self, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> None:
+        self.gens = generations
+        self.exported: _Exported | None = None
+        """Chunks exported for a re-formation that has not completed yet."""
+        self.restoring = False
+        """A restart from the checkpoint began and did not complete: the chunks are mixed."""
+
+    def rank_order(self, members: list[Any]) -> list[Any]:
+        return spread_over_nodes(members, lambda m: m.info.node_id)  # a node loss keeps every snapshot
+
+    def started(self, step: int) -> None:
+        self.exported, self.restoring = None, False
+
+    def stepped(self, step: int, results: dict[Any, StepResult]) -> None:
+        pass  # what each member holds is asked after a failure (shard_holdings)
+
+    def reform(self, members: list[Any], failure: Failure, faults: dict[int, Fault]) -> RecoveryResult:
+        if self.restoring:
+            return RecoveryResult(Recovery.STATE_LOST, reason="workers were lost while the run restarted from "
+                                                              "the checkpoint")
+        if self.exported is None:
+            old = self.gens.members
+            holders = [m for m in failure.survivors if m in old]
+            if not self._export(holders):
+                lost = [r for r, m in enumerate(old) if m not in holders]
+                return RecoveryResult(Recovery.STATE_LOST, reason=(
+                    f"ranks {lost} of {len(old)} were lost together, and with them a ZeRO shard and its peer "
+                    "snapshot"))
+        step = self.exported.step
+        self._import(members, faults)
+        return RecoveryResult(classify(failure, step), step, details={"restored_step": step})
+
+    def resize(self, members: list[Any]) -> None:
+        self._export(self.gens.members)  # every chunk is live at this step
+        self._import(members, {})
+
+    def _export(self, holders: list[Any]) -> bool:
+        """Export the newest complete set of the current generation's chunks that
+        ``holders`` hold; False when some chunk is held by nobody."""
+        old = self.gens.members
+        reports = self.gens.run(holders, {m.actor.shard_holdings.remote(): m for m in holders})
+        plan = shard_sources(len(old), {old.index(m): r for m, r in reports.items()})
+        if plan is None:
+            return False
+        metas, refs = {}, []
+        for holder, kind in plan.sources:
+            meta, ref = old[holder].actor.export_shard.remote(kind, plan.step)
+            metas[meta] = old[holder]
+            refs.append(ref)
+        self.gens.run(holders, metas)  # exported before the holders join the next generation
+        self.exported = _Exported(plan.step, len(old), refs)
+        return True
+
+    def _import(self, members: list[Any], faults: dict[int, Fault]) -> None:
+        self.gens.form(members, faults)
+        src = self.exported
+        self.gens.call_all("import_shards", src.refs, src.world_size, src.step)
+        self.exported = None
+
+    def load(self, checkpoint: Checkpoint) -> None:
+        self.exported, self.restoring = None, True
+        self.gens.call_all("load_checkpoint", checkpoint)  # a collective: every rank re-cuts its chunk
+        self.restoring = False
+
+    def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
+        self.exported, self.restoring = None, True
+        self.gens.form(members)
+        self.load(checkpoint)

@@ -1,0 +1,163 @@
+"""``elastic-dp plan``: per-worker memory and communication of data-parallel training.
+
+The memory model of DESIGN.md, per parameter (Ψ parameters, N workers):
+
+===========  =========  ============  =========================================
+precision    params P   gradients G   optimizer state K (Adam; m moments)
+===========  =========  ============  =========================================
+bf16         2          2             4 (fp32 master) + 4·m  = 12 for Adam
+fp32         4          4             4·m                    =  8 for Adam
+===========  =========  ============  =========================================
+
+per worker: stage 0: (P + G + K)Ψ; stage 1: (P + G)Ψ + KΨ/N; stage 2: PΨ + (G + K)Ψ/N.
+Mixed-precision Adam at stage 0 is the published 16 bytes per parameter. Activations,
+temporary buffers and allocator overhead are not included.
+
+Peer snapshots (stages 1 and 2, more than one worker): every ``--snapshot-every`` steps
+each rank packs its chunk of the fp32 masters and optimizer state, S = (4 + 4·m)Ψ/N bytes
+(the master is packed even where the parameters are fp32), and keeps the
+``SNAPSHOTS_KEPT`` newest of its own and of its left neighbour's, in host memory:
+2·SNAPSHOTS_KEPT·S per worker, or SNAPSHOTS_KEPT·S where the neighbour is on the same
+host and maps the owner's copies instead. NCCL sends from the device, so while a
+snapshot travels to a neighbour on another host the device holds a copy of it and the
+buffer it receives into, 2·S more, for one step. Neither is in the training-state total.
+
+Communication, bytes each worker sends per step, as elastic_dp's stages do it (ring
+algorithms; the all-to-alls that run stage 1 and 2's collectives on gloo send as many),
+peer snapshots apart: stage 0 all-reduces the gradients, 2(N-1)/N · GΨ; stages 1 and 2
+reduce-scatter them and all-gather the updated parameters, (N-1)/N · (G + P)Ψ.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+from elastic_dp.errors import ConfigError
+from elastic_dp.state.zero.chunks import SNAPSHOTS_KEPT
+
+OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
+PRECISIONS = {"bf16": (2, 2, 4), "fp32": (4, 4, 0)}
+"""precision -> (param bytes, gradient bytes, fp32 master bytes)."""
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12,
+          "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | float, flag: str) -> float:
+    """``7.5e9``, ``7.5B``, ``125M``, ``80GB``, ``80GiB`` -> a positive number."""
+    match = re.fullmatch(r"\s*([+-]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if not match or match.group(2) not in _UNITS:
+        raise ConfigError(f"{flag} expects a number such as 7.5e9, 125M or 80GB, got {text!r}")
+    value = float(match.group(1)) * _UNITS[match.group(2)]
+    if not value > 0 or not math.isfinite(value):
+        raise ConfigError(f"{flag} must be positive, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    params: float
+    workers: int
+    zero: int
+    precision: str = "bf16"
+    optimizer: str = "adam"
+
+    def __post_init__(self) -> None:
+        if not self.params > 0:
+            raise ConfigError(f"--params must be positive, got {self.params}")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"--workers must be a positive integer, got {self.workers}")
+        if self.zero not in (0, 1, 2):
+            raise ConfigError(f"--zero must be stage 0, 1 or 2, got {self.zero!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if self.optimizer not in OPTIMIZER_MOMENTS:
+            raise ConfigError(f"--optimizer must be one of {sorted(OPTIMIZER_MOMENTS)}, got {self.optimizer!r}")
+
+    # bytes per parameter, whole (unsharded)
+    @property
+    def _pgk(self) -> tuple[float, float, float]:
+        p, g, master = PRECISIONS[self.precision]
+        return p, g, master + 4 * OPTIMIZER_MOMENTS[self.optimizer]
+
+    def bytes_per_param(self, workers: int | None = None) -> dict[str, float]:
+        """Per-worker bytes per parameter: parameters, gradients, optimizer state, total."""
+        n = workers or self.workers
+        p, g, k = self._pgk
+        if self.zero >= 1:
+            k /= n
+        if self.zero >= 2:
+            g /= n
+        return {"parameters": p, "gradients": g, "optimizer_state": k, "total": p + g + k}
+
+    def per_worker_bytes(self, workers: int | None = None) -> dict[str, float]:
+        return {k: v * self.params for k, v in self.bytes_per_param(workers).items()}
+
+    def snapshot_bytes(self) -> dict[str, float]:
+        """Per-worker bytes of peer snapshots: host memory with the left neighbour on
+        another host, and on the same host; the device's extra while one is sent (NCCL)."""
+        if self.zero == 0 or self.workers == 1:
+            return {"host": 0.0, "host_neighbour_on_same_host": 0.0, "device_while_sent": 0.0}
+        one = (4 + 4 * OPTIMIZER_MOMENTS[self.optimizer]) * self.params / self.workers
+        return {"host": 2 * SNAPSHOTS_KEPT * one, "host_neighbour_on_same_host": SNAPSHOTS_KEPT * one,
+                "device_while_sent": 2 * one}
+
+    def workers_needed(self, gpu_memory: float) -> int | None:
+        """Fewest workers whose per-worker training state fits in ``gpu_memory`` bytes; None
+        when no number of workers is enough at this stage."""
+        p, g, k = self._pgk
+        fixed, sharded = {0: (p + g + k, 0.0), 1: (p + g, k), 2: (p, g + k)}[self.zero]
+        room = gpu_memory / self.params - fixed
+        if room < 0 or (room == 0 and sharded > 0):
+            return None
+        return 1 if sharded == 0 else max(1, math.ceil(sharded / room - 1e-12))
+
+    def comm_bytes_per_step(self) -> float:
+        """Bytes each worker sends per step (ring algorithms)."""
+        n = self.workers
+        p, g, _ = self._pgk
+        share = (n - 1) / n
+        per_param = 2 * share * g if self.zero == 0 else share * (g + p)
+        return per_param * self.params
+
+    def report(self, gpu_memory: float | None = None) -> dict:
+        out = {"inputs": {**asdict(self), "gpu_memory": gpu_memory},
+               "bytes_per_param": self.bytes_per_param(),
+               "per_worker_bytes": self.per_worker_bytes(),
+               "per_worker_bytes_by_stage": {
+                   str(z): MemoryPlan(self.params, self.workers, z, self.precision,
+                                      self.optimizer).per_worker_bytes()["total"] for z in (0, 1, 2)},
+               "snapshot_bytes": self.snapshot_bytes(),
+               "comm_bytes_per_step": self.comm_bytes_per_step()}
+        if gpu_memory is not None:
+            out["fits"] = self.per_worker_bytes()["total"] <= gpu_memory
+            out["workers_needed"] = self.workers_needed(gpu_memory)
+        return out
+
+
+def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
+    r = plan.report(gpu_memory)
+    gib = 2**30
+    lines = [(f"elastic_dp plan: {plan.params:.3g} parameters, {plan.workers} workers, ZeRO stage {plan.zero}, "
+              f"{plan.precision} parameters, {plan.optimizer}"),
+             "  per worker          bytes/param        GiB"]
+    for key in ("parameters", "gradients", "optimizer_state", "total"):
+        lines.append(f"    {key.replace('_', ' '):16} {r['bytes_per_param'][key]:10.3f}  {r['per_worker_bytes'][key] / gib:10.2f}")
+    by_stage = " / ".join(f"{v / gib:.2f}" for v in r["per_worker_bytes_by_stage"].values())
+    lines.append(f"  stages 0 / 1 / 2 per worker: {by_stage} GiB")
+    snap = r["snapshot_bytes"]
+    if snap["host"]:
+        lines.append(f"  peer snapshots per worker: {snap['host'] / gib:.2f} GiB of host memory "
+                     f"({snap['host_neighbour_on_same_host'] / gib:.2f} GiB with the neighbour on the same host); "
+                     f"with NCCL, {snap['device_while_sent'] / gib:.2f} GiB more on the device while one is sent")
+    lines.append(f"  communication per step: {r['comm_bytes_per_step'] / 1e9:.3f} GB sent by each worker")
+    if gpu_memory is not None:
+        need = r["workers_needed"]
+        lines.append(f"  on {gpu_memory / 1e9:.3g} GB devices: " + ("fits" if r["fits"] else "does NOT fit")
+                     + f" at {plan.workers} workers; "
+                     + (f"the training state needs at least {need} device(s) at stage {plan.zero}" if need
+                        else f"no number of devices is enough at stage {plan.zero}"))
+    lines.append("  (training state only: activations, temporary buffers and allocator overhead come on top)")
+    return "\n".join(lines)

@@ -1,0 +1,452 @@
+"""ZeRO stages 1 and 2: sharded optimizer state (and gradients), resharded on every resize.
+
+The unit of sharding is the gradient bucket (elastic_dp.comm.reducer): parameters packed, last
+first, into buckets that never mix optimizer param groups. Each bucket's flat buffer is
+padded to a multiple of the world size ``N`` and rank ``r`` owns its ``r``-th chunk. The
+bucket partition does not depend on ``N``, only the padding does, so a bucket's state is
+the same flat vector at every world size and resharding is a re-cut of that vector.
+
+Per rank and bucket the strategy holds:
+
+- the parameters, as views into one flat buffer per bucket (full copy, the model's dtype);
+- the fp32 *master* of its chunk: a view into that buffer for fp32 parameters, a separate
+  fp32 copy for bf16/fp16 parameters;
+- the optimizer state of its chunk: a torch optimizer of the task's class and param
+  groups, over the master chunks (this is why the optimizer must be element-wise);
+- stage 1: the full gradient buffer, reduce-scattered in place as backward produces it
+  (the rank's chunk of it holds the global gradient, the rest this rank's local one);
+  stage 2: only the gradient chunk (the bucket is reduce-scattered as backward produces it
+  and the full gradients are released).
+
+A committed step updates the chunk bucket by bucket, in the order the forward uses them,
+and starts each bucket's parameter all-gather as soon as that bucket is updated (it runs
+while the next bucket is), and does not wait: the next step's forward waits for a bucket
+in the forward pre-hook of the first module that holds one of its parameters (as FSDP2
+does), so the gather overlaps whatever comes before that module's forward. Whether
+that is safe is learnt in the first step, whose gather was waited for: only if every
+parameter belongs to a module whose forward ran (a parameter read outside its module's
+forward would be read before its bucket arrives) are later gathers left in flight;
+otherwise each gather is waited for at the end of its step, and a warning names the
+parameters. Anything else that reads the parameters (a checkpoint, the weights, a sample)
+first waits for them (``settle``). The chunk (master + optimizer state) is the state; the
+full parameters are derived from it.
+
+Peer redundancy (DESIGN invariant 6): every ``snapshot_every`` committed steps each rank
+copies its chunk into host memory and starts sending it to rank ``r+1`` while it receives
+rank ``r-1``'s (``elastic_dp.state.zero.snapshots``: the transfer runs while the next step trains; a
+neighbour on the same host maps the copy in shared memory instead, and nothing is sent).
+With fp32 parameters the masters are not sent, only the optimizer state: a master chunk
+is its owner's chunk of the parameters, which the all-gather brings to every rank, and
+the receiver copies rank ``r-1``'s out of its own parameters after that all-gather and
+before the next one. A received snapshot counts only once it has arrived whole, and its
+all-gather too. After a failure the coordinator asks the survivors what they hold
+(``holdings()``) and picks the newest step at which every old rank's chunk is held
+somewhere (``modes.sync.sharded.shard_sources``). Survivors then export those chunks
+(``export()``), and the new generation's ranks each cut their new chunk, and a copy of
+their left neighbour's, out of them (``import_shards()``; the chunk arithmetic is in
+``elastic_dp.state.zero.chunks``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastic_dp.durable.checkpoint import TrainingState, Wanted
+from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.config import TrainConfig
+from elastic_dp.errors import CollectiveError
+from elastic_dp.faults import Fault, trigger
+from elastic_dp.comm.reducer import GradientReducer, make_buckets
+from elastic_dp.state.zero.chunks import ShardState, check_shardable, cut, needed_sources, unpack
+from elastic_dp.state.zero.snapshots import SNAPSHOT_WAIT_S, Exchange, PeerSnapshots
+from elastic_dp.state.base import BucketedGradients, broadcast_tensors, inside, nbytes
+from elastic_dp.state.zero import format as zero_format
+
+logger = logging.getLogger(__name__)
+
+class Sharded(BucketedGradients):
+    """ZeRO stage 1 or 2, built once per worker. Its layout depends on the world size, so
+    it is re-cut for each generation of ``group`` (``_current``) when that generation
+    starts: its first step, or the state it is given (``sync_from``, ``load``,
+    ``import_shards``). Until then it still holds, and can export, the last generation's."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
+                 config: TrainConfig, device: torch.device) -> None:
+        check_shardable(optimizer, config.zero)
+        self.model, self.base_optimizer, self.device = model, optimizer, device
+        self.stage, self.group, self.config = config.zero, group, config
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.base_groups = optimizer.param_groups
+        self.generation: int | None = None  # of the layout below; None: not built yet
+        self.snapshots = PeerSnapshots()
+        self._gathers: dict[int, Any] = {}  # bucket -> its parameter all-gather, in flight
+        self.defer_gather: bool | None = None
+        """Whether a step leaves its all-gather to the next forward (None: not learnt yet)."""
+        self._seen: set[int] = set()  # parameters whose module ran forward (while learning)
+        self._parameter_wait_s = 0.0  # this step's forwards, waiting for all-gathers
+        for module in model.modules():
+            ids = [id(p) for p in module.parameters(recurse=False)]
+            if ids:
+                module.register_forward_pre_hook(lambda _module, _args, ids=ids: self._before_forward(ids))
+
+    def _current(self) -> None:
+        """Re-cut the layout for the group's generation, if it changed."""
+        if self.generation != self.group.generation:
+            if self.generation is not None:
+                self.reducer.close()
+            self._build()
+
+    def _build(self) -> None:
+        self._gathers = {}  # the last generation's (``drop_pending``)
+        stage, group, config, optimizer = self.stage, self.group, self.config, self.base_optimizer
+        self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
+        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) in group_of]
+        bucket_bytes, first_bytes = int(config.bucket_mb * 2**20), config.first_bucket_bytes(self.device.type)
+        self.buckets = make_buckets(self.params, bucket_bytes, config.reduce_fp32, first_bucket_bytes=first_bytes,
+                                    group_of=group_of, pad_to=self.world_size)
+        self.chunks = [b.padded // self.world_size for b in self.buckets]
+        self.numels = [b.numel for b in self.buckets]
+        self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
+        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        order = {id(p): i for i, p in enumerate(self.params)}
+        self.forward_order = sorted(range(len(self.buckets)),  # the first used first
+                                    key=lambda b: min(order[id(p)] for p in self.buckets[b].params))
+
+        # parameters become views into one flat buffer per bucket (gathered in place)
+        self.param_buffers: list[torch.Tensor] = []
+        for bucket in self.buckets:
+            buffer = torch.zeros(bucket.padded, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
+            for p, offset in zip(bucket.params, bucket.offsets):
+                view = buffer[offset:offset + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+            self.param_buffers.append(buffer)
+        self.masters = []
+        for buffer, chunk in zip(self.param_buffers, self.chunks):
+            own = buffer[self.rank * chunk:(self.rank + 1) * chunk]
+            self.masters.append(torch.nn.Parameter(own if own.dtype == torch.float32 else own.float()))
+        # fp32 parameters are their own masters: a peer snapshot then leaves them out
+        # (the neighbour has them from the all-gather) and sends the optimizer state alone
+        self.snapshots.configure(group, 0 if any(b.dtype != torch.float32 for b in self.param_buffers)
+                                 else sum(self.chunks))
+
+        if stage == 2:
+            self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
+                                for b, c in zip(self.buckets, self.chunks)]
+        self.reducer = GradientReducer(self.params, group, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bytes,
+                                       reduce_fp32=config.reduce_fp32, group_of=group_of, pad_to=self.world_size,
+                                       scatter_into=self.grad_chunks if stage == 2 else None,
+                                       scatter_in_place=stage == 1)
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [m for m, gi in zip(self.masters, self.bucket_group) if gi == i]}
+                  for i, g in enumerate(optimizer.param_groups)]
+        accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold more (AdamW)
+        self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        self.live_step = 0
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    # -- the step (before_last_backward .. abandon come from BucketedGradients) -------------
+    def zero_grad(self) -> None:
+        if self.generation != self.group.generation:
+            raise RuntimeError(f"generation {self.group.generation} got no state before its first step "
+                               "(sync_from, load or import_shards)")
+        self._parameter_wait_s = 0.0
+        self.reducer.zero_grad()
+    def _grad_chunk(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s reduced gradient chunk: stage 2's own tensor, or stage 1's part of
+        the full buffer (the rest of which holds this rank's local gradient)."""
+        return self.reducer.chunks[b]
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        grads = self.reducer.chunks  # each rank holds the global gradient of its chunks only
+        total_sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum().reshape(1)
+        try:  # after the vote: a peer lost now fails the update here, not the step's vote
+            self.group.all_reduce(total_sq)
+        except Exception as exc:
+            raise self._collective_error("gradient norm all-reduce", exc) from None
+        total = total_sq.sqrt().reshape(())
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return float(total)
+
+    def skip_update(self, step: int) -> None:
+        self.live_step = step + 1  # the chunk is unchanged, and now the state of step + 1
+
+    @torch.no_grad()
+    def optimizer_step(self, step: int) -> None:
+        """Update the chunk for committed step ``step`` bucket by bucket, in the order the
+        forward uses them, starting each bucket's parameter all-gather once it is updated
+        (waited for in the next forward, or now: ``defer_gather``)."""
+        self._wait_gathers()  # a bucket no forward used (a parameter without a gradient)
+        pending = self.snapshots.pending
+        if pending is not None and pending.masters_pending:
+            self._copy_left_masters(pending)  # before this step's all-gather overwrites them
+        if self.defer_gather is None:
+            unseen = [self.names[id(p)] for p in self.params if id(p) not in self._seen]
+            self.defer_gather, self._seen = not unseen, set()
+            if unseen:
+                logger.warning("ZeRO: parameters %s are not used by the forward of the module that holds them; "
+                               "the parameter all-gather is waited for at the end of each step",
+                               ", ".join(unseen[:5]) + (" ..." if len(unseen) > 5 else ""))
+        failed = None
+        for b in self.forward_order:  # what the forward needs first is updated and sent first
+            master, grad = self.masters[b], self._grad_chunk(b)
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+            self.optimizer.step()  # this bucket's master alone: the others have no gradient
+            master.grad = None
+            own = self._own_params(b)
+            if own.data_ptr() != master.data_ptr():
+                own.copy_(master)
+            if failed is None:  # its all-gather runs while the next bucket is updated
+                try:
+                    self._start_gather(b)
+                except Exception as exc:  # the chunk is still updated whole before this is raised
+                    failed = exc
+        self.live_step = step + 1
+        if failed is not None:
+            raise self._collective_error("parameter all-gather", failed)
+        if not self.defer_gather:
+            self._wait_gathers()
+
+    def _copy_left_masters(self, pending: Exchange) -> None:
+        """Complete rank r-1's snapshot in flight with its master chunks, out of this rank's
+        gathered parameters (their all-gather has been waited for, the next not started)."""
+        left, offset = (self.rank - 1) % self.world_size, 0
+        for buffer, chunk in zip(self.param_buffers, self.chunks):
+            pending.received[offset:offset + chunk].copy_(buffer[left * chunk:(left + 1) * chunk])
+            offset += chunk
+        pending.masters_pending = False
+
+    def _own_params(self, b: int) -> torch.Tensor:
+        chunk = self.chunks[b]
+        return self.param_buffers[b][self.rank * chunk:(self.rank + 1) * chunk]
+
+    def _start_gather(self, b: int) -> None:
+        """Start the all-gather of bucket ``b``'s parameters from this rank's chunk."""
+        self._gathers[b] = self.group.all_gather_async(self.param_buffers[b], self._own_params(b))
+
+    def _wait_gathers(self, buckets=None) -> None:
+        """Wait for the all-gathers of ``buckets`` (default: all) still in flight."""
+        for b in list(self._gathers) if buckets is None else buckets:
+            work = self._gathers.pop(b, None)
+            if work is not None:
+                try:
+                    work.wait()
+                except Exception as exc:
+                    raise self._collective_error("parameter all-gather", exc) from None
+
+    def _gather_params(self) -> None:
+        try:
+            for b in self.forward_order:
+                self._start_gather(b)
+        except Exception as exc:
+            raise self._collective_error("parameter all-gather", exc) from None
+        self._wait_gathers()
+
+    def _before_forward(self, ids: list[int]) -> None:
+        """A module's forward pre-hook: the buckets of its parameters must have arrived."""
+        if self.defer_gather is None:
+            self._seen.update(ids)
+        if self._gathers:
+            start = time.perf_counter()
+            self._wait_gathers({self.bucket_of[i] for i in ids if i in self.bucket_of})
+            self._parameter_wait_s += time.perf_counter() - start
+
+    def take_parameter_wait_s(self) -> float:
+        wait, self._parameter_wait_s = self._parameter_wait_s, 0.0
+        return wait
+
+    def settle(self) -> None:
+        """Wait for the parameters still being gathered (before they are read outside a step)."""
+        self._wait_gathers()
+
+    def drop_pending(self) -> None:
+        """Before the group is re-configured: forget what is in flight on it (a new
+        generation re-gathers the parameters from the chunks it is given). The group is
+        aborted first when anything is: a peer may be gone, and tearing the group down
+        must not wait for it."""
+        if (self._gathers or self.snapshots.pending is not None) and self.group.configured:
+            self.group.abort(self.group.generation)
+        self.snapshots.drop()  # its thread is done with the old group before it goes
+        self._gathers = {}
+
+    def _collective_error(self, what: str, exc: Exception) -> CollectiveError:
+        return CollectiveError(f"gen {self.generation} rank {self.rank} step {self.live_step}: {what} failed: "
+                               f"{exc}", rank=self.rank, step=self.live_step)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this worker holds for parameters, gradients and optimizer state (with the
+        fp32 masters when they are separate from the parameters); snapshots apart."""
+        grads = self.grad_chunks if self.stage == 2 else [b.buffer for b in self.reducer.buckets]
+        stray = [p.grad for p in self.params if p.grad is not None and not inside(p.grad, grads)]
+        separate = [m for b, m in enumerate(self.masters) if m.data_ptr() != self._own_params(b).data_ptr()]
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {"parameters": nbytes(self.param_buffers), "gradients": nbytes(grads) + nbytes(stray),
+                "optimizer_state": nbytes(state) + nbytes(separate),
+                "snapshots": self.snapshots.bytes_held()}
+
+    # -- peer snapshots ----------------------------------------------------------------------
+    def after_commit(self, step: int, fault: Fault | None = None) -> None:
+        """At state step ``step`` (committed steps), when a snapshot is due: wait for the
+        last one to arrive, copy the chunk and start sending it to the right neighbour."""
+        if self.world_size == 1 or step % self.config.snapshot_every:
+            return
+        self._receive_snapshot()
+        own = self.snapshots.keep_own(self.export("live", step))
+        trigger(fault, "snapshot")
+        on_device = self.group.backend == "nccl" and self.masters  # NCCL sends from the GPU; gloo from the host
+        self.snapshots.send(own, self.masters[0].device if on_device else None)
+
+    def _receive_snapshot(self, timeout_s: float | None = None) -> None:
+        """Wait for the peer snapshot in flight (up to ``timeout_s``) and keep it; a failed
+        or timed-out transfer raises CollectiveError (and is not kept)."""
+        step = self.snapshots.pending.step if self.snapshots.pending is not None else None
+        try:
+            arrived = self.snapshots.wait(timeout_s)
+        except Exception as exc:
+            raise self._collective_error(f"peer snapshot of step {step}", exc) from None
+        if arrived is None:
+            return
+        if arrived.masters_pending:  # no step since: the parameters of its step, once gathered
+            self._wait_gathers()  # a failed all-gather fails the snapshot (CollectiveError)
+            self._copy_left_masters(arrived)
+        self.snapshots.keep_peer(arrived)
+
+    def holdings(self) -> dict[str, object]:
+        """What this rank can export: its live chunk's step and its snapshots' steps (a
+        peer snapshot still in flight is waited for briefly; one that fails is dropped)."""
+        try:
+            self._receive_snapshot(SNAPSHOT_WAIT_S)
+        except CollectiveError as exc:
+            logger.info("%s: dropped", exc)
+        return {"rank": self.rank, "live": self.live_step, "own": [s.step for s in self.snapshots.own],
+                "peer": [s.step for s in self.snapshots.peer], **self.snapshots.sizes()}
+
+    def export(self, kind: str, step: int) -> ShardState:
+        """A chunk as a ShardState: ``live``, or the ``own`` / ``peer`` snapshot of ``step``."""
+        if kind == "live":
+            if step != self.live_step:
+                raise ValueError(f"live chunk is at step {self.live_step}, not {step}")
+            # no copies of CPU tensors: a snapshot packs them into a new vector at once, and
+            # Ray serialises an export when the call returns (step counts, changed in place
+            # by the optimizer, are cloned)
+            state: dict[str, list[torch.Tensor]] = {}
+            for b, master in enumerate(self.masters):
+                for key, value in self.optimizer.state.get(master, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        value = value.detach()
+                        state.setdefault(key, []).append(value.clone() if value.dim() == 0 else value.to("cpu"))
+            return ShardState(step=step, world_size=self.world_size, rank=self.rank,
+                              master=[m.detach().to("cpu", torch.float32) for m in self.masters], state=state)
+        snap = self.snapshots.find(kind, step)
+        rank = self.rank if kind == "own" else (self.rank - 1) % self.world_size
+        return unpack(snap, self.chunks, self.world_size, rank)
+
+    # -- resharding ----------------------------------------------------------------------
+    def needed_sources(self, old_world_size: int) -> list[int]:
+        """Old ranks whose chunks overlap this rank's new chunk or its left neighbour's."""
+        return needed_sources(self.rank, self.numels, self.world_size, old_world_size)
+
+    def import_shards(self, fetch: Callable[[list[int]], list[ShardState]], old_world_size: int, step: int) -> None:
+        """Become this generation's rank from the old generation's chunks at ``step``;
+        ``fetch(old_ranks)`` returns those ranks' chunks (only the ones needed are asked)."""
+        self._current()
+        needed = self.needed_sources(old_world_size)
+        fetched = dict(zip(needed, fetch(needed)))
+        self.load_shards(fetched.__getitem__, old_world_size, step)
+
+    @torch.no_grad()
+    def load_shards(self, fetch: Callable[[int], ShardState], old_world_size: int, step: int) -> None:
+        """Become this generation's rank from the old chunks; then gather the parameters.
+
+        A collective: every rank of the new generation calls it. Afterwards the rank holds
+        its chunk at ``step`` and, as snapshots, a copy of it and of its left neighbour's.
+        """
+        self._current()
+        own = cut(self.rank, self.numels, self.world_size, fetch, old_world_size, step)
+        self._set_live(own)
+        self._gather_params()
+        left = (cut((self.rank - 1) % self.world_size, self.numels, self.world_size, fetch, old_world_size, step)
+                if self.world_size > 1 else None)
+        self.snapshots.reset(own, left)
+
+    @torch.no_grad()
+    def _set_live(self, shard: ShardState) -> None:
+        self.settle()
+        for b, master in enumerate(self.masters):
+            master.copy_(shard.master[b])
+            own = self._own_params(b)
+            if own.data_ptr() != master.data_ptr():
+                own.copy_(master)
+            state = {}
+            for key, values in shard.state.items():
+                value = values[b]
+                state[key] = value.clone() if value.dim() == 0 else value.to(master.device, copy=True)
+            if state:
+                self.optimizer.state[master] = state
+            else:
+                self.optimizer.state.pop(master, None)
+        self.live_step = shard.step
+
+    @torch.no_grad()
+    def reset_from_params(self, step: int) -> None:
+        """Start from the model's parameters (equal on every rank) and empty optimizer state."""
+        shard = ShardState(step=step, world_size=self.world_size, rank=self.rank,
+                           master=[self._own_params(b).detach().float().cpu() for b in range(len(self.buckets))])
+        self._set_live(shard)
+        peer, left = None, (self.rank - 1) % self.world_size
+        if self.world_size > 1:
+            peer = ShardState(step=step, world_size=self.world_size, rank=left,
+                              master=[buf[left * c:(left + 1) * c].detach().float().cpu()
+                                      for buf, c in zip(self.param_buffers, self.chunks)])
+        self.snapshots.reset(shard, peer)
+
+    # -- state: initial sync, checkpoint parts, loading ---------------------------------------
+    def sync_from(self, src: int) -> None:
+        """Take rank ``src``'s parameters (into this generation's buffers) and start every
+        chunk from them with empty optimizer state."""
+        self._current()
+        broadcast_tensors(self.group, list(self.model.state_dict().values()), src, self.device)
+        self.reset_from_params(step=0)
+
+    def state_part(self) -> tuple[dict[str, torch.Tensor], dict]:
+        return self.named_state()
+
+    def wanted(self) -> Wanted:
+        """All model tensors, and the optimizer state of this rank's new chunk and its left
+        neighbour's (the peer snapshot it keeps): a checkpoint's other files are not read."""
+        self._current()
+        return zero_format.wanted(self.buckets, self.chunks, self.names,
+                                  {self.rank, (self.rank - 1) % self.world_size})
+
+    def load(self, state: TrainingState) -> None:
+        self._current()
+        self.load_named(state.optimizer_tensors, state.step)
+
+    def named_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's part of the optimizer state in a checkpoint's keys
+        (``zero_format.named_state``)."""
+        live = self.export("live", self.live_step)
+        tensors, slices = zero_format.named_state(self.buckets, self.chunks, self.names, self.rank, live)
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self.names[id(p)] for p in base["params"]]}
+                  for g, base in zip(self.optimizer.param_groups, self.base_groups)]
+        return tensors, {"param_groups": groups, "scalars": {}, "slices": slices}
+
+    def load_named(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        """Load whole-parameter optimizer state keyed ``<param name>/<key>`` (a checkpoint's,
+        saved at any world size and stage), after the model's parameters were loaded."""
+        masters = [self.param_buffers[b][:bucket.numel].detach().float().cpu() for b, bucket in enumerate(self.buckets)]
+        full = zero_format.whole_state(self.buckets, self.names, masters, tensors, step)
+        self.load_shards(lambda _: full, 1, step)

@@ -1,0 +1,178 @@
+"""``WorkerActor``: the Ray actor around a ``Replica``.
+
+It is a threaded actor (``max_concurrency=3``): one thread runs the step (or another
+long call), the others stay free for control calls — heartbeats, and the elastic layer's
+abort — while the step is blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import ray
+import torch
+
+from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, save_tensors, write_part
+from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.config import TrainConfig
+from elastic_dp.data import ElasticSampler
+from elastic_dp.faults import Fault, trigger
+from elastic_dp.messages import WindowPlan
+from elastic_dp.malloc import keep_freed_memory
+from elastic_dp.messages import Heartbeat, StepResult, WorkerInfo
+from elastic_dp.task import Task
+from elastic_dp.worker.replica import Replica
+from elastic_dp.state.zero.chunks import ShardState
+from elastic_dp.durable.storage import Storage
+from elastic_dp.threads import set_os_name
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerActor:
+    """One model replica on one GPU (NCCL; gloo where workers share a GPU) or one CPU slot (gloo)."""
+
+    def __init__(self, *, device: str, backend: str, num_threads: int, collective_timeout_s: float) -> None:
+        torch.set_num_threads(num_threads)
+        keep_freed_memory()  # each step reuses the last one's memory (elastic_dp.malloc)
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        if device == "cuda":
+            torch.cuda.set_device(self.device)
+        self.group = CollectiveGroup(backend=backend, timeout_s=collective_timeout_s)
+        self.replica: Replica | None = None
+        self._staged: dict[str, tuple[Part, Fault | None]] = {}
+        """Checkpoint parts copied at a step boundary, waiting for their upload."""
+
+    def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
+        """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
+        self.replica = Replica(task, config, self.device, self.group)
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        return dataclasses.replace(self.replica.info(), node_id=ray.get_runtime_context().get_node_id(),
+                                   device_name=name)
+
+    def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int,
+                        fault: Fault | None = None) -> None:
+        """Join ``generation`` as ``rank`` (``fault``: phase ``reform``, fired first)."""
+        trigger(fault, "reform")
+        if self.replica is not None:
+            self.replica.strategy.drop_pending()
+        self.group.configure(host, port, generation=generation, rank=rank, world_size=world_size)
+
+    def broadcast_state(self, src: int) -> None:
+        self.replica.broadcast_state(src)
+
+    def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
+        return self.replica.step(step, indices, fault)
+
+    @ray.method(num_returns="streaming")
+    def run_window(self, plan: WindowPlan):
+        """Training thread: run the granted steps, streaming one ``StepResult`` per step."""
+        set_os_name("edp-train")  # the thread Ray lends to this call (Ray names it back after)
+        yield from self.replica.run_window(plan)
+
+    def grant(self, window: int, until: int, final: bool, faults: dict[int, Fault],
+              sizes: tuple[int, tuple[int, ...] | None] | None = None, stop: bool = False) -> None:
+        """Control thread: let ``window`` run the steps before ``until`` (``final``: and no
+        more); ``sizes``: (step, slice sizes) from which the slices change (``--balance``);
+        ``stop``: end the window after the next step, which carries the request in its vote."""
+        self.replica.grants.extend(window, until, final, faults, sizes, stop)
+
+    def async_gradient(self, step: int, sampler: dict[str, int], bounds: list[int], fault: Fault | None,
+                       slow: Fault | None, *pieces: torch.Tensor):
+        """``--mode async``: the gradient of sampler step ``step`` on the pulled ``pieces``
+        (Ray resolved the shards' results); returns the report and one piece per shard."""
+        indices = ElasticSampler(sampler["dataset_len"], global_batch=sampler["global_batch"],
+                                 seed=sampler["seed"]).batch(step)
+        report, grads = self.replica.async_gradient(indices, list(pieces), bounds, fault, slow)
+        return (report, *grads)
+
+    def heartbeat(self) -> Heartbeat:
+        """Control thread: this worker answers, and how far its training thread has come."""
+        return self.replica.progress.beat() if self.replica is not None else Heartbeat(0, "idle", 0.0, 0.0)
+
+    def abort_group(self, generation: int | None = None) -> None:
+        """Control thread: release a call blocked in a collective or in the rendezvous of
+        ``generation`` (default: the current one); an abort of an older one does nothing."""
+        if self.replica is not None and (generation is None or generation == self.group.generation):
+            self.replica.grants.cancel()  # a window waiting for a grant ends
+        self.group.abort(generation)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return self.replica.model_state()
+
+    def write_weights(self, storage: Storage, name: str) -> None:
+        """Write the model's state dict as the safetensors file ``name`` of ``storage``."""
+        save_tensors(storage, name, self.replica.settled_model().state_dict())
+
+    # -- checkpoints: every rank writes its own part --------------------------------------
+    def stage_checkpoint(self, directory: str, step: int, sampler: dict[str, int],
+                         fault: Fault | None = None) -> int:
+        """Training thread, between steps: copy this rank's share of the checkpoint into
+        host memory (all a save stalls training for); ``upload_checkpoint`` writes it."""
+        trigger(fault, "checkpoint")
+        part = self.replica.checkpoint_part(step, sampler)
+        self._staged[directory] = part, fault
+        return sum(t.numel() * t.element_size() for f in part.files.values() for t in f.values())
+
+    @ray.method(concurrency_group="io")
+    def upload_checkpoint(self, storage: Storage, directory: str) -> dict:
+        """I/O thread, while training goes on: write the staged part into ``directory`` of
+        ``storage``; the manifest's entries for it (sizes, sha256, pieces)."""
+        part, fault = self._staged.pop(directory)
+        trigger(fault, "upload")
+        return write_part(storage, directory, part)
+
+    def write_checkpoint(self, storage: Storage, directory: str, step: int, sampler: dict[str, int],
+                         fault: Fault | None = None) -> dict:
+        """Both at once, on the training thread (``--sync-checkpoints``)."""
+        self.stage_checkpoint(directory, step, sampler, fault)
+        return write_part(storage, directory, self._staged.pop(directory)[0])
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Read this rank's needs of ``checkpoint`` from its storage and load them (with ZeRO
+        a collective)."""
+        self.replica.load_checkpoint(checkpoint)
+
+    def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
+        return self.replica.training_state(step, sampler)
+
+    @ray.method(num_returns=2)
+    def share_state(self, step: int, sampler: dict[str, int]) -> tuple[int, TrainingState]:
+        """This worker's whole state for other workers, as two objects: a small one the
+        coordinator waits for (is the source alive?) and the state, which goes from the
+        object store to the workers that load it without passing through the coordinator."""
+        return step, self.replica.training_state(step, sampler)
+
+    def load_state(self, state: TrainingState) -> None:
+        self.replica.load_state(state)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this worker holds now."""
+        return self.replica.strategy.state_bytes()
+
+    # -- ZeRO: peer snapshots and resharding --------------------------------------------------
+    def shard_holdings(self) -> dict:
+        return self.replica.strategy.holdings()
+
+    @ray.method(num_returns=2)
+    def export_shard(self, kind: str, step: int) -> tuple[int, ShardState]:
+        """A chunk (``share_state``'s two objects): the coordinator waits for the first."""
+        return step, self.replica.strategy.export(kind, step)
+
+    def import_shards(self, refs: list, old_world_size: int, step: int) -> None:
+        """Collective over the new generation: take this rank's chunk (and a snapshot of its
+        left neighbour's) out of the old generation's chunks ``refs`` (in old rank order)."""
+        self.replica.strategy.import_shards(lambda needed: ray.get([refs[i] for i in needed]),  # in parallel
+                                            old_world_size, step)
+
+    def sample(self) -> str | None:
+        """The task's sample of what the model does now (None when the task has none)."""
+        task = self.replica.task
+        return task.sample(self.replica.settled_model()) if task.sample is not None else None
+
+
+def remote_worker_class():
+    """The Ray actor class (created lazily so importing elastic_dp does not need Ray up)."""
+    return ray.remote(max_concurrency=3, concurrency_groups={"io": 1})(WorkerActor)
