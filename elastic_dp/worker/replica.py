@@ -34,7 +34,7 @@ from elastic_dp.faults import Fault, trigger
 from elastic_dp.worker.window import Grants, Prefetcher
 from elastic_dp.messages import Progress, StepResult, WindowPlan, WorkerInfo
 from elastic_dp.state.zero.chunks import check_shardable
-from elastic_dp.state.base import Strategy, make_strategy
+from elastic_dp.state import Strategy, make_strategy
 from elastic_dp.task import Task, trainable
 
 logger = logging.getLogger(__name__)

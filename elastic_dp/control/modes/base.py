@@ -23,13 +23,15 @@ class MembersLost(Exception):
     """
 
     def __init__(self, group: Sequence[Any], lost: Sequence[Any], cause: str, detect_s: float = 0.0,
-                 step: int | None = None) -> None:
+                 step: int | None = None, reports: dict[Any, Any] | None = None) -> None:
         super().__init__(cause)
         self.group, self.lost = list(group), list(dict.fromkeys(lost))  # a member may have had two calls
         self.cause, self.detect_s = cause, detect_s
         self.step = step
         """The step the loss interrupted, when it came in a window of steps (the ones before
         it committed); None: the coordinator's current step."""
+        self.reports = dict(reports or {})
+        """The survivors' reports of that step, by member (a window's)."""
 
     @property
     def survivors(self) -> list[Any]:

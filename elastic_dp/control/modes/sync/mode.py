@@ -32,7 +32,7 @@ from elastic_dp.control.modes.watchdog import HangBounds
 from elastic_dp.control.modes.sync.group import Generations
 from elastic_dp.control.modes.sync.balance import Balancer
 from elastic_dp.control.modes.sync.layouts import make_layout
-from elastic_dp.control.modes.sync.window import Window
+from elastic_dp.control.modes.sync.window import Committed, Window
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,26 @@ class SyncMode:
         Returns the committed steps afterwards; a failure raises ``MembersLost`` naming
         the step it interrupted."""
         self._windows += 1
-        return Window(self, self._windows, step, step + 1 if limit is None else limit, keep_going, wake).run()
+        window = Window(self.gens, self.faults, self._sampler_state(), self._windows, step,
+                        step + 1 if limit is None else limit, keep_going, wake, self.slice_sizes)
+        run = window.run()
+        try:
+            while True:
+                self._committed(next(run))
+        except StopIteration as end:
+            return end.value
+        except MembersLost as lost:
+            if lost.step is not None:  # the window's: the survivors' reports of the step it interrupted
+                self.layout.stepped(lost.step, lost.reports)
+                self._last = lost.reports  # a recovery may find that the step committed
+            raise
+
+    def _committed(self, committed: Committed) -> None:
+        """A step of the window committed on every member: the layout, the record, the balancer."""
+        self.layout.stepped(committed.step, committed.results)
+        self._record(committed.step, list(committed.results.values()))
+        if self.balancer is not None and committed.whole:
+            self.balancer.observe(committed.results)
 
     def slice_sizes(self, members: list[Any], step: int) -> tuple[int, ...] | None:
         """The slice sizes of ``members`` (rank order) from ``step`` on (``--balance``;

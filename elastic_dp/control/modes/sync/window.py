@@ -19,20 +19,19 @@ import logging
 import math
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Generator
 
 import ray
 
 from elastic_dp.errors import CollectiveError
-from elastic_dp.faults import STEP_PHASES
+from elastic_dp.faults import STEP_PHASES, FaultPlan
 from elastic_dp.messages import WindowPlan
 from elastic_dp.messages import StepResult
 from elastic_dp.control.modes.base import MembersLost
 from elastic_dp.control.modes.calls import Waiting
+from elastic_dp.control.modes.sync.group import Generations
 from elastic_dp.control.modes.watchdog import Watchdog
-
-if TYPE_CHECKING:
-    from elastic_dp.control.modes.sync.mode import SyncMode
 
 LOOKAHEAD_S = 2.0
 """How far ahead steps are granted, in the run's typical step time: enough that reports
@@ -45,33 +44,51 @@ MIN_LOOKAHEAD, MAX_LOOKAHEAD = 8, 4096
 logger = logging.getLogger(__name__)
 
 
-class Window:
-    """Runs steps ``start``..``limit - 1`` (or fewer) on the mode's current generation."""
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """A step every member committed, as the window saw it."""
 
-    def __init__(self, mode: "SyncMode", number: int, start: int, limit: int,
-                 keep_going: Callable[[], bool], wake: Callable[[], list] = list) -> None:
-        self.mode, self.number, self.start, self.limit, self.keep_going = mode, number, start, limit, keep_going
-        self.wake = wake
-        self.members = list(mode.members)
+    step: int
+    results: dict[Any, StepResult]
+    """The members' reports, by member."""
+    whole: bool
+    """Every member's report came (False: a member was lost after the step committed
+    everywhere, and its report with it)."""
+
+
+class Window:
+    """Runs steps ``start``..``limit - 1`` (or fewer) on the current generation of
+    ``gens``, and tells what happened: ``run`` yields each step as it commits and returns
+    the boundary; a failure raises ``MembersLost``, whose ``reports`` are the survivors'
+    reports of the step it interrupted. The caller records the steps."""
+
+    def __init__(self, gens: Generations, faults: FaultPlan, sampler: dict[str, int], number: int, start: int,
+                 limit: int, keep_going: Callable[[], bool], wake: Callable[[], list] = list,
+                 slice_sizes: Callable[[list[Any], int], tuple[int, ...] | None] = lambda members, step: None,
+                 ) -> None:
+        self.gens, self.faults, self.sampler = gens, faults, sampler
+        self.number, self.start, self.limit, self.keep_going = number, start, limit, keep_going
+        self.wake, self.slice_sizes = wake, slice_sizes
+        self.members = list(gens.members)
         self.granted, self.final = start, False
         self.stopping = False
         """Every member was asked to stop (``keep_going`` said no)."""
         self.stopped = False
         """The window ended by the vote: the last committed step carried the stop."""
-        typical = mode.gens.calls.typical_step_s
+        typical = gens.calls.typical_step_s
         self.lookahead = MIN_LOOKAHEAD if not typical else max(MIN_LOOKAHEAD,
                                                                 min(MAX_LOOKAHEAD, math.ceil(LOOKAHEAD_S / typical)))
         self.handed: dict[int, dict[int, Any]] = defaultdict(dict)  # step -> rank -> fault
         self.next = start
         """The first step not yet committed by every member."""
-        self.sizes = mode.slice_sizes(self.members, start)
+        self.sizes = slice_sizes(self.members, start)
         """Slice sizes by rank (``--balance``); None: equal slices."""
 
     def _grant_to(self, until: int) -> dict[int, dict[int, Any]]:
         """Take the faults of the steps up to ``until``: rank -> step -> fault."""
         by_rank: dict[int, dict[int, Any]] = defaultdict(dict)
         for step in range(self.granted, until):
-            for rank, fault in self.mode.faults.take_step(step, len(self.members), STEP_PHASES).items():
+            for rank, fault in self.faults.take_step(step, len(self.members), STEP_PHASES).items():
                 self.handed[step][rank] = fault
                 by_rank[rank][step] = fault
         self.granted = until
@@ -84,7 +101,7 @@ class Window:
         first, sizes = self.granted, None
         faults = self._grant_to(min(self.limit, self.next + self.lookahead))
         self.final = self.granted >= self.limit
-        new = self.mode.slice_sizes(self.members, first)
+        new = self.slice_sizes(self.members, first)
         if new != self.sizes:  # from the first step of this grant, which no rank has begun
             self.sizes, sizes = new, (first, new)
         for rank, m in enumerate(self.members):
@@ -102,29 +119,28 @@ class Window:
     def _unrun(self) -> None:
         """The window stopped through the vote before its grant ran out: the steps granted
         after it never ran on any rank; their faults are pending again."""
-        mode = self.mode
         for step in sorted(self.handed):
-            mode.faults.put_back(self.handed.pop(step).values())
+            self.faults.put_back(self.handed.pop(step).values())
         for step in range(self.next, self.granted):
-            mode.faults.forget_step(step, len(self.members))
+            self.faults.forget_step(step, len(self.members))
 
-    def run(self) -> int:
-        """Train until the window ends; the committed steps afterwards."""
-        mode, members = self.mode, self.members
+    def run(self) -> Generator[Committed, None, int]:
+        """Train until the window ends, yielding each step as every member commits it;
+        returns the committed steps afterwards."""
+        members, generation = self.members, self.gens.generation
         faults = self._grant_to(min(self.limit, self.start + self.lookahead))
         self.final = self.granted >= self.limit
-        sampler = mode._sampler_state()
-        streams = {m.actor.run_window.remote(WindowPlan(self.number, self.start, self.granted, self.final, sampler,
-                                                        faults.get(rank, {}), mode.faults.slow.get(rank),
-                                                        self.sizes)): m
+        streams = {m.actor.run_window.remote(WindowPlan(self.number, self.start, self.granted, self.final,
+                                                        self.sampler, faults.get(rank, {}),
+                                                        self.faults.slow.get(rank), self.sizes)): m
                    for rank, m in enumerate(members)}
-        calls = mode.gens.calls
+        calls = self.gens.calls
         reports: dict[int, dict[Any, StepResult]] = defaultdict(dict)
         last_commit = time.time()  # detection is timed from the end of the last step known to commit
 
         def abort(running: list[Any]) -> None:
             for m in running:
-                m.actor.abort_group.remote(mode.generation)  # also ends a wait for a grant
+                m.actor.abort_group.remote(generation)  # also ends a wait for a grant
 
         # detect: the first signal's time (``_detection`` measures it once every report is in);
         # wake: a starting worker's progress, so that keep_going is asked at once
@@ -149,12 +165,9 @@ class Window:
                                        if isinstance(result.error, CollectiveError) else "the step did not commit")
             while len(reports[self.next]) == len(members) and all(r.committed for r in reports[self.next].values()):
                 results = reports.pop(self.next)
-                mode.layout.stepped(self.next, results)
-                mode._record(self.next, list(results.values()))
-                if mode.balancer is not None:
-                    mode.balancer.observe(results)
+                yield Committed(self.next, results, whole=True)
                 last_commit = max([last_commit, *(r.time for r in results.values() if r.time)])
-                mode.faults.put_back(self.handed.pop(self.next, {}).values())  # none fired
+                self.faults.put_back(self.handed.pop(self.next, {}).values())  # none fired
                 waiting.watchdog.typical_step_s = calls.typical_step_s
                 self.stopped = all(r.stop for r in results.values())
                 self.next += 1
@@ -167,40 +180,37 @@ class Window:
         if outcome.cause is None and (self.next == self.granted or self.stopped):
             self._unrun()
             return self.next
-        return self._failed(reports, outcome.lost, outcome.errors, outcome.cause or "the window ended early",
-                            _detection(outcome.detect_s, reports, last_commit))
+        yield from self._failed(reports, outcome.lost, outcome.errors, outcome.cause or "the window ended early",
+                                _detection(outcome.detect_s, reports, last_commit))
+        raise AssertionError("unreachable: _failed raises")
 
-    def _failed(self, reports, lost, errors, cause: str, detect_s: float) -> int:
-        """A step failed: record the steps every survivor committed before it (a step
+    def _failed(self, reports, lost, errors, cause: str, detect_s: float) -> Generator[Committed, None, None]:
+        """A step failed: yield the steps every survivor committed before it (a step
         commits on no rank before every rank voted, so they committed everywhere; a lost
         worker's reports of them may have died with it), put back the faults that did not
         fire, and raise ``MembersLost`` naming the first step that did not commit."""
-        mode = self.mode
         if lost:  # a survivor's raised error may follow from the loss; the recovery goes on
             for member, error in errors.items():
                 logger.warning("%r raised while %s were lost: %s", member, lost, error)
         alive = [m for m in self.members if m not in lost]
         while alive and all(m in reports.get(self.next, {}) and reports[self.next][m].committed for m in alive):
             results = {m: r for m, r in reports.pop(self.next).items() if m not in lost}
-            mode.layout.stepped(self.next, results)
-            mode._record(self.next, list(results.values()))
-            mode.faults.put_back(f for rank, f in self.handed.pop(self.next, {}).items()
+            yield Committed(self.next, results, whole=len(results) == len(self.members))
+            self.faults.put_back(f for rank, f in self.handed.pop(self.next, {}).items()
                                  if self.members[rank] in alive)  # a lost member's fault fired
             self.next += 1
         step = self.next
         results = {m: r for m, r in reports.get(step, {}).items() if m not in lost}
         for by_rank in self.handed.values():  # a survivor's faults did not fire (a fired one loses its worker)
-            mode.faults.put_back(f for rank, f in by_rank.items() if self.members[rank] in alive)
+            self.faults.put_back(f for rank, f in by_rank.items() if self.members[rank] in alive)
         # a lost worker's are not handed out again: it may have run past the steps it reported
         for s in range(step + 1, self.granted):
-            mode.faults.forget_step(s, len(self.members))  # granted, never run
+            self.faults.forget_step(s, len(self.members))  # granted, never run
         task_errors = [r.error for r in results.values() if r.error is not None
                        and not isinstance(r.error, CollectiveError)]
         if not lost and (task_errors or errors):
             raise (task_errors or list(errors.values()))[0]  # not recoverable: the task's own error
-        mode.layout.stepped(step, results)
-        mode._last = results
-        raise MembersLost(self.members, lost, cause, detect_s, step=step)
+        raise MembersLost(self.members, lost, cause, detect_s, step=step, reports=results)
 
 
 def _detection(signalled_at: float | None, reports: dict[int, dict[Any, StepResult]], last_commit: float) -> float:
