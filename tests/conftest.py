@@ -29,3 +29,29 @@ def ray_cluster():
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+# -- tiers: ``-m "not ray"`` is the quick tier (README) ------------------------------------
+def pytest_collection_modifyitems(config, items):
+    """A test that uses the Ray cluster fixture needs Ray; so does one marked ``ray``
+    by its module (it starts Ray in a subprocess)."""
+    for item in items:
+        if "ray_cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.ray)
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_outside_the_ray_tier(request, monkeypatch):
+    """A test not marked ``ray`` that starts Ray in this process fails, naming the marker,
+    so that the quick tier cannot come to need Ray unnoticed."""
+    if request.node.get_closest_marker("ray") is not None:
+        yield
+        return
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{request.node.nodeid} starts Ray but is not marked ray: use the ray_cluster "
+                           "fixture or mark it @pytest.mark.ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    yield

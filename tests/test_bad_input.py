@@ -128,6 +128,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.ray  # the command asks Ray to connect
 @pytest.mark.parametrize("how", ["--address", "RAY_ADDRESS"])
 def test_a_cluster_that_does_not_answer_is_reported_not_waited_on(how):
     import os

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from jobs.gpt import build_model
 from tests.records import read_lines
+
+pytestmark = pytest.mark.ray  # it starts Ray in a subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 

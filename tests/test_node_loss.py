@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.ray  # it starts Ray in a subprocess
+
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 2e-5  # as in test_sync_equivalence

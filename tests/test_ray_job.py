@@ -26,6 +26,8 @@ from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import PacedLoss, paced_task
 
+pytestmark = pytest.mark.ray  # it starts Ray in a subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TOL = 2e-5  # SGD on the MLP over 30 steps: float32 reduction order only (as in test_node_loss)
