@@ -58,25 +58,26 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     from elastic_dp.data import rank_slice
     from elastic_dp.malloc import keep_freed_memory
     from elastic_dp.worker.replica import Replica
+    from elastic_dp.worker.sync import SyncProgram
     from jobs.gpt import TASK
 
     if not args.default_malloc:
         keep_freed_memory()
 
-    def replica(generation: int, first_bucket_mb: float | None, zero: int) -> Replica:
+    def replica(generation: int, first_bucket_mb: float | None, zero: int) -> SyncProgram:
         config = dataclasses.replace(TASK.defaults, steps=10**9, zero=zero, first_bucket_mb=first_bucket_mb)
         group = CollectiveGroup(backend="gloo", timeout_s=120)
         group.configure("127.0.0.1", port, generation=generation, rank=rank, world_size=world)
         made = Replica(TASK, config, torch.device("cpu"), group)
         made.broadcast_state(0)
-        return made
+        return SyncProgram(made)
 
     ours = replica(1, args.first_bucket_mb, args.zero)
     if args.peer == "ddp":
         ddp = DDPWorker("127.0.0.1", port, rank, world, keep_memory=not args.default_malloc)
     else:
         peer = replica(2, args.peer_first_bucket_mb, args.zero if args.peer_zero is None else args.peer_zero)
-    sampler = ElasticSampler(len(ours.dataset), global_batch=TASK.defaults.global_batch, seed=TASK.defaults.seed)
+    sampler = ElasticSampler(len(ours.replica.dataset), global_batch=TASK.defaults.global_batch, seed=TASK.defaults.seed)
 
     def train(which: str, start: int) -> None:
         if which == "peer" and args.peer == "ddp":
@@ -86,7 +87,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         for step in range(start, start + args.steps_per_round):
             result = replica_.step(step, rank_slice(sampler.batch(step), world, rank, None))
             assert result.committed, result.error
-        replica_.strategy.settle()
+        replica_.replica.strategy.settle()
 
     wall: dict[str, list[float]] = {"ours": [], "peer": []}
     spent: dict[str, list[dict[str, float]]] = {"ours": [], "peer": []}

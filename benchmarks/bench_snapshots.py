@@ -43,6 +43,7 @@ def _rank(rank: int, world: int, port: int, rounds: int, steps: int, out: str) -
     from elastic_dp.data import ElasticSampler, rank_slice
     from elastic_dp.malloc import keep_freed_memory
     from elastic_dp.worker.replica import Replica
+    from elastic_dp.worker.sync import SyncProgram
     from jobs.gpt import TASK
 
     keep_freed_memory()  # as a worker actor does
@@ -54,6 +55,7 @@ def _rank(rank: int, world: int, port: int, rounds: int, steps: int, out: str) -
         group.configure("127.0.0.1", port, generation=generation, rank=rank, world_size=world)
         replicas[name] = Replica(TASK, config, torch.device("cpu"), group)
         replicas[name].broadcast_state(0)
+    programs = {name: SyncProgram(replica) for name, replica in replicas.items()}
     sampler = ElasticSampler(len(replicas["zero0"].dataset), global_batch=TASK.defaults.global_batch,
                              seed=TASK.defaults.seed)
     wall: dict[str, list[float]] = {name: [] for name in VARIANTS}
@@ -64,7 +66,7 @@ def _rank(rank: int, world: int, port: int, rounds: int, steps: int, out: str) -
             os.environ[shm.ENV] = VARIANTS[name][1]  # read when the neighbours agree (its first snapshots)
             start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(steps):
-                result = replicas[name].step(step[name], rank_slice(sampler.batch(step[name]), world, rank, None))
+                result = programs[name].step(step[name], rank_slice(sampler.batch(step[name]), world, rank, None))
                 assert result.committed, result.error
                 step[name] += 1
             replicas[name].strategy.settle()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
@@ -152,14 +153,48 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
                f"kill or hang at step={f.step} in a step phase ({', '.join(STEP_PHASES)})")
 
 
-def trigger(fault: Fault | None, phase: str) -> None:
-    """In a worker: carry out ``fault`` if it is due in ``phase``."""
-    if fault is None or fault.phase != phase:
-        return
-    if fault.kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif fault.kind == "hang":
-        os.kill(os.getpid(), signal.SIGSTOP)
+class FaultHook:
+    """The faults handed to this process, each carried out at its phase.
+
+    The coordinator hands a worker (or a parameter-server shard) the faults of a call with
+    the call; the actor arms them here (``arm``), and the code of each phase says where it
+    is (``at("forward")``, ``at("snapshot")``, ...): an armed fault of that phase fires
+    there, once. Nothing else of the production code knows of fault injection. A step's
+    faults that did not fire are disarmed when the step ends (``disarm``), so none fires in
+    a later one; a ``slow`` fault slows the steps it names (``straggle``).
+    """
+
+    def __init__(self) -> None:
+        self._armed: dict[str, Fault] = {}
+        self.slow: Fault | None = None
+        """The straggler fault slowing the current step, if any."""
+
+    def arm(self, *faults: Fault | None) -> None:
+        for fault in faults:
+            if fault is not None:
+                self._armed[fault.phase] = fault
+
+    def disarm(self, phases: Iterable[str] = STEP_PHASES) -> None:
+        for phase in phases:
+            self._armed.pop(phase, None)
+
+    def at(self, phase: str) -> None:
+        """This process has reached ``phase``: carry out the fault armed for it, if any."""
+        fault = self._armed.pop(phase, None)
+        if fault is None:
+            return
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def straggle(self, compute_s: float) -> bool:
+        """``--inject slow``: make a step whose compute took ``compute_s`` take ``factor``
+        times as long; whether it did."""
+        if self.slow is None:
+            return False
+        time.sleep((self.slow.factor - 1) * compute_s)
+        return True
 
 
 class FaultPlan:

@@ -88,10 +88,13 @@ def test_bf16_autocast_on_cuda_tracks_the_replay(ray_cluster, tmp_path):
 def test_batches_are_prepared_ahead_in_pinned_memory():
     from elastic_dp.config import TrainConfig
     from elastic_dp.worker.replica import Replica
+    from elastic_dp.worker.sync import SyncProgram
 
     replica = Replica(TINY_GPT_TASK, TrainConfig(global_batch=8), torch.device("cuda", 0), group=None)
-    assert replica.prefetch  # on by default on a GPU
-    (samples, batch), = replica._collate(torch.arange(8).numpy())
+
+    program = SyncProgram(replica)
+    assert program.prefetch  # on by default on a GPU
+    (samples, batch), = replica.collate(torch.arange(8).numpy())
     tensors = batch if isinstance(batch, (list, tuple)) else [batch]
     assert samples == 8 and all(t.is_pinned() for t in tensors if isinstance(t, torch.Tensor))
 

@@ -16,6 +16,7 @@ from elastic_dp.faults import Fault
 from elastic_dp.messages import WindowPlan
 from elastic_dp.worker.window import Grants
 from elastic_dp.worker.replica import Replica
+from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.reference import max_abs_diff, replay
 from tests.tasks import MLP_TASK, Regression, mlp, mse, sgd_two_groups
@@ -37,7 +38,7 @@ def test_a_stop_heard_by_one_rank_ends_every_ranks_window_after_the_same_step(tm
 
     def hear(step):
         if local.rank == 1 and step == heard_at:
-            local.replica.grants.extend(1, UNTIL, True, {}, stop=True)  # what the control thread does
+            local.program.grants.extend(1, UNTIL, True, {}, stop=True)  # what the control thread does
 
     def loss(model, batch):
         if heard_in == "forward":
@@ -53,11 +54,12 @@ def test_a_stop_heard_by_one_rank_ends_every_ranks_window_after_the_same_step(tm
 
     def rank_fn(group):
         replica = Replica(task, config, torch.device("cpu"), group)
+        program = SyncProgram(replica)
         replica.model.load_state_dict(initial)
         replica.broadcast_state(0)
-        local.rank, local.replica = group.rank, replica
+        local.rank, local.program = group.rank, program
         results = []
-        original_step, original_update = replica.step, replica.strategy.optimizer_step
+        original_step, original_update = program.step, replica.strategy.optimizer_step
 
         def counted(step, *args, **kwargs):
             local.step = step
@@ -68,8 +70,8 @@ def test_a_stop_heard_by_one_rank_ends_every_ranks_window_after_the_same_step(tm
             if heard_in == "update":
                 hear(step)
 
-        replica.step, replica.strategy.optimizer_step = counted, update
-        for report in replica.run_window(WindowPlan(1, 0, UNTIL, True, sampler)):
+        program.step, replica.strategy.optimizer_step = counted, update
+        for report in program.run_window(WindowPlan(1, 0, UNTIL, True, sampler)):
             results.extend(report)
         return [(r.step, r.committed, r.stop) for r in results], replica.settled_model().state_dict()
 

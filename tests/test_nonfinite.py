@@ -17,6 +17,7 @@ from elastic_dp.messages import StepResult
 from elastic_dp.observe.metrics import RunRecorder
 from elastic_dp.control.modes.guard import NonFiniteGuard
 from elastic_dp.worker.replica import Replica
+from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
@@ -34,11 +35,12 @@ def test_every_rank_skips_the_update_of_a_step_with_a_nan_loss(zero):
 
     def rank_fn(group):
         replica = Replica(POISONED_TASK, config, CPU, group)
+        program = SyncProgram(replica)
         replica.broadcast_state(0)
         for step in range(3):
-            assert replica.step(step, split(sampler.batch(step), 2)[group.rank]).committed
+            assert program.step(step, split(sampler.batch(step), 2)[group.rank]).committed
         before = replica.model_state(), replica.training_state(3, {})
-        result = replica.step(3, split(sampler.batch(3), 2)[group.rank])
+        result = program.step(3, split(sampler.batch(3), 2)[group.rank])
         after = replica.model_state(), replica.training_state(4, {})
         return result, before, after, replica
 

@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 from elastic_dp import TaskError, TrainConfig
+from elastic_dp.comm.vote import Vote
 from elastic_dp.comm.reducer import GradientReducer, make_buckets
 from elastic_dp.task import Task
 from elastic_dp.worker.replica import Replica
+from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.tasks import Regression, mlp, mse, sgd_two_groups
 
@@ -80,7 +82,7 @@ def test_reduce_scatter_gives_each_rank_its_chunk_of_the_sum_and_every_rank_the_
                                   scatter_into=chunks, scatter_in_place=in_place)
         reducer.zero_grad()
         if group.rank == 1:
-            reducer.note_error()
+            reducer.ballot.error()
         reducer.arm()
         model(torch.full((3, 6), float(group.rank + 1))).sum().backward()
         tally = reducer.finish()
@@ -109,7 +111,7 @@ def test_reduce_scatter_gives_each_rank_its_chunk_of_the_sum_and_every_rank_the_
         return out
 
     for rank, (tally, chunks, views, released, layout, buffers) in enumerate(results):
-        assert tally == [1.0, 0.0, 0.0]  # rank 1's error, known on every rank
+        assert tally == Vote(errors=1)  # rank 1's error, known on every rank
         assert (views, released) == ((True, False) if in_place else (False, True))
         assert len(layout) == 2
         for b, ((names, offsets, padded), chunk) in enumerate(zip(layout, chunks)):
@@ -154,9 +156,10 @@ def test_a_rank_whose_loss_fails_makes_every_rank_skip_the_update():
 
     def rank_fn(group):
         replica = Replica(task, config, torch.device("cpu"), group)
+        program = SyncProgram(replica)
         before = [p.detach().clone() for p in replica.model.parameters()]
         local.rank = group.rank
-        result = replica.step(0, np.array_split(np.arange(8), 2)[group.rank])
+        result = program.step(0, np.array_split(np.arange(8), 2)[group.rank])
         unchanged = all(torch.equal(a, b) for a, b in zip(before, replica.model.parameters()))
         return result, unchanged
 

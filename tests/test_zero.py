@@ -17,6 +17,7 @@ from elastic_dp.durable.checkpoint import merge_shards
 from elastic_dp.data import split
 from elastic_dp.errors import CollectiveError
 from elastic_dp.worker.replica import Replica
+from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression, mlp
 from tests.zero_runs import CPU, initial_weights, max_diff, train
@@ -169,6 +170,7 @@ def test_the_forwards_wait_for_its_parameters_is_timed_apart_from_its_compute():
 
     def rank_fn(group):
         replica = Replica(task, config, CPU, group)
+        program = SyncProgram(replica)
         replica.model.load_state_dict(initial)
         replica.broadcast_state(0)
         results = []
@@ -177,7 +179,7 @@ def test_the_forwards_wait_for_its_parameters_is_timed_apart_from_its_compute():
             if step == 2 and group.rank == 0:
                 assert gathers  # in flight since step 1's update
                 gathers.update({b: Late(work) for b, work in gathers.items()})
-            results.append(replica.step(step, split(sampler.batch(step), 2)[group.rank]))
+            results.append(program.step(step, split(sampler.batch(step), 2)[group.rank]))
         return results
 
     results = run_ranks(2, rank_fn)[0]
@@ -226,9 +228,10 @@ def test_a_peer_lost_after_the_vote_fails_the_norm_all_reduce_in_the_result(zero
 
     def rank_fn(group):
         replica = Replica(task, config, CPU, group)
+        program = SyncProgram(replica)
         replica.model.load_state_dict(initial)
         replica.broadcast_state(0)
-        assert replica.step(0, split(sampler.batch(0), 2)[group.rank]).committed
+        assert program.step(0, split(sampler.batch(0), 2)[group.rank]).committed
         if group.rank == 1:
             def lost(max_norm):
                 group.abort()
@@ -236,10 +239,10 @@ def test_a_peer_lost_after_the_vote_fails_the_norm_all_reduce_in_the_result(zero
 
             replica.strategy.clip_grad_norm = lost
             with pytest.raises(RuntimeError, match="rank 1 is gone"):
-                replica.step(1, split(sampler.batch(1), 2)[1])
+                program.step(1, split(sampler.batch(1), 2)[1])
             return None
         before = {k: v.clone() for k, v in replica.model_state().items()}
-        result = replica.step(1, split(sampler.batch(1), 2)[0])
+        result = program.step(1, split(sampler.batch(1), 2)[0])
         return result, replica.strategy.holdings()["live"], before, replica.model_state()
 
     result, live, before, after = run_ranks(2, rank_fn)[0]
@@ -261,15 +264,16 @@ def test_an_all_gather_that_cannot_start_leaves_the_chunk_updated_whole(zero):
 
     def rank_fn(group, fail: bool):
         replica = Replica(task, config, CPU, group)
+        program = SyncProgram(replica)
         replica.model.load_state_dict(initial)
         replica.broadcast_state(0)
-        assert replica.step(0, split(sampler.batch(0), 2)[group.rank]).committed
+        assert program.step(0, split(sampler.batch(0), 2)[group.rank]).committed
         if fail:
             def lost(output, input):
                 raise RuntimeError("Connection closed by peer")
 
             group.all_gather_async = lost
-        result = replica.step(1, split(sampler.batch(1), 2)[group.rank])
+        result = program.step(1, split(sampler.batch(1), 2)[group.rank])
         return result, replica.strategy.export("live", 2)
 
     reference = run_ranks(2, lambda group: rank_fn(group, False))

@@ -20,6 +20,7 @@ from elastic_dp.state.zero import shm
 from elastic_dp.observe.plan import MemoryPlan
 from elastic_dp.state.zero.chunks import Snapshot
 from elastic_dp.worker.replica import Replica
+from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.tasks import MLP_TASK, TINY_GPT_TASK
 from tests.zero_runs import CPU, initial_weights, max_diff, train
@@ -78,9 +79,10 @@ def test_resharding_from_live_chunks_and_snapshots_continues_the_same_trajectory
 
     def rank_fn(group):
         replica = Replica(task, config, CPU, group)
+        program = SyncProgram(replica)
         replica.strategy.load_shards(lambda i: chunks[i], 3, 3)
         for step in range(3, 6):
-            assert replica.step(step, split(sampler.batch(step), 2)[group.rank]).committed
+            assert program.step(step, split(sampler.batch(step), 2)[group.rank]).committed
         return replica.model_state()
 
     final = run_ranks(2, rank_fn)[0]

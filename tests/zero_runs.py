@@ -9,6 +9,7 @@ import torch
 from elastic_dp import ElasticSampler, Task, TrainConfig
 from elastic_dp.data import split
 from elastic_dp.worker.replica import Replica
+from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 
 CPU = torch.device("cpu")
@@ -28,13 +29,14 @@ def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *,
 
     def rank_fn(group):
         replica = Replica(task, config, CPU, group)
+        program = SyncProgram(replica)
         if start is not None:
             replica.load_state(start)
         else:
             replica.model.load_state_dict(initial)
             replica.broadcast_state(0)
         for step in steps:
-            result = replica.step(step, split(sampler.batch(step), group.world_size)[group.rank])
+            result = program.step(step, split(sampler.batch(step), group.world_size)[group.rank])
             assert result.committed, result.error
         state = replica.training_state(steps.stop, {"seed": config.seed})
         if before_exit is not None:

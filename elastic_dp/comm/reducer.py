@@ -32,15 +32,17 @@ all-reduce, and the rank reads only its chunk anyway.
 
 The caller scales each micro-batch's loss so that local gradients are the sum of the
 per-sample gradients divided by the global batch; the SUM over ranks then gives the
-global-batch gradient exactly (DESIGN invariant 2), with no division by the world size.
+global-batch gradient exactly (docs/design.md, fixed global batch), with no division by the
+world size.
 
-The step's commit vote travels in the last bucket: its buffer carries ``VOTE`` more
-elements, in which each rank puts whether its step raised (``note_error``), whether
-any of its losses (``note_nonfinite``) or local gradients (the sum of each bucket, taken
-as it is launched, is not finite) is not finite, and whether the coordinator asked it to
-end its window of steps after this one (``note_stop``: every rank then ends it at the
-same step, the one whose tally carries the request). The SUM over ranks arrives with the
-last bucket's reduction; ``finish()`` returns it. In the scatter modes, where every rank receives only its
+The step's commit vote (``elastic_dp.comm.vote``) travels in the last bucket: its buffer
+carries the ``Ballot``'s elements, in which each rank puts whether its step raised
+(``ballot.error``), whether any of its losses (``ballot.nonfinite``) or local gradients
+(the sum of each bucket, taken as it is launched, is not finite) is not finite, and
+whether the coordinator asked it to end its window of steps after this one
+(``ballot.stop``: every rank then ends it at the same step, the one whose tally carries
+the request). The SUM over ranks arrives with the last bucket's reduction; ``finish()``
+returns it as a ``Vote``. In the scatter modes, where every rank receives only its
 chunk, the last bucket is reduce-scattered from a copy in which each rank's chunk is followed by the
 vote, so every rank receives the whole tally. No collective is spent on the vote alone.
 """
@@ -52,11 +54,8 @@ from typing import Callable
 
 import torch
 
-VOTE = 3
-"""Vote elements after the last bucket: [ranks with an error, ranks with a non-finite
-loss or local gradient, ranks asked to end the window after this step]."""
-
 from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.comm.vote import Ballot, Vote
 
 
 @dataclass(slots=True)
@@ -111,11 +110,11 @@ class GradientReducer:
             if scatter_in_place:
                 self.chunks = [b.buffer.view(pad_to, -1)[group.rank] for b in self.buckets]
         device = self.buckets[-1].params[0].device if self.buckets else torch.device("cpu")
-        self._local = torch.zeros(VOTE, dtype=torch.float32, device=device)
+        self.ballot = Ballot(device)
         """This rank's vote, filled in during the step."""
         self._sums = torch.zeros(len(self.buckets), dtype=torch.float32, device=device)
         """Per bucket, the sum of this rank's gradients (checked for NaN and infinity)."""
-        self._tally = torch.zeros(VOTE)
+        self._tally = torch.zeros(Ballot.SIZE)
         self._scatter_out: torch.Tensor | None = None  # scatter mode: the last chunk and the tally
         self._bucket_of: dict[int, int] = {}
         self._hooks = []
@@ -127,7 +126,7 @@ class GradientReducer:
         self._next = 0
         self.before_vote: Callable[[], None] | None = None
         """Called just before this rank's vote leaves with the last bucket: the last moment
-        to ``note_stop`` (the worker's window), and fault injection's ``allreduce`` phase
+        to ``ballot.stop()`` (the worker's window), and fault injection's ``allreduce`` phase
         (the other buckets are in flight, and the step commits on no rank)."""
 
     def close(self) -> None:
@@ -138,7 +137,7 @@ class GradientReducer:
 
     def zero_grad(self) -> None:
         """Zero every gradient (the views stay attached as ``param.grad``) and the vote."""
-        self._local.zero_()
+        self.ballot.clear()
         for bucket in self.buckets:
             if self.scatter_into is not None:
                 bucket.buffer, bucket.views = None, []
@@ -162,19 +161,6 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.pending, bucket.ready, bucket.work = len(bucket.params), False, None
             bucket.seen.clear()
-
-    def note_nonfinite(self) -> None:
-        """A loss of this rank's step is not finite: it votes to skip the update."""
-        self._local[1] += 1.0
-
-    def note_error(self) -> None:
-        """This rank's step raised: it votes against the commit (call before ``finish``)."""
-        self._local[0] = 1.0
-
-    def note_stop(self) -> None:
-        """This rank was asked to end its window: every rank ends it after this step
-        (call after ``zero_grad`` and before the last bucket is launched: ``before_vote``)."""
-        self._local[2] = 1.0
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if not self._armed:
@@ -208,7 +194,7 @@ class GradientReducer:
         if last:  # this rank's gradients: a NaN or an infinity anywhere votes to skip
             if self.before_vote is not None:
                 self.before_vote()
-            self._local[1] += (~torch.isfinite(self._sums)).any()
+            self.ballot.nonfinite((~torch.isfinite(self._sums)).any())
         if self.scatter_into is not None:
             for p in bucket.params:
                 p.grad = None  # the full gradient is in the buffer now; release it
@@ -216,21 +202,20 @@ class GradientReducer:
             if last:  # every rank's chunk followed by the vote: each rank receives the tally
                 world = bucket.padded // self.chunks[index].numel()
                 source = torch.cat([bucket.buffer.view(world, -1),
-                                    self._local.to(bucket.dtype).expand(world, VOTE)], dim=1)
+                                    self.ballot.tensor.to(bucket.dtype).expand(world, Ballot.SIZE)], dim=1)
                 self._scatter_out = torch.empty(source.shape[1], dtype=bucket.dtype, device=source.device)
                 bucket.work = self.group.reduce_scatter_async(self._scatter_out, source.view(-1))
             else:  # in place: the chunk may be the rank's own part of the buffer
                 bucket.work = self.group.reduce_scatter_async(self.chunks[index], bucket.buffer)
         elif last:
-            bucket.carrier[bucket.padded:] = self._local
+            bucket.carrier[bucket.padded:] = self.ballot.tensor
             bucket.work = self.group.all_reduce_async(bucket.carrier)
         else:
             bucket.work = self.group.all_reduce_async(bucket.buffer)
 
-    def finish(self) -> list[float]:
+    def finish(self) -> Vote:
         """Launch the buckets backward did not, wait for all; gradients are then global.
-        Returns the vote summed over the ranks: [ranks with an error, ranks with a
-        non-finite loss or gradient, ranks asked to stop after this step]."""
+        Returns the vote summed over the ranks, which the last bucket carried."""
         for bucket in self.buckets[self._next:]:
             bucket.ready = True
         self._launch_ready()
@@ -260,8 +245,8 @@ class GradientReducer:
         if not self.buckets:  # nothing to reduce: the vote is this rank's alone
             if self.before_vote is not None:
                 self.before_vote()
-            return self._local.tolist()
-        return self._tally.tolist()
+            return self.ballot.alone()
+        return Vote.of(self._tally)
 
     def disarm(self) -> None:
         """Forget a step that failed part-way; the next ``arm()`` starts clean."""
@@ -274,7 +259,7 @@ class GradientReducer:
 
 def _attach(bucket: Bucket, buffer: torch.Tensor, carry_vote: bool = False) -> None:
     if carry_vote:  # the buffer is followed by the vote, reduced with it
-        bucket.carrier = torch.zeros(buffer.numel() + VOTE, dtype=buffer.dtype, device=buffer.device)
+        bucket.carrier = torch.zeros(buffer.numel() + Ballot.SIZE, dtype=buffer.dtype, device=buffer.device)
         buffer = bucket.carrier[:buffer.numel()]
     bucket.buffer = buffer
     bucket.views = [buffer[o:o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)]

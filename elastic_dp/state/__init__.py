@@ -14,17 +14,18 @@ import torch
 
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.config import TrainConfig
+from elastic_dp.faults import FaultHook
 from elastic_dp.state.base import Strategy
 from elastic_dp.state.replicated import Replicated
 from elastic_dp.state.zero.stages import Sharded
 
 
 def make_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
-                  config: TrainConfig, device: torch.device) -> Strategy:
+                  config: TrainConfig, device: torch.device, faults: FaultHook | None = None) -> Strategy:
     """The strategy of ``config.zero``, built once; a sharded one re-cuts itself for every
-    generation of ``group``."""
+    generation of ``group`` (``faults``: the process's, for the phases a strategy has)."""
     if config.zero:
-        return Sharded(model, optimizer, group, config, device)
+        return Sharded(model, optimizer, group, config, device, faults)
     return Replicated(model, optimizer, group, config, device)
 
 

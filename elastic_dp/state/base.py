@@ -1,14 +1,15 @@
-"""What the worker's step needs from a state strategy (``Strategy``), and the pieces
-the strategies share."""
+"""What a worker needs from a state strategy (``Strategy``; ``Resharding`` for a strategy
+whose state is cut over the ranks), and the pieces the strategies share."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
-from elastic_dp.durable.checkpoint import TrainingState, Wanted
+from elastic_dp.durable.checkpoint import Part, TrainingState, Wanted, cut_part
 from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.comm.vote import Ballot, Vote
 from elastic_dp.comm.reducer import GradientReducer
 
 
@@ -21,20 +22,17 @@ class Strategy(Protocol):
     def before_last_backward(self) -> None:
         """Called before the backward of a step's last micro-batch."""
 
-    def note_nonfinite(self) -> None:
-        """A loss of this step was not finite: this rank votes to skip the update."""
+    @property
+    def ballot(self) -> Ballot:
+        """This rank's vote on the step, which the gradient reduction carries."""
 
-    def note_error(self) -> None:
-        """This rank's step raised: it votes against the commit."""
+    def before_vote(self, call: Callable[[], None] | None) -> None:
+        """Have ``call`` called just before this rank's ballot leaves with the reduction
+        (the last moment to add to it; fault injection's ``allreduce`` phase)."""
 
-    def note_stop(self) -> None:
-        """This rank was asked to end its window after this step: the vote tells every rank."""
-
-    def reduce_gradients(self) -> list[float]:
+    def reduce_gradients(self) -> Vote:
         """Complete the step's gradient reduction; gradients are then global. Returns the
-        commit vote summed over the ranks, which travelled with the last bucket: [ranks
-        with an error, ranks with a non-finite loss or local gradient, ranks asked to end
-        the window after this step]."""
+        commit vote summed over the ranks, which travelled with the last bucket."""
 
     def abandon(self) -> None:
         """Forget a step that failed part-way."""
@@ -52,7 +50,7 @@ class Strategy(Protocol):
     def skip_update(self, step: int) -> None:
         """Committed step ``step`` makes no update (a non-finite loss or gradient)."""
 
-    def after_commit(self, step: int, fault=None) -> None:
+    def after_commit(self, step: int) -> None:
         """After the update, at ``step`` committed steps: peer snapshots when due."""
 
     def state_bytes(self) -> dict[str, int]:
@@ -84,6 +82,82 @@ class Strategy(Protocol):
         """Load a whole, world-size-independent state after the model's parameters were
         loaded (with ZeRO a collective: every rank calls it)."""
 
+    # -- the model's state: the strategy owns it -----------------------------------------------
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The model's whole state dict, copied to the host."""
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model's whole state dict to write as the run's weights (not copied)."""
+
+    def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
+        """This worker's state at ``step`` committed steps, copied: whole where it is
+        replicated, this rank's part where it is sharded (``checkpoint.merge_shards``)."""
+
+    def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
+        """This rank's share of a checkpoint at ``step``, copied into host memory."""
+
+    def load_state(self, state: TrainingState) -> None:
+        """Load a whole (world-size-independent) training state, the model's included;
+        with ZeRO a collective."""
+
+
+class Resharding(Protocol):
+    """What a strategy whose state is cut over the ranks adds: after a failure, what this
+    rank holds, a chunk out of it, and the new generation's chunks cut out of the old."""
+
+    def holdings(self) -> dict:
+        """The steps of the chunks this rank holds: live, its own snapshots, its left
+        neighbour's (``modes.sync.sharded.shard_sources`` picks from them)."""
+
+    def export(self, kind: str, step: int) -> Any:
+        """A chunk: ``live``, or the ``own`` / ``peer`` snapshot of ``step``."""
+
+    def import_shards(self, fetch: Callable[[list[int]], list[Any]], old_world_size: int, step: int) -> None:
+        """A collective over the new generation: become its rank from the old ranks'
+        chunks at ``step`` (``fetch(old_ranks)``: only the ones needed are asked)."""
+
+
+class WholeModel:
+    """The model-state part of the ``Strategy`` interface, for a strategy whose workers
+    each hold every parameter whole (stages 0 to 2): the state dict is the model's own,
+    and a checkpoint part is this rank's range of each tensor (``checkpoint.cut_part``).
+    Needs ``model``, ``group`` and ``device``, and the strategy's ``settle``,
+    ``state_part`` and ``load``."""
+
+    model: torch.nn.Module
+    group: CollectiveGroup
+    device: torch.device
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.weights().items()}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        self.settle()
+        return self.model.state_dict()
+
+    def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
+        self.settle()
+        tensors, meta = self.state_part()
+        return TrainingState(step=step, model=self.model_state(),
+                             optimizer_tensors={k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
+                             optimizer_meta=meta, sampler=sampler, world_size=self.group.world_size,
+                             rng=torch.get_rng_state())
+
+    def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
+        """Only the pieces this rank writes are copied."""
+        self.settle()
+        tensors, meta = self.state_part()
+        live = TrainingState(step=step, model=self.model.state_dict(), optimizer_tensors=tensors,
+                             optimizer_meta=meta, sampler=sampler, world_size=self.group.world_size,
+                             rng=torch.get_rng_state())
+        return cut_part(live, self.group.rank, self.group.world_size)
+
+    def load_state(self, state: TrainingState) -> None:
+        self.settle()  # no gather still in flight may overwrite what is loaded
+        self.model.load_state_dict({k: v.to(self.device) for k, v in state.model.items()})
+        self.load(state)
+        torch.set_rng_state(state.rng)
+
 
 def broadcast_tensors(group: CollectiveGroup, tensors: list[torch.Tensor], src: int, device: torch.device) -> None:
     """Overwrite ``tensors`` on every rank with rank ``src``'s."""
@@ -106,16 +180,14 @@ class BucketedGradients:
     def before_last_backward(self) -> None:
         self.reducer.arm()
 
-    def note_nonfinite(self) -> None:
-        self.reducer.note_nonfinite()
+    @property
+    def ballot(self) -> Ballot:
+        return self.reducer.ballot
 
-    def note_error(self) -> None:
-        self.reducer.note_error()
+    def before_vote(self, call: Callable[[], None] | None) -> None:
+        self.reducer.before_vote = call
 
-    def note_stop(self) -> None:
-        self.reducer.note_stop()
-
-    def reduce_gradients(self) -> list[float]:
+    def reduce_gradients(self) -> Vote:
         return self.reducer.finish()
 
     def abandon(self) -> None:

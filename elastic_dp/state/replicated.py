@@ -8,10 +8,10 @@ from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer
 from elastic_dp.config import TrainConfig
 from elastic_dp.durable.checkpoint import TrainingState, Wanted, load_optimizer_state, optimizer_state
-from elastic_dp.state.base import BucketedGradients, broadcast_tensors, inside, nbytes
+from elastic_dp.state.base import BucketedGradients, WholeModel, broadcast_tensors, inside, nbytes
 
 
-class Replicated(BucketedGradients):
+class Replicated(BucketedGradients, WholeModel):
     """ZeRO stage 0: full replicas, bucketed all-reduce overlapped with backward."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -40,7 +40,7 @@ class Replicated(BucketedGradients):
     def skip_update(self, step: int) -> None:
         pass  # nothing moved: parameters and optimizer state stay as they are
 
-    def after_commit(self, step: int, fault=None) -> None:
+    def after_commit(self, step: int) -> None:
         pass  # every worker holds the whole state: nothing to snapshot
 
     def settle(self) -> None:

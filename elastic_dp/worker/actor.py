@@ -1,8 +1,11 @@
-"""``WorkerActor``: the Ray actor around a ``Replica``.
+"""``WorkerActor``: the Ray actor around a ``Replica`` and the program of its mode.
 
 It is a threaded actor (``max_concurrency=3``): one thread runs the step (or another
 long call), the others stay free for control calls — heartbeats, and the elastic layer's
-abort — while the step is blocked in a collective.
+abort — while the step is blocked in a collective. The configuration chooses the
+program once (``PROGRAMS``); a call of another mode's is refused, naming both. The
+coordinator hands a call its faults (``--inject``) with the call; the actor arms them
+in the process's ``FaultHook``, and each phase's code fires them.
 """
 
 from __future__ import annotations
@@ -17,18 +20,24 @@ import torch
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, save_tensors, write_part
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.config import TrainConfig
-from elastic_dp.data import ElasticSampler
-from elastic_dp.faults import Fault, trigger
+from elastic_dp.errors import WorkerError
+from elastic_dp.faults import Fault, FaultHook
 from elastic_dp.messages import WindowPlan
 from elastic_dp.malloc import keep_freed_memory
 from elastic_dp.messages import Heartbeat, StepResult, WorkerInfo
 from elastic_dp.task import Task
+from elastic_dp.worker.asyncsgd.program import AsyncProgram
 from elastic_dp.worker.replica import Replica
+from elastic_dp.worker.sync import SyncProgram
+from elastic_dp.state.base import Resharding
 from elastic_dp.state.zero.chunks import ShardState
 from elastic_dp.durable.storage import Storage
 from elastic_dp.threads import set_os_name
 
 logger = logging.getLogger(__name__)
+
+PROGRAMS = {"sync": SyncProgram, "async": AsyncProgram}
+"""The worker side of each training mode (``TrainConfig.mode``)."""
 
 
 class WorkerActor:
@@ -41,13 +50,16 @@ class WorkerActor:
         if device == "cuda":
             torch.cuda.set_device(self.device)
         self.group = CollectiveGroup(backend=backend, timeout_s=collective_timeout_s)
+        self.faults = FaultHook()
         self.replica: Replica | None = None
+        self.program: SyncProgram | AsyncProgram | None = None
         self._staged: dict[str, tuple[Part, Fault | None]] = {}
         """Checkpoint parts copied at a step boundary, waiting for their upload."""
 
     def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
         """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
-        self.replica = Replica(task, config, self.device, self.group)
+        self.replica = Replica(task, config, self.device, self.group, self.faults)
+        self.program = PROGRAMS[config.mode](self.replica)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         return dataclasses.replace(self.replica.info(), node_id=ray.get_runtime_context().get_node_id(),
                                    device_name=name)
@@ -55,7 +67,8 @@ class WorkerActor:
     def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int,
                         fault: Fault | None = None) -> None:
         """Join ``generation`` as ``rank`` (``fault``: phase ``reform``, fired first)."""
-        trigger(fault, "reform")
+        self.faults.arm(fault)
+        self.faults.at("reform")
         if self.replica is not None:
             self.replica.strategy.drop_pending()
         self.group.configure(host, port, generation=generation, rank=rank, world_size=world_size)
@@ -63,29 +76,34 @@ class WorkerActor:
     def broadcast_state(self, src: int) -> None:
         self.replica.broadcast_state(src)
 
+    def _program(self, kind: type, call: str):
+        if not isinstance(self.program, kind):
+            mode = next(m for m, c in PROGRAMS.items() if c is kind)
+            raise WorkerError(f"{call} is --mode {mode}'s, and this worker runs --mode {self.replica.config.mode}")
+        return self.program
+
     def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
-        return self.replica.step(step, indices, fault)
+        return self._program(SyncProgram, "step").step(step, indices, fault)
 
     @ray.method(num_returns="streaming")
     def run_window(self, plan: WindowPlan):
         """Training thread: run the granted steps, streaming one ``StepResult`` per step."""
         set_os_name("edp-train")  # the thread Ray lends to this call (Ray names it back after)
-        yield from self.replica.run_window(plan)
+        yield from self._program(SyncProgram, "run_window").run_window(plan)
 
     def grant(self, window: int, until: int, final: bool, faults: dict[int, Fault],
               sizes: tuple[int, tuple[int, ...] | None] | None = None, stop: bool = False) -> None:
         """Control thread: let ``window`` run the steps before ``until`` (``final``: and no
         more); ``sizes``: (step, slice sizes) from which the slices change (``--balance``);
         ``stop``: end the window after the next step, which carries the request in its vote."""
-        self.replica.grants.extend(window, until, final, faults, sizes, stop)
+        self._program(SyncProgram, "grant").grants.extend(window, until, final, faults, sizes, stop)
 
     def async_gradient(self, step: int, sampler: dict[str, int], bounds: list[int], fault: Fault | None,
                        slow: Fault | None, *pieces: torch.Tensor):
         """``--mode async``: the gradient of sampler step ``step`` on the pulled ``pieces``
         (Ray resolved the shards' results); returns the report and one piece per shard."""
-        indices = ElasticSampler(sampler["dataset_len"], global_batch=sampler["global_batch"],
-                                 seed=sampler["seed"]).batch(step)
-        report, grads = self.replica.async_gradient(indices, list(pieces), bounds, fault, slow)
+        program = self._program(AsyncProgram, "async_gradient")
+        report, grads = program.gradient(step, sampler, bounds, list(pieces), fault, slow)
         return (report, *grads)
 
     def heartbeat(self) -> Heartbeat:
@@ -95,8 +113,8 @@ class WorkerActor:
     def abort_group(self, generation: int | None = None) -> None:
         """Control thread: release a call blocked in a collective or in the rendezvous of
         ``generation`` (default: the current one); an abort of an older one does nothing."""
-        if self.replica is not None and (generation is None or generation == self.group.generation):
-            self.replica.grants.cancel()  # a window waiting for a grant ends
+        if self.program is not None and (generation is None or generation == self.group.generation):
+            self.program.abort()  # a window waiting for a grant ends
         self.group.abort(generation)
 
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -104,14 +122,15 @@ class WorkerActor:
 
     def write_weights(self, storage: Storage, name: str) -> None:
         """Write the model's state dict as the safetensors file ``name`` of ``storage``."""
-        save_tensors(storage, name, self.replica.settled_model().state_dict())
+        save_tensors(storage, name, self.replica.strategy.weights())
 
     # -- checkpoints: every rank writes its own part --------------------------------------
     def stage_checkpoint(self, directory: str, step: int, sampler: dict[str, int],
                          fault: Fault | None = None) -> int:
         """Training thread, between steps: copy this rank's share of the checkpoint into
         host memory (all a save stalls training for); ``upload_checkpoint`` writes it."""
-        trigger(fault, "checkpoint")
+        self.faults.arm(fault)
+        self.faults.at("checkpoint")
         part = self.replica.checkpoint_part(step, sampler)
         self._staged[directory] = part, fault
         return sum(t.numel() * t.element_size() for f in part.files.values() for t in f.values())
@@ -121,7 +140,8 @@ class WorkerActor:
         """I/O thread, while training goes on: write the staged part into ``directory`` of
         ``storage``; the manifest's entries for it (sizes, sha256, pieces)."""
         part, fault = self._staged.pop(directory)
-        trigger(fault, "upload")
+        self.faults.arm(fault)  # staged with its part: it fires as this part is written
+        self.faults.at("upload")
         return write_part(storage, directory, part)
 
     def write_checkpoint(self, storage: Storage, directory: str, step: int, sampler: dict[str, int],
@@ -153,19 +173,25 @@ class WorkerActor:
         return self.replica.strategy.state_bytes()
 
     # -- ZeRO: peer snapshots and resharding --------------------------------------------------
+    def _resharding(self, call: str) -> Resharding:
+        strategy = self.replica.strategy
+        if not hasattr(strategy, "import_shards"):
+            raise WorkerError(f"{call} moves ZeRO chunks, and this worker's state is replicated (--zero 0)")
+        return strategy
+
     def shard_holdings(self) -> dict:
-        return self.replica.strategy.holdings()
+        return self._resharding("shard_holdings").holdings()
 
     @ray.method(num_returns=2)
     def export_shard(self, kind: str, step: int) -> tuple[int, ShardState]:
         """A chunk (``share_state``'s two objects): the coordinator waits for the first."""
-        return step, self.replica.strategy.export(kind, step)
+        return step, self._resharding("export_shard").export(kind, step)
 
     def import_shards(self, refs: list, old_world_size: int, step: int) -> None:
         """Collective over the new generation: take this rank's chunk (and a snapshot of its
         left neighbour's) out of the old generation's chunks ``refs`` (in old rank order)."""
-        self.replica.strategy.import_shards(lambda needed: ray.get([refs[i] for i in needed]),  # in parallel
-                                            old_world_size, step)
+        self._resharding("import_shards").import_shards(lambda needed: ray.get([refs[i] for i in needed]),
+                                                        old_world_size, step)  # fetched in parallel
 
     def sample(self) -> str | None:
         """The task's sample of what the model does now (None when the task has none)."""

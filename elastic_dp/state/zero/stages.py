@@ -61,24 +61,25 @@ from elastic_dp.durable.checkpoint import TrainingState, Wanted
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.config import TrainConfig
 from elastic_dp.errors import CollectiveError
-from elastic_dp.faults import Fault, trigger
+from elastic_dp.faults import FaultHook
 from elastic_dp.comm.reducer import GradientReducer, make_buckets
 from elastic_dp.state.zero.chunks import ShardState, check_shardable, cut, needed_sources, unpack
 from elastic_dp.state.zero.snapshots import SNAPSHOT_WAIT_S, Exchange, PeerSnapshots
-from elastic_dp.state.base import BucketedGradients, broadcast_tensors, inside, nbytes
+from elastic_dp.state.base import BucketedGradients, WholeModel, broadcast_tensors, inside, nbytes
 from elastic_dp.state.zero import format as zero_format
 
 logger = logging.getLogger(__name__)
 
-class Sharded(BucketedGradients):
+class Sharded(BucketedGradients, WholeModel):
     """ZeRO stage 1 or 2, built once per worker. Its layout depends on the world size, so
     it is re-cut for each generation of ``group`` (``_current``) when that generation
     starts: its first step, or the state it is given (``sync_from``, ``load``,
     ``import_shards``). Until then it still holds, and can export, the last generation's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
-                 config: TrainConfig, device: torch.device) -> None:
+                 config: TrainConfig, device: torch.device, faults: FaultHook | None = None) -> None:
         check_shardable(optimizer, config.zero)
+        self.faults = faults or FaultHook()  # the phase ``snapshot`` is here
         self.model, self.base_optimizer, self.device = model, optimizer, device
         self.stage, self.group, self.config = config.zero, group, config
         self.names = {id(p): n for n, p in model.named_parameters()}
@@ -297,14 +298,14 @@ class Sharded(BucketedGradients):
                 "snapshots": self.snapshots.bytes_held()}
 
     # -- peer snapshots ----------------------------------------------------------------------
-    def after_commit(self, step: int, fault: Fault | None = None) -> None:
+    def after_commit(self, step: int) -> None:
         """At state step ``step`` (committed steps), when a snapshot is due: wait for the
         last one to arrive, copy the chunk and start sending it to the right neighbour."""
         if self.world_size == 1 or step % self.config.snapshot_every:
             return
         self._receive_snapshot()
         own = self.snapshots.keep_own(self.export("live", step))
-        trigger(fault, "snapshot")
+        self.faults.at("snapshot")
         on_device = self.group.backend == "nccl" and self.masters  # NCCL sends from the GPU; gloo from the host
         self.snapshots.send(own, self.masters[0].device if on_device else None)
 

@@ -28,7 +28,7 @@ import torch
 
 from elastic_dp.durable.checkpoint import Checkpoint, Part, add_piece, dtype_name, optimizer_state, part_files, write_part
 from elastic_dp.config import TrainConfig
-from elastic_dp.faults import Fault, trigger
+from elastic_dp.faults import Fault, FaultHook
 from elastic_dp.malloc import keep_freed_memory
 from elastic_dp.durable.storage import Storage
 from elastic_dp.state.zero.chunks import check_shardable
@@ -82,6 +82,7 @@ class ParameterShard(Keeper):
 
     def __init__(self) -> None:
         super().__init__()  # the process starts (and imports torch) while the workers are placed
+        self.faults = FaultHook()
 
     def setup(self, task: Task, config: TrainConfig, lo: int, hi: int) -> None:
         """Build the model and optimizer, and take elements ``lo .. hi`` of them."""
@@ -141,7 +142,8 @@ class ParameterShard(Keeper):
         gradient (a read-only NumPy array in Ray's object store); ``skip``: a non-finite
         gradient, the version passes with no change; ``fault``: ``--inject
         kill:...:phase=shard``, fired first."""
-        trigger(fault, "shard")
+        self.faults.arm(fault)  # the coordinator hands a shard its fault with the update
+        self.faults.at("shard")
         if version != self.version + 1:
             raise RuntimeError(f"shard [{self.lo}, {self.hi}) is at version {self.version}: update "
                                f"{version} arrived out of order")

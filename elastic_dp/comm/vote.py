@@ -1,0 +1,86 @@
+"""The commit vote: what each rank says of a step, and the tally every rank receives.
+
+A step commits only when every rank's collectives completed and no rank recorded an error
+(record, gate, commit; docs/design.md, atomic steps). Each rank fills in its ``Ballot``
+during the step, on the step's device and without a synchronisation; some collective of
+the step carries it, and the SUM over the ranks is the ``Vote`` every rank acts on alike.
+The synchronous mode's gradient reduction carries it in the last bucket
+(``elastic_dp.comm.reducer``), so no collective is spent on it; a mode whose step makes no
+gradient reduction casts it on its own (``Ballot.cast``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from elastic_dp.comm.group import CollectiveGroup
+
+
+@dataclass(frozen=True, slots=True)
+class Vote:
+    """A step's tally over every rank."""
+
+    errors: int = 0
+    """Ranks whose step raised: the step commits on no rank, and is re-run or fails."""
+    nonfinite: int = 0
+    """Ranks that saw a non-finite loss or local gradient: the step commits as a no-op
+    (every rank skips the update)."""
+    stops: int = 0
+    """Ranks asked to end their window after this step: every rank ends it here."""
+
+    @property
+    def commits(self) -> bool:
+        return self.errors == 0
+
+    @property
+    def updates(self) -> bool:
+        """The step commits and its update is applied."""
+        return self.errors == 0 and self.nonfinite == 0
+
+    @property
+    def stop(self) -> bool:
+        return self.stops > 0
+
+    @classmethod
+    def of(cls, summed: torch.Tensor) -> "Vote":
+        """The tally from a summed ballot tensor (``Ballot.SIZE`` elements)."""
+        errors, nonfinite, stops = (int(round(v)) for v in summed.float().tolist())
+        return cls(errors=errors, nonfinite=nonfinite, stops=stops)
+
+
+class Ballot:
+    """This rank's vote on the step, a tensor of ``SIZE`` elements on the step's device:
+    [error, non-finite, stop], in the order ``Vote`` reads them back."""
+
+    SIZE = 3
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.tensor = torch.zeros(self.SIZE, dtype=torch.float32, device=device)
+
+    def clear(self) -> None:
+        self.tensor.zero_()
+
+    def error(self) -> None:
+        """This rank's step raised: it votes against the commit."""
+        self.tensor[0] = 1.0
+
+    def nonfinite(self, count: torch.Tensor | float = 1.0) -> None:
+        """A loss or gradient of this rank is not finite (``count``: how many, or a 0-dim
+        tensor computed on the device, so that nothing waits for it)."""
+        self.tensor[1] += count
+
+    def stop(self) -> None:
+        """This rank was asked to end its window after this step."""
+        self.tensor[2] = 1.0
+
+    def alone(self) -> Vote:
+        """The tally of a step with no other rank, or no collective to carry the ballot."""
+        return Vote.of(self.tensor)
+
+    def cast(self, group: CollectiveGroup) -> Vote:
+        """Sum the ballots of ``group`` in a collective of their own."""
+        summed = self.tensor.clone()
+        group.all_reduce(summed)
+        return Vote.of(summed)

@@ -1,0 +1,206 @@
+"""Synchronous data parallelism, worker side: windows of steps, the step, the commit.
+
+A step records errors instead of raising them: a worker whose forward failed still takes
+part in the step's collectives (with zero gradients), then every rank votes; the update
+is applied only when every vote is clean (record, gate, commit; ``elastic_dp.comm.vote``).
+No rank is left waiting in a collective because a peer raised, and no worker exposes a
+half-applied step. The vote also carries whether every loss and gradient is finite: when
+one is not, every rank skips the update alike (the step counts, as a no-op), and the
+coordinator decides whether the run goes on (``--on-nonfinite``).
+
+The steps run in windows that the coordinator grants (``elastic_dp.worker.window``): the
+program computes each step's slice itself and collates the next one's ahead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Iterator
+
+import numpy as np
+
+from elastic_dp.comm.vote import Vote
+from elastic_dp.data import ElasticSampler, rank_slice
+from elastic_dp.errors import CollectiveError
+from elastic_dp.faults import Fault
+from elastic_dp.messages import StepResult, WindowPlan
+from elastic_dp.worker.replica import Batches, Replica, portable
+from elastic_dp.worker.window import Grants, Prefetcher
+
+REPORT_INTERVAL_S = 0.5
+"""In a window a worker reports its committed steps at most this often (its first step, a
+failure, the end of its grant and the end of the window at once): short steps are
+reported many at a time. Every report costs CPU in the worker and the driver (Ray's streaming machinery),
+which on a machine whose cores they share is taken from the training threads; nothing
+waits for a report, since grants run ``window.LOOKAHEAD_S`` ahead and a join ends the
+window through the vote (``window.Grants.stopping``)."""
+
+
+class SyncProgram:
+    """The synchronous mode's worker side, over a ``Replica``."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.grants = Grants()
+        self.prefetcher = Prefetcher(replica.collate)
+        config = replica.config
+        self.prefetch = config.prefetch if config.prefetch is not None else replica.device.type == "cuda"
+
+    def abort(self) -> None:
+        """The group is being aborted: a window waiting for a grant ends."""
+        self.grants.cancel()
+
+    def step(self, step: int, indices: np.ndarray, fault: Fault | None = None,
+             batches: Batches | BaseException | None = None) -> StepResult:
+        """Train one step on this worker's slice ``indices`` of the global batch
+        (``batches``: its micro-batches, when prepared ahead; ``fault``: one to arm for
+        this step's phases)."""
+        faults = self.replica.faults
+        faults.arm(fault)
+        try:
+            return self._step(step, indices, batches)
+        finally:
+            faults.disarm()  # a fault of a phase the step did not reach does not fire later
+            self.replica.progress.enter("idle")
+
+    def run_window(self, plan: WindowPlan) -> Iterator[list[StepResult]]:
+        """Train the steps the coordinator grants, from ``plan.start``, until the window
+        ends (the last grant reached, an abort, or a step whose vote carried the
+        coordinator's request to stop) or a step does not commit. Results are
+        reported every ``REPORT_INTERVAL_S`` (the window's first step at once: the coordinator
+        judges hangs by the pace of the steps it has heard of), and at once when a step did
+        not commit or the grant runs out. Each step's slice is computed here, and the next one's
+        collated ahead."""
+        replica, grants = self.replica, self.grants
+        sampler = ElasticSampler(plan.sampler["dataset_len"], global_batch=plan.sampler["global_batch"],
+                                 seed=plan.sampler["seed"])
+        group = replica.group
+        rank, world, generation = group.rank, group.world_size, group.generation
+
+        def slice_of(step: int) -> np.ndarray:
+            return rank_slice(sampler.batch(step), world, rank, grants.sizes(step))
+
+        grants.open(plan)
+        step, report = plan.start, []
+        last, reported = time.perf_counter(), -math.inf  # the first step at once: the watchdog's pace
+        try:
+            while True:
+                if report and (last - reported >= REPORT_INTERVAL_S or not grants.granted(step)):
+                    yield report  # before waiting for a grant: the coordinator grants on reports
+                    report, reported = [], last
+                if not grants.wait_for(step):
+                    break
+                indices = slice_of(step)
+                try:  # keyed by the slice's bounds too: --balance may change them from a step on
+                    batches = self.prefetcher.take((generation, step, rank, world, grants.sizes(step)), indices)
+                except Exception as exc:  # the task's dataset or collate raised: the step records it
+                    batches = exc
+                if self.prefetch and grants.granted(step + 1):
+                    self.prefetcher.submit((generation, step + 1, rank, world, grants.sizes(step + 1)),
+                                           slice_of(step + 1))
+                replica.faults.slow = plan.slow if plan.slow is not None and plan.slow.slows(step) else None
+                try:
+                    result = self.step(step, indices, grants.fault(step), batches)
+                except Exception:  # a bug: the steps committed before it are reported, then it
+                    if report:
+                        yield report
+                    raise
+                now = time.perf_counter()
+                result.step_s, result.time, last = now - last, time.time(), now
+                report.append(result)
+                if not result.committed or result.stop:  # a stop: every rank's tally said so
+                    break
+                step += 1
+        finally:
+            replica.faults.slow = None
+        if report:
+            yield report
+
+    # -- one step ------------------------------------------------------------------------
+    def _step(self, step: int, indices: np.ndarray, batches: Batches | BaseException | None) -> StepResult:
+        replica, strategy = self.replica, self.replica.strategy
+        group = replica.group
+        result = StepResult(step=step, rank=group.rank, generation=group.generation, committed=False)
+        if not replica.model.training:
+            replica.model.train()
+        strategy.zero_grad()
+        # as the last bucket leaves with the vote: a fault of phase allreduce fires, and a
+        # request to end the window heard by then (during this step too) goes with the vote
+        strategy.before_vote(self._before_vote)
+        replica.progress.enter("compute")
+        t0 = time.perf_counter()
+        local_error: BaseException | None = None
+        try:
+            if isinstance(batches, BaseException):
+                raise batches
+            replica.forward_backward(batches if batches is not None else replica.collate(indices), result)
+        except Exception as exc:  # recorded; the vote below tells every rank
+            local_error = exc
+        t1 = time.perf_counter()
+        parameter_wait = strategy.take_parameter_wait_s()
+        replica.progress.enter("reduce")
+        vote = self._reduce_and_vote(step, result, local_error)
+        if vote is None:
+            return result  # the group failed: result.error says how
+        result.stop = vote.stop
+        t2 = time.perf_counter()
+        replica.progress.enter("update")
+        if local_error is not None or not vote.commits:
+            result.error = portable(local_error, result.rank, step) if local_error else None
+            strategy.zero_grad()
+            return result
+        try:
+            if not vote.updates:  # a loss or gradient is not finite somewhere: every rank skips the update
+                result.nonfinite = True
+                strategy.zero_grad()
+                strategy.skip_update(step)
+            else:
+                self._update(step, result)
+            t3 = time.perf_counter()
+            strategy.after_commit(step + 1)
+        except CollectiveError as exc:  # ZeRO-2's norm, the parameter gather or the snapshot: a peer
+            # was lost after the vote; whether this chunk was updated, shard_holdings tells
+            result.error = exc
+            return result
+        t4 = time.perf_counter()
+        result.committed = True
+        result.timings = {"compute_s": t1 - t0 - parameter_wait, "reduce_wait_s": t2 - t1, "optimizer_s": t3 - t2,
+                          "snapshot_s": t4 - t3}
+        if replica.config.zero:  # the forward's wait for the parameters' all-gathers
+            result.timings["parameter_wait_s"] = parameter_wait
+        return result
+
+    def _before_vote(self) -> None:
+        self.replica.faults.at("allreduce")
+        if self.grants.stopping():  # asked to end the window: the vote tells every rank
+            self.replica.strategy.ballot.stop()
+
+    def _reduce_and_vote(self, step: int, result: StepResult, local_error: BaseException | None) -> Vote | None:
+        """Complete the gradient reduction, which carries the commit vote. None when the
+        group failed."""
+        strategy = self.replica.strategy
+        try:
+            if local_error is not None:
+                strategy.ballot.error()
+                strategy.before_last_backward()  # keep collectives in lockstep
+            return strategy.reduce_gradients()
+        except Exception as exc:  # the group itself failed: no vote is possible
+            strategy.abandon()
+            result.error = local_error and portable(local_error, result.rank, step)
+            result.error = result.error or CollectiveError(
+                f"gen {result.generation} rank {result.rank} step {step}: collective failed: {exc}",
+                rank=result.rank, step=step)
+            return None
+
+    def _update(self, step: int, result: StepResult) -> None:
+        """Apply the committed step's update: clip, learning rate, optimizer."""
+        replica, strategy = self.replica, self.replica.strategy
+        if replica.config.clip_grad_norm is not None:
+            result.grad_norm = strategy.clip_grad_norm(replica.config.clip_grad_norm)
+        replica.faults.at("optimizer")
+        factor = replica.config.lr_factor(step)
+        for group, base in zip(strategy.param_groups, replica.base_lrs):
+            group["lr"] = base * factor
+        result.lr = strategy.param_groups[0]["lr"]
+        strategy.optimizer_step(step)
