@@ -27,7 +27,7 @@ from elastic_dp.faults import Fault, FaultPlan, parse_faults
 from elastic_dp.control.membership import Membership
 from elastic_dp.control.membership.pool import WorkerPool
 from elastic_dp.observe.metrics import RunRecorder, RunSummary, Throughput
-from elastic_dp.control.modes import make_mode
+from elastic_dp.control.modes import ModeContext, make_mode
 from elastic_dp.control.modes.asyncsgd.mode import PS_GPU_SHARE
 from elastic_dp.durable.storage import Storage
 from elastic_dp.task import Task
@@ -107,8 +107,8 @@ def build_coordinator(task: Task, train: TrainConfig, cluster: ClusterConfig, ch
     if train.ps_device == "cuda" and ray.cluster_resources().get("GPU", 0) < PS_GPU_SHARE:
         raise ConfigError("--ps-device cuda puts the parameter servers on a GPU, and the Ray cluster has none: "
                           "use --ps-device cpu or attach to a cluster with GPUs (--address)")
-    mode = make_mode(train, cluster, recorder, plan, task)
-    mode.settings, mode.asynchronous_saves = settings, checkpoint.asynchronous
+    mode = make_mode(ModeContext(train=train, cluster=cluster, recorder=recorder, faults=plan, task=task,
+                                 checkpoint=checkpoint, settings=settings))
     return Coordinator(mode, membership, train=train, recorder=recorder, faults=plan, store=store,
                        checkpoint=checkpoint, settings=settings)
 

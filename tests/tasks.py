@@ -65,6 +65,20 @@ class PoisonedRegression(Regression):
 POISONED_TASK = Task(model=mlp, dataset=PoisonedRegression, loss=mse, optimizer=sgd_two_groups,
                      defaults=MLP_TASK.defaults)
 
+# the first samples of steps 3 and 4: two steps in a row with a NaN loss
+POISONED_TWICE = [int(ElasticSampler(96, global_batch=10, seed=3).batch(s)[0]) for s in (3, 4)]
+
+
+class TwicePoisonedRegression(Regression):
+    """``Regression`` with a NaN in the samples ``POISONED_TWICE``: steps 3 and 4's losses are NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x[POISONED_TWICE, 0] = float("nan")
+
+
+TWICE_POISONED_TASK = dataclasses.replace(POISONED_TASK, dataset=TwicePoisonedRegression)
+
 
 class IndexedRegression(Regression):
     """``Regression`` whose samples carry their index: ``(x, y, index)``."""

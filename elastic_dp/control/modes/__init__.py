@@ -1,28 +1,29 @@
 """Training modes: how a run trains, chosen once from the configuration.
 
 The coordinator drives a mode through ``TrainingMode`` (``.base``) and never branches on
-which one it has; adding a mode means adding a package here and a line to ``make_mode``.
+which one it has. Every mode is built the same way, from the run's ``ModeContext``
+(``.context``); adding a mode means adding a package here and an entry to ``MODES``.
 
-    sync/    synchronous data parallelism: one collective group per generation, the state
-             replicated (ZeRO-0) or sharded (ZeRO-1/2) by a layout
+    sync/      synchronous data parallelism: one collective group per generation, the state
+               replicated (ZeRO-0) or sharded (ZeRO-1/2) by a layout
+    asyncsgd/  asynchronous SGD: parameter-server shards, leases, bounded staleness
 """
 
 from __future__ import annotations
 
-from elastic_dp.config import ClusterConfig, TrainConfig
-from elastic_dp.faults import FaultPlan
-from elastic_dp.observe.metrics import RunRecorder
+from elastic_dp.control.modes.asyncsgd import AsyncMode
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult, TrainingMode
+from elastic_dp.control.modes.context import ModeContext
+from elastic_dp.control.modes.sync import SyncMode
+
+MODES = {"sync": SyncMode, "async": AsyncMode}
+"""Each training mode (``TrainConfig.mode``, ``--mode``) by name."""
 
 
-def make_mode(train: TrainConfig, cluster: ClusterConfig, recorder: RunRecorder, faults: FaultPlan,
-              task=None) -> TrainingMode:
-    """The training mode the configuration asks for (``--mode``)."""
-    if train.mode == "async":
-        from elastic_dp.control.modes.asyncsgd import AsyncMode
-        return AsyncMode(train, cluster, recorder, faults, task)
-    from elastic_dp.control.modes.sync import SyncMode
-    return SyncMode(train, cluster, recorder, faults)
+def make_mode(context: ModeContext) -> TrainingMode:
+    """The training mode the configuration asks for, built from the run's context."""
+    return MODES[context.train.mode](context)
 
 
-__all__ = ["make_mode", "TrainingMode", "Failure", "MembersLost", "Recovery", "RecoveryResult"]
+__all__ = ["make_mode", "MODES", "ModeContext", "TrainingMode", "Failure", "MembersLost", "Recovery",
+           "RecoveryResult"]

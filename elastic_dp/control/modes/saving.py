@@ -112,11 +112,9 @@ class Saves:
         self._commit(save, reports)
 
     def _commit(self, save: _InFlight, reports: list[dict]) -> None:
-        manifest = manifest_of(reports, step=save.step, sampler=save.sampler, world_size=save.world_size,
-                               settings=self.settings)
-        checkpoint = self.store.commit(save.directory, manifest)
-        size = sum(f["bytes"] for f in manifest["files"].values())
-        self.ended.append(SaveOutcome(save.step, checkpoint.url, round(save.stall_s, 4),
+        url, size = commit(self.store, save.directory, reports, step=save.step, sampler=save.sampler,
+                           world_size=save.world_size, settings=self.settings)
+        self.ended.append(SaveOutcome(save.step, url, round(save.stall_s, 4),
                                       round(time.perf_counter() - save.started, 4), size))
 
     def _abandon(self, save: _InFlight, why: str) -> None:
@@ -124,3 +122,11 @@ class Saves:
         self.ended.append(SaveOutcome(save.step, None, round(save.stall_s, 4),
                                       round(time.perf_counter() - save.started, 4), 0, error=why))
 
+
+def commit(store: CheckpointStore, directory: str, reports: list[dict], *, step: int, sampler: dict[str, int],
+           world_size: int, settings: dict) -> tuple[str, int]:
+    """Commit a checkpoint whose parts are written: its manifest, from the writers'
+    ``reports``, is written last (every mode's saves end here). Returns its URL and bytes."""
+    manifest = manifest_of(reports, step=step, sampler=sampler, world_size=world_size, settings=settings)
+    checkpoint = store.commit(directory, manifest)
+    return checkpoint.url, sum(f["bytes"] for f in manifest["files"].values())

@@ -56,7 +56,8 @@ class AsyncProgram:
         if not replica.model.training:
             replica.model.train()
         replica.strategy.zero_grad()  # the gradients live in its buckets; no collective is used
-        report = {"error": None, "finite": True, "loss": None, "grad_norm": None, "compute_s": 0.0}
+        report = {"error": None, "finite": True, "loss_finite": True, "loss": None, "grad_norm": None,
+                  "compute_s": 0.0}
         result = StepResult(step=step, rank=0, generation=0, committed=False)
         start = time.perf_counter()
         replica.faults.arm(fault)
@@ -76,6 +77,7 @@ class AsyncProgram:
             report["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, replica.config.clip_grad_norm))
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat_grad = torch.cat([g.detach().reshape(-1).float() for g in grads]).cpu()
+        report["loss_finite"] = result.loss_finite
         report["finite"] = result.loss_finite and bool(torch.isfinite(flat_grad).all())
         report["loss"] = result.loss_sum / max(1, result.samples)
         report["compute_s"] = time.perf_counter() - start

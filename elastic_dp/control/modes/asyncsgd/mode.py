@@ -28,13 +28,11 @@ from typing import Any, Callable
 
 import ray
 
-from elastic_dp.durable.checkpoint import manifest_of
-from elastic_dp.config import ClusterConfig, TrainConfig
-from elastic_dp.data import check_resumable
-from elastic_dp.errors import ConfigError, TaskError
-from elastic_dp.faults import Fault, FaultPlan
-from elastic_dp.observe.metrics import RunRecorder
+from elastic_dp.errors import ConfigError
+from elastic_dp.faults import Fault
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
+from elastic_dp.control.modes.saving import commit
+from elastic_dp.control.modes.context import ModeContext, check_resume, dataset_length, record_resume
 from elastic_dp.control.modes.watchdog import HangBounds, Watchdog
 from elastic_dp.control.modes.asyncsgd.ledger import Ledger, Update, snapshot_plan
 from elastic_dp.worker.asyncsgd.shard import Keeper, ParameterShard, flat_bounds
@@ -82,9 +80,11 @@ class AsyncMode:
 
     generation = 0  # there is no collective group to re-form
 
-    def __init__(self, train: TrainConfig, cluster: ClusterConfig, recorder: RunRecorder, faults: FaultPlan,
-                 task: Any) -> None:
-        self.train, self.cluster, self.recorder, self.faults, self.task = train, cluster, recorder, faults, task
+    def __init__(self, context: ModeContext) -> None:
+        train, cluster = context.train, context.cluster
+        self.train, self.cluster, self.recorder, self.faults = train, cluster, context.recorder, context.faults
+        self.task, self.settings = context.task, context.settings
+        self.guard = context.guard()
         self.members: list[Any] = []
         self.shards: list[Any] = []
         self.bounds: list[int] = []
@@ -111,12 +111,8 @@ class AsyncMode:
     # -- start and end -------------------------------------------------------------------
     def start(self, members: list[Any], resume: Any | None) -> int:
         self.members = list(members)
-        lengths = {m.info.dataset_len for m in members}
-        if len(lengths) != 1:
-            raise TaskError(f"workers built datasets of different lengths {sorted(lengths)}: the dataset "
-                            "factory must build the same dataset on every worker")
         self.sampler_state = {"seed": self.train.seed, "global_batch": self.train.global_batch,
-                              "dataset_len": lengths.pop()}
+                              "dataset_len": dataset_length(members)}
         numel = members[0].info.num_trainable
         if self.train.ps_shards > numel:
             raise ConfigError(f"--ps-shards {self.train.ps_shards} is more than the model's {numel} trainable "
@@ -129,14 +125,11 @@ class AsyncMode:
         self._applies = {i: [] for i in range(len(self.shards))}
         if len(self.shards) == 1 and self.keeper is None:
             self.keeper = _new_keeper()
-        if resume is not None:
-            check_resumable(resume.sampler, self.train, dataset_len=self.sampler_state["dataset_len"])
+        check_resume(resume, self.train, self.sampler_state["dataset_len"])
         self._restart(resume)
         self.recorder.event("group_formed", generation=0, world_size=len(members), ps_shards=len(self.shards),
                             mode="async")
-        if resume is not None:
-            self.recorder.event("resumed", step=resume.step, saved_world_size=resume.world_size,
-                                world_size=len(members), checkpoint=resume.url)
+        record_resume(self.recorder, resume, len(members))
         self._write_weights("initial")
         return self.ledger.version
 
@@ -258,6 +251,7 @@ class AsyncMode:
             self._applies[i].append(shard.apply.remote(update.version, piece, update.lr_scale, not meta["finite"],
                                                        fault))
         self._record(update, meta)
+        self.guard.check_update(update.version, job.step, repr(member), meta["finite"], meta["loss_finite"])
         every = self.train.snapshot_every
         if update.version % every == 0:  # every shard at exactly this version: consistent
             snaps = [shard.snapshot.remote() for shard in self.shards]
@@ -389,12 +383,10 @@ class AsyncMode:
         except ray.exceptions.RayActorError:
             self._check_shards()  # raises MembersLost naming the shard; the save never commits
             raise
-        manifest = manifest_of(reports, step=step, sampler=self.sampler_state, world_size=len(self.members),
-                               settings=getattr(self, "settings", {}))
-        checkpoint = store.commit(directory, manifest)
+        url, size = commit(store, directory, reports, step=step, sampler=self.sampler_state,
+                           world_size=len(self.members), settings=self.settings)
         seconds = time.perf_counter() - start
-        self._saved.append(SaveOutcome(step, checkpoint.url, seconds, seconds,
-                                       sum(f["bytes"] for f in manifest["files"].values())))
+        self._saved.append(SaveOutcome(step, url, seconds, seconds, size))
 
     def settle_saves(self, wait: bool = False) -> list[SaveOutcome]:
         saved, self._saved = self._saved, []

@@ -18,15 +18,12 @@ from collections import deque
 from typing import Any, Callable
 
 from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
-from elastic_dp.config import ClusterConfig, TrainConfig
-from elastic_dp.data import ElasticSampler, check_resumable
-from elastic_dp.errors import TaskError
-from elastic_dp.faults import FaultPlan
+from elastic_dp.data import ElasticSampler
 from elastic_dp.messages import StepResult
-from elastic_dp.observe.metrics import RunRecorder, known_peak_tflops
+from elastic_dp.observe.metrics import known_peak_tflops
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult
 from elastic_dp.control.modes.calls import Calls
-from elastic_dp.control.modes.guard import NonFiniteGuard
+from elastic_dp.control.modes.context import ModeContext, check_resume, dataset_length, record_resume
 from elastic_dp.control.modes.saving import SaveOutcome, Saves
 from elastic_dp.control.modes.watchdog import HangBounds
 from elastic_dp.control.modes.sync.group import Generations
@@ -39,15 +36,16 @@ logger = logging.getLogger(__name__)
 class SyncMode:
     """Synchronous SGD over one collective group per generation (``TrainingMode``)."""
 
-    def __init__(self, train: TrainConfig, cluster: ClusterConfig, recorder: RunRecorder, faults: FaultPlan) -> None:
-        self.train, self.recorder, self.faults = train, recorder, faults
+    def __init__(self, context: ModeContext) -> None:
+        train, cluster = context.train, context.cluster
+        self.train, self.recorder, self.faults = train, context.recorder, context.faults
         bounds = HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s, stall_floor_s=cluster.stall_floor_s,
                             stall_factor=cluster.stall_factor)
         self.gens = Generations(Calls(deadline_s=cluster.step_timeout_s, grace_s=cluster.abort_grace_s,
                                       bounds=bounds))
         self._step_times: deque[float] = deque(maxlen=50)  # the last committed steps, for the hang bound
         self.layout = make_layout(train.zero, self.gens, self._sampler_state)
-        self.guard = NonFiniteGuard(train.on_nonfinite, train.max_nonfinite_steps, recorder)
+        self.guard = context.guard()
         self.sampler: ElasticSampler | None = None
         self._last: dict[Any, StepResult] = {}  # the results of the last failed attempt
         self._windows = 0
@@ -55,9 +53,8 @@ class SyncMode:
         self._sizes: tuple[int, ...] | None = None  # the last slicing recorded ...
         self._sized: list[Any] = []  # ... and the members it was for
         self.saves: Saves | None = None
-        self.asynchronous_saves = True
-        self.settings: dict[str, Any] = {}
-        """The run's settings, recorded in each checkpoint's manifest."""
+        self.asynchronous_saves = context.checkpoint.asynchronous
+        self.settings = context.settings
 
     @property
     def generation(self) -> int:
@@ -74,8 +71,7 @@ class SyncMode:
         if self.recorder.throughput.peak_flops is None:  # no --peak-tflops: a known GPU's
             peak = known_peak_tflops(members[0].info.device_name)
             self.recorder.throughput.peak_flops = peak * 1e12 if peak else None
-        if resume is not None:
-            check_resumable(resume.sampler, self.train, dataset_len=self.sampler.dataset_len)
+        check_resume(resume, self.train, self.sampler.dataset_len)
         logger.info("%d workers; model has %d parameters; dataset has %d samples, %d steps per epoch",
                     len(members), members[0].info.num_params, self.sampler.dataset_len,
                     self.sampler.steps_per_epoch)
@@ -86,21 +82,16 @@ class SyncMode:
             self.layout.load(resume)
         self.recorder.event("group_formed", generation=self.generation, world_size=len(members),
                             form_s=round(form_s, 4))
-        if resume is not None:
-            self.recorder.event("resumed", step=resume.step, saved_world_size=resume.world_size,
-                                world_size=len(members), checkpoint=resume.url)
-        else:
+        record_resume(self.recorder, resume, len(members))
+        if resume is None:
             self.gens.call_all("broadcast_state", 0)
             self.layout.started(0)
         self._write_weights("initial")
         return resume.step if resume is not None else 0
 
     def _make_sampler(self, members: list[Any]) -> None:
-        lengths = {m.info.dataset_len for m in members}
-        if len(lengths) != 1:
-            raise TaskError(f"workers built datasets of different lengths {sorted(lengths)}: the dataset "
-                            "factory must build the same dataset on every worker")
-        self.sampler = ElasticSampler(lengths.pop(), global_batch=self.train.global_batch, seed=self.train.seed)
+        self.sampler = ElasticSampler(dataset_length(members), global_batch=self.train.global_batch,
+                                      seed=self.train.seed)
 
     def _sampler_state(self) -> dict[str, int]:
         return {"seed": self.sampler.seed, "global_batch": self.sampler.global_batch,

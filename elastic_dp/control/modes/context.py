@@ -1,0 +1,62 @@
+"""What every training mode receives, the same way, and the pieces every mode uses.
+
+``ModeContext`` is built once per run (``api.build_coordinator``) and handed to the mode
+the configuration chose (``modes.MODES``). The shared pieces are the checks and records
+whose meaning does not depend on how a run trains: one dataset on every worker, the
+resume event, the non-finite guard (``guard.NonFiniteGuard``), the checkpoint's manifest
+commit (``saving.commit``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from elastic_dp.config import CheckpointConfig, ClusterConfig, TrainConfig
+from elastic_dp.control.modes.guard import NonFiniteGuard
+from elastic_dp.data import check_resumable
+from elastic_dp.errors import TaskError
+from elastic_dp.faults import FaultPlan
+from elastic_dp.observe.metrics import RunRecorder
+from elastic_dp.task import Task
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModeContext:
+    """A run's settings and collaborators, as a mode receives them."""
+
+    train: TrainConfig
+    cluster: ClusterConfig
+    recorder: RunRecorder
+    faults: FaultPlan
+    """The faults still to inject (``--inject``); the mode hands each to its worker."""
+    task: Task | None = None
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The run's settings (``config.run_settings``), recorded in each checkpoint's manifest."""
+
+    def guard(self) -> NonFiniteGuard:
+        """The run's non-finite guard (``--on-nonfinite``, ``--max-nonfinite-steps``)."""
+        return NonFiniteGuard(self.train.on_nonfinite, self.train.max_nonfinite_steps, self.recorder)
+
+
+def dataset_length(members: Sequence[Any]) -> int:
+    """The length of the dataset every member built; a ``TaskError`` when they differ."""
+    lengths = {m.info.dataset_len for m in members}
+    if len(lengths) != 1:
+        raise TaskError(f"workers built datasets of different lengths {sorted(lengths)}: the dataset "
+                        "factory must build the same dataset on every worker")
+    return lengths.pop()
+
+
+def check_resume(resume: Any, train: TrainConfig, dataset_len: int) -> None:
+    """Refuse a checkpoint this run cannot continue (another global batch, another dataset)."""
+    if resume is not None:
+        check_resumable(resume.sampler, train, dataset_len=dataset_len)
+
+
+def record_resume(recorder: RunRecorder, resume: Any, world_size: int) -> None:
+    """The ``resumed`` event of a run that started from ``resume`` (None: nothing)."""
+    if resume is not None:
+        recorder.event("resumed", step=resume.step, saved_world_size=resume.world_size,
+                       world_size=world_size, checkpoint=resume.url)
