@@ -174,7 +174,7 @@ def bench_step_time(args: argparse.Namespace) -> dict:
         for name in ("zero1", "zero2", "zero2_k10", "zero2_sent"):
             coordinator, recorder = runs[name]
             counted = recorder.rows[args.steps_per_round:]  # after the warm-up round
-            held = ray.get(coordinator.members[0].actor.shard_holdings.remote())
+            held = ray.get(coordinator.members[0].actor.chunk_holdings.remote())
             k = variants[name].get("snapshot_every", 1)
             snapshot[name] = {"k": k, "bytes_per_snapshot": held["snapshot_bytes"],
                               "bytes_sent_per_snapshot": held["snapshot_sent_bytes"],

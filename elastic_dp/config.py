@@ -56,7 +56,7 @@ class TrainConfig:
     """ZeRO stage (``--zero``): 0 replicates everything; 1 shards the optimizer state (and
     the fp32 master weights of bf16/fp16 parameters); 2 also shards the gradients."""
     snapshot_every: int = 1
-    """With ZeRO, every how many committed steps each worker copies its shard to its
+    """With ZeRO, every how many committed steps each worker copies its chunk to its
     neighbour's host memory (``--snapshot-every``). A worker lost k steps after the
     last snapshot costs a rollback and replay of those k steps."""
     on_nonfinite: Literal["skip", "fail"] = "skip"

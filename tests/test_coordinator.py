@@ -84,7 +84,7 @@ class FakePool:
 class FakeMode:
     """Trains nothing. ``losses[step]``: ranks lost in that step (once); ``reform_losses``:
     ranks lost in successive re-formations; ``state_lost``: re-formations that find no copy
-    of the state (as ZeRO does when a shard and its snapshot are gone)."""
+    of the state (as ZeRO does when a chunk and its snapshot are gone)."""
 
     def __init__(self, losses=None, reform_losses=(), state_lost=0, resize_losses=()) -> None:
         self.losses, self.reform_losses, self.state_lost = dict(losses or {}), list(reform_losses), state_lost
@@ -125,7 +125,7 @@ class FakeMode:
             raise MembersLost(members, lost, f"{lost} died while forming")
         if self.state_lost:
             self.state_lost -= 1
-            return RecoveryResult(Recovery.STATE_LOST, reason="a shard and its snapshot were lost")
+            return RecoveryResult(Recovery.STATE_LOST, reason="a chunk and its snapshot were lost")
         self._form(members)
         return RecoveryResult(classify(failure, failure.step), failure.step)
 
@@ -232,7 +232,7 @@ def test_a_lost_shard_and_its_snapshot_restore_from_the_checkpoint():
     coordinator.run()
     states = _states(coordinator)
     assert states[:6] == ["STARTING", "RUNNING", "RECOVERING", "REFORMING", "RESTORING", "RUNNING"]
-    assert _reason(coordinator, RunState.RESTORING) == "a shard and its snapshot were lost"
+    assert _reason(coordinator, RunState.RESTORING) == "a chunk and its snapshot were lost"
 
 
 def test_the_same_without_a_checkpoint_fails_naming_the_settings():

@@ -108,8 +108,8 @@ def test_an_async_worker_refuses_the_synchronous_calls_naming_both_modes():
         next(iter(actor.run_window(None)))
     with pytest.raises(WorkerError, match=r"grant is --mode sync's"):
         actor.grant(0, 1, True, {})
-    with pytest.raises(WorkerError, match=r"import_shards moves ZeRO chunks.*--zero 0"):
-        actor.import_shards([], 1, 0)
+    with pytest.raises(WorkerError, match=r"import_chunks moves ZeRO chunks.*--zero 0"):
+        actor.import_chunks([], 1, 0)
 
 
 def test_a_sync_worker_refuses_the_asynchronous_gradient():

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from elastic_dp import ConfigError, ElasticSampler, Task, TrainConfig
-from elastic_dp.durable.checkpoint import merge_shards
+from elastic_dp.durable.checkpoint import merge_parts
 from elastic_dp.data import split
 from elastic_dp.errors import CollectiveError
 from elastic_dp.worker.replica import Replica
@@ -107,7 +107,7 @@ def test_a_checkpoint_saved_at_3_workers_resumes_at_2_and_at_4():
     initial = initial_weights(task, config.seed)
     uninterrupted, _, _ = train(task, dataclasses.replace(config, zero=0), 1, range(6), initial)
     _, parts, _ = train(task, config, 3, range(3), initial)
-    saved = merge_shards(parts)
+    saved = merge_parts(parts)
     assert saved.step == 3 and saved.model
     assert {k.rpartition("/")[2] for k in saved.optimizer_tensors} == {"exp_avg", "exp_avg_sq", "step"}
     for world in (2, 4):
@@ -207,7 +207,7 @@ def test_bf16_parameters_keep_fp32_master_weights_in_the_shard():
     assert all(m.dtype == torch.float32 for m in masters)
     # a 1e-3 Adam step is below bf16's resolution for most weights: only an fp32 master
     # accumulates them, so the fp32 masters must differ from the bf16 parameters
-    merged = merge_shards(parts)
+    merged = merge_parts(parts)
     master_w = merged.optimizer_tensors["0.weight/master"]
     assert master_w.dtype == torch.float32
     assert float((master_w - final["0.weight"].float()).abs().max()) > 0

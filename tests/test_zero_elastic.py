@@ -71,7 +71,7 @@ def test_two_adjacent_workers_lost_fall_back_to_the_durable_checkpoint(ray_clust
     assert diff < TOL
     restored = next(e for e in events if e["kind"] == "restored_from_checkpoint")
     assert restored["step"] == 2 and restored["lost_ranks"] == [1, 2]
-    assert "ZeRO shard and its peer snapshot" in restored["decision"]
+    assert "ZeRO chunk and its peer snapshot" in restored["decision"]
     assert "restored_from_checkpoint" in summary.render()
 
 

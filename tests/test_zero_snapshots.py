@@ -80,7 +80,7 @@ def test_resharding_from_live_chunks_and_snapshots_continues_the_same_trajectory
     def rank_fn(group):
         replica = Replica(task, config, CPU, group)
         program = SyncProgram(replica)
-        replica.strategy.load_shards(lambda i: chunks[i], 3, 3)
+        replica.strategy.load_chunks(lambda i: chunks[i], 3, 3)
         for step in range(3, 6):
             assert program.step(step, split(sampler.batch(step), 2)[group.rank]).committed
         return replica.model_state()

@@ -17,7 +17,7 @@ place, the all-reduce runs on it in place, and no gradient is copied. That is wh
 gradients are zeroed by ``zero_grad()`` here and never set to None. Buckets reduced in
 fp32 for bf16 parameters copy in and out instead.
 
-For the sharded stages (elastic_dp.state.zero.stages) the same buckets are the unit of sharding:
+For the sharded stages (elastic_dp.state.zero.sharded) the same buckets are the unit of sharding:
 they never mix parameters of different optimizer param groups (``group_of``) and each
 buffer is padded to a multiple of the world size (``pad_to``) so that rank ``r`` owns
 the ``r``-th of ``world_size`` equal chunks. In scatter mode (ZeRO stage 2) a bucket is

@@ -9,7 +9,7 @@ of the current state, which acts and returns the next state with its reason::
     (a member lost) -> RECOVERING -> REFORMING -> RUNNING
                        RECOVERING <-> WAITING           (below MIN: wait for capacity)
                        RECOVERING -> RESTORING -> RUNNING   (no copy of the state survived)
-                       REFORMING  -> RESTORING          (a ZeRO shard and its snapshot were lost)
+                       REFORMING  -> RESTORING          (a ZeRO chunk and its snapshot were lost)
     (any) -> FAILED
 
 It asks ``Membership`` who is in the group and delegates how to train to the training

@@ -264,7 +264,7 @@ def _read_verified(storage: Storage, directory: str, file: str, expected: dict[s
     return data
 
 
-def merge_shards(parts: list[TrainingState]) -> TrainingState:
+def merge_parts(parts: list[TrainingState]) -> TrainingState:
     """Join the ZeRO ranks' parts of one training state into a whole one: what a
     checkpoint those ranks wrote would read back as."""
     cut = [cut_part(p, rank, len(parts)) for rank, p in enumerate(parts)]

@@ -2,10 +2,15 @@
 
 A strategy is an object with one interface (``base.Strategy``), built once per worker by
 ``make_strategy``; the worker's step and its state calls do not branch on which one it
-has. ``replicated.Replicated`` is ZeRO stage 0: every worker holds full parameters,
-gradients and optimizer state, and gradients are all-reduced in buckets overlapped with
-backward. ``zero.stages.Sharded`` (stages 1 and 2) implements the same interface, and
-also what resharding needs (``holdings``, ``export``, ``import_shards``).
+has. Strategies are named by what they keep:
+
+    replicated.Replicated           ZeRO stage 0: every worker holds everything; gradients
+                                    all-reduced in buckets overlapped with backward
+    zero/stage1.ShardedOptimizer    stage 1: the optimizer state sharded
+    zero/stage2.ShardedGradients    stage 2: the gradients too
+
+The sharded ones (``zero.sharded.Sharded``) also implement what resharding needs
+(``base.Resharding``: ``holdings``, ``export``, ``import_chunks``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,12 @@ from elastic_dp.config import TrainConfig
 from elastic_dp.faults import FaultHook
 from elastic_dp.state.base import Strategy
 from elastic_dp.state.replicated import Replicated
-from elastic_dp.state.zero.stages import Sharded
+from elastic_dp.state.zero.sharded import Sharded
+from elastic_dp.state.zero.stage1 import ShardedOptimizer
+from elastic_dp.state.zero.stage2 import ShardedGradients
+
+STAGES = {0: Replicated, 1: ShardedOptimizer, 2: ShardedGradients}
+"""Each ZeRO stage's strategy (``TrainConfig.zero``)."""
 
 
 def make_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
@@ -25,8 +35,8 @@ def make_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grou
     """The strategy of ``config.zero``, built once; a sharded one re-cuts itself for every
     generation of ``group`` (``faults``: the process's, for the phases a strategy has)."""
     if config.zero:
-        return Sharded(model, optimizer, group, config, device, faults)
+        return STAGES[config.zero](model, optimizer, group, config, device, faults)
     return Replicated(model, optimizer, group, config, device)
 
 
-__all__ = ["Strategy", "make_strategy", "Replicated", "Sharded"]
+__all__ = ["Strategy", "make_strategy", "STAGES", "Replicated", "Sharded", "ShardedOptimizer", "ShardedGradients"]

@@ -73,7 +73,7 @@ class Strategy(Protocol):
 
     def state_part(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This worker's part of the optimizer state: tensors keyed ``<param name>/<key>``
-        and JSON metadata (``checkpoint.merge_shards`` joins the parts of several workers)."""
+        and JSON metadata (``checkpoint.merge_parts`` joins the parts of several workers)."""
 
     def wanted(self) -> Wanted | None:
         """Which pieces of a checkpoint this worker reads to load it (None: all)."""
@@ -91,7 +91,7 @@ class Strategy(Protocol):
 
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
         """This worker's state at ``step`` committed steps, copied: whole where it is
-        replicated, this rank's part where it is sharded (``checkpoint.merge_shards``)."""
+        replicated, this rank's part where it is sharded (``checkpoint.merge_parts``)."""
 
     def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
         """This rank's share of a checkpoint at ``step``, copied into host memory."""
@@ -107,12 +107,12 @@ class Resharding(Protocol):
 
     def holdings(self) -> dict:
         """The steps of the chunks this rank holds: live, its own snapshots, its left
-        neighbour's (``modes.sync.sharded.shard_sources`` picks from them)."""
+        neighbour's (``modes.sync.sharded.chunk_sources`` picks from them)."""
 
     def export(self, kind: str, step: int) -> Any:
         """A chunk: ``live``, or the ``own`` / ``peer`` snapshot of ``step``."""
 
-    def import_shards(self, fetch: Callable[[list[int]], list[Any]], old_world_size: int, step: int) -> None:
+    def import_chunks(self, fetch: Callable[[list[int]], list[Any]], old_world_size: int, step: int) -> None:
         """A collective over the new generation: become its rank from the old ranks'
         chunks at ``step`` (``fetch(old_ranks)``: only the ones needed are asked)."""
 

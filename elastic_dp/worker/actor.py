@@ -30,7 +30,7 @@ from elastic_dp.worker.asyncsgd.program import AsyncProgram
 from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram
 from elastic_dp.state.base import Resharding
-from elastic_dp.state.zero.chunks import ShardState
+from elastic_dp.state.zero.chunks import ChunkState
 from elastic_dp.durable.storage import Storage
 from elastic_dp.threads import set_os_name
 
@@ -175,22 +175,22 @@ class WorkerActor:
     # -- ZeRO: peer snapshots and resharding --------------------------------------------------
     def _resharding(self, call: str) -> Resharding:
         strategy = self.replica.strategy
-        if not hasattr(strategy, "import_shards"):
+        if not hasattr(strategy, "import_chunks"):
             raise WorkerError(f"{call} moves ZeRO chunks, and this worker's state is replicated (--zero 0)")
         return strategy
 
-    def shard_holdings(self) -> dict:
-        return self._resharding("shard_holdings").holdings()
+    def chunk_holdings(self) -> dict:
+        return self._resharding("chunk_holdings").holdings()
 
     @ray.method(num_returns=2)
-    def export_shard(self, kind: str, step: int) -> tuple[int, ShardState]:
+    def export_chunk(self, kind: str, step: int) -> tuple[int, ChunkState]:
         """A chunk (``share_state``'s two objects): the coordinator waits for the first."""
-        return step, self._resharding("export_shard").export(kind, step)
+        return step, self._resharding("export_chunk").export(kind, step)
 
-    def import_shards(self, refs: list, old_world_size: int, step: int) -> None:
+    def import_chunks(self, refs: list, old_world_size: int, step: int) -> None:
         """Collective over the new generation: take this rank's chunk (and a snapshot of its
         left neighbour's) out of the old generation's chunks ``refs`` (in old rank order)."""
-        self._resharding("import_shards").import_shards(lambda needed: ray.get([refs[i] for i in needed]),
+        self._resharding("import_chunks").import_chunks(lambda needed: ray.get([refs[i] for i in needed]),
                                                         old_world_size, step)  # fetched in parallel
 
     def sample(self) -> str | None:

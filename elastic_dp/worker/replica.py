@@ -92,7 +92,7 @@ class Replica:
 
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
         """This worker's state, copied: the whole of it at ZeRO stage 0 (for a joiner);
-        with ZeRO only this rank's part of the optimizer state (``merge_shards`` joins them)."""
+        with ZeRO only this rank's part of the optimizer state (``merge_parts`` joins them)."""
         return self.strategy.training_state(step, sampler)
 
     def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:

@@ -160,7 +160,7 @@ class SyncProgram:
             t3 = time.perf_counter()
             strategy.after_commit(step + 1)
         except CollectiveError as exc:  # ZeRO-2's norm, the parameter gather or the snapshot: a peer
-            # was lost after the vote; whether this chunk was updated, shard_holdings tells
+            # was lost after the vote; whether this chunk was updated, chunk_holdings tells
             result.error = exc
             return result
         t4 = time.perf_counter()

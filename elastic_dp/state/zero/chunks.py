@@ -1,10 +1,10 @@
 """ZeRO chunks as data: what a peer snapshot holds and what resharding moves and re-cuts.
 
-Plain CPU tensor bookkeeping, no collectives (``elastic_dp.state.zero.stages`` does those). Bucket
+Plain CPU tensor bookkeeping, no collectives (``elastic_dp.state.zero.sharded`` does those). Bucket
 ``b`` has ``numels[b]`` elements; at world size ``N`` its buffer is padded to a multiple
 of ``N`` and rank ``r`` owns elements ``[r * c, (r + 1) * c)`` with ``c = ceil(numel / N)``.
 The bucket partition does not depend on ``N``, so moving from ``N`` to ``M`` ranks is a
-re-cut of the same flat vectors. ``check_shardable`` says which optimizers may be sharded
+re-cut of the same flat vectors. ``check_elementwise`` says which optimizers may be sharded
 at all, here and by the asynchronous mode's parameter servers.
 """
 
@@ -21,7 +21,7 @@ SNAPSHOTS_KEPT = 2
 
 
 @dataclass(slots=True)
-class ShardState:
+class ChunkState:
     """One rank's chunk of the training state at a step, on the CPU: what resharding moves."""
 
     step: int
@@ -49,17 +49,17 @@ def keep(snapshots: list[Snapshot], snapshot: Snapshot) -> None:
     snapshots[:] = [s for s in snapshots if s.step != snapshot.step][-(SNAPSHOTS_KEPT - 1):] + [snapshot]
 
 
-def state_keys(shard: ShardState) -> tuple[tuple[str, bool], ...]:
+def state_keys(shard: ChunkState) -> tuple[tuple[str, bool], ...]:
     """``Snapshot.keys`` of ``shard``: (state key, is 0-dim), in packing order."""
     return tuple(sorted((k, v[0].dim() == 0) for k, v in shard.state.items()))
 
 
-def packed_numel(shard: ShardState) -> int:
+def packed_numel(shard: ChunkState) -> int:
     """The elements ``pack`` makes of ``shard``."""
     return sum(t.numel() for t in shard.master) + sum(t.numel() for v in shard.state.values() for t in v)
 
 
-def pack(shard: ShardState, out: torch.Tensor | None = None) -> Snapshot:
+def pack(shard: ChunkState, out: torch.Tensor | None = None) -> Snapshot:
     """A chunk as one flat fp32 vector (what a peer snapshot sends); into ``out`` when it
     has the right size (reusing a buffer spares the page faults of a fresh one: on a CPU
     they cost more than the copy)."""
@@ -80,9 +80,9 @@ def spare(snapshots: list[Snapshot]) -> torch.Tensor | None:
     return snapshots.pop(0).flat if len(snapshots) >= SNAPSHOTS_KEPT else None
 
 
-def unpack(snap: Snapshot, chunks: list[int], world_size: int, rank: int) -> ShardState:
+def unpack(snap: Snapshot, chunks: list[int], world_size: int, rank: int) -> ChunkState:
     """Inverse of ``pack`` for rank ``rank``'s chunk of sizes ``chunks`` (per bucket)."""
-    shard = ShardState(step=snap.step, world_size=world_size, rank=rank, master=[])
+    shard = ChunkState(step=snap.step, world_size=world_size, rank=rank, master=[])
     offset = 0
 
     def take(n: int) -> torch.Tensor:
@@ -119,12 +119,12 @@ def needed_sources(rank: int, numels: list[int], world_size: int, old_world_size
                   | set(sources(left, numels, world_size, old_world_size)))
 
 
-def cut(rank: int, numels: list[int], world_size: int, fetch: Callable[[int], ShardState], old_world_size: int,
-        step: int) -> ShardState:
+def cut(rank: int, numels: list[int], world_size: int, fetch: Callable[[int], ChunkState], old_world_size: int,
+        step: int) -> ChunkState:
     """New rank ``rank``'s chunk at ``world_size``, cut out of the old generation's chunks
     (``fetch(old_rank)``, all at ``step``)."""
     template = fetch(sources(rank, numels, world_size, old_world_size)[0])
-    out = ShardState(step=step, world_size=world_size, rank=rank, master=[])
+    out = ChunkState(step=step, world_size=world_size, rank=rank, master=[])
     for key, values in template.state.items():  # 0-dim state (a step count) is the same everywhere
         out.state[key] = [v.clone() if v.dim() == 0 else None for v in values]
     chunks = zip(chunk_sizes(numels, world_size), chunk_sizes(numels, old_world_size))
@@ -158,7 +158,7 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.Rprop)
 
 
-def check_shardable(optimizer: torch.optim.Optimizer, stage: int | str) -> None:
+def check_elementwise(optimizer: torch.optim.Optimizer, stage: int | str) -> None:
     """Raise ConfigError unless ``optimizer`` updates each element independently
     (``stage``: the ZeRO stage, or ``"async"`` for the parameter-server shards)."""
     if type(optimizer) not in ELEMENTWISE:

@@ -17,7 +17,7 @@ import torch
 
 from elastic_dp.durable.checkpoint import Wanted
 from elastic_dp.comm.reducer import Bucket
-from elastic_dp.state.zero.chunks import ShardState
+from elastic_dp.state.zero.chunks import ChunkState
 
 
 def _pieces(bucket: Bucket, lo: int, hi: int):
@@ -47,9 +47,9 @@ def wanted(buckets: list[Bucket], chunks: list[int], names: dict[int, str], rank
 
 
 def named_state(buckets: list[Bucket], chunks: list[int], names: dict[int, str], rank: int,
-                live: ShardState) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+                live: ChunkState) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
     """Rank ``rank``'s chunk state ``live`` keyed ``<param name>/<key>``: slices of
-    parameters, placed by ``slices[key] = [start, shape]`` (``checkpoint.merge_shards``
+    parameters, placed by ``slices[key] = [start, shape]`` (``checkpoint.merge_parts``
     joins the ranks' parts). bf16/fp16 parameters also get their fp32 master values, under
     the key ``master``."""
     tensors: dict[str, torch.Tensor] = {}
@@ -70,7 +70,7 @@ def named_state(buckets: list[Bucket], chunks: list[int], names: dict[int, str],
 
 
 def whole_state(buckets: list[Bucket], names: dict[int, str], masters: list[torch.Tensor],
-                tensors: dict[str, torch.Tensor], step: int) -> ShardState:
+                tensors: dict[str, torch.Tensor], step: int) -> ChunkState:
     """Whole-parameter optimizer state keyed ``<param name>/<key>`` (a checkpoint's, saved
     at any world size and stage) as one rank's state of whole buckets (world size 1).
     ``masters`` are the buckets' fp32 values from the loaded parameters; a saved
@@ -79,7 +79,7 @@ def whole_state(buckets: list[Bucket], names: dict[int, str], masters: list[torc
     for key, value in tensors.items():
         name, _, field = key.rpartition("/")
         by_param.setdefault(name, {})[field] = value
-    full = ShardState(step=step, world_size=1, rank=0, master=[])
+    full = ChunkState(step=step, world_size=1, rank=0, master=[])
     for bucket, master in zip(buckets, masters):
         values: dict[str, torch.Tensor] = {}
         for p, offset in zip(bucket.params, bucket.offsets):

@@ -10,7 +10,7 @@ a peer that died never completes: the group's abort makes it fail, and it is dro
 
 With fp32 parameters the first ``unsent`` elements (the masters, packed first) are not
 sent: the all-gather brings rank ``r-1``'s chunk of the parameters to this rank, and
-``elastic_dp.state.zero.stages`` copies it into the received snapshot (``Exchange.masters_pending``).
+``elastic_dp.state.zero.sharded`` copies it into the received snapshot (``Exchange.masters_pending``).
 
 A neighbour on the same host is sent nothing: the owner packs its snapshots into slots
 in shared memory that the neighbour has mapped (``elastic_dp.state.zero.shm``), and they outlive the
@@ -34,7 +34,7 @@ import torch
 
 from elastic_dp.state.zero import shm
 from elastic_dp.comm.group import CollectiveGroup
-from elastic_dp.state.zero.chunks import SNAPSHOTS_KEPT, ShardState, Snapshot, keep, pack, packed_numel, spare, state_keys
+from elastic_dp.state.zero.chunks import SNAPSHOTS_KEPT, ChunkState, Snapshot, keep, pack, packed_numel, spare, state_keys
 from elastic_dp.state.base import nbytes
 from elastic_dp.threads import set_os_name
 
@@ -65,7 +65,7 @@ def _exchange(group: CollectiveGroup, send: torch.Tensor | None, dst: int, recei
         work.wait()
 
 
-def _pack_into(shard: ShardState, slot: torch.Tensor) -> None:
+def _pack_into(shard: ChunkState, slot: torch.Tensor) -> None:
     if pack(shard, out=slot).flat.data_ptr() != slot.data_ptr():
         raise RuntimeError(f"a snapshot of {packed_numel(shard)} elements does not fit a slot of {slot.numel()}")
 
@@ -93,7 +93,7 @@ class PeerSnapshots:
         self.out = self.into = None  # unmapped once no snapshot of them is held either
         self._numel = self._agreed = 0
 
-    def reset(self, own: ShardState, left: ShardState | None) -> None:
+    def reset(self, own: ChunkState, left: ChunkState | None) -> None:
         """Hold ``own`` and the left neighbour's chunk ``left`` (given, not received); the
         snapshots in shared memory, of another trajectory, are no longer held by anyone."""
         if self.out is not None:
@@ -119,7 +119,7 @@ class PeerSnapshots:
         self._peer = self._peer[max(0, len(self._peer) + len(shared) - SNAPSHOTS_KEPT):]
         return shared
 
-    def keep_own(self, shard: ShardState) -> Snapshot:
+    def keep_own(self, shard: ChunkState) -> Snapshot:
         """Pack ``shard`` (this rank's chunk) as the newest own snapshot: into shared memory
         when the right neighbour maps it."""
         numel = packed_numel(shard)

@@ -16,7 +16,7 @@ import torch
 from elastic_dp.data import ElasticSampler
 from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
-from elastic_dp.state.zero.chunks import check_shardable
+from elastic_dp.state.zero.chunks import check_elementwise
 from elastic_dp.task import trainable
 from elastic_dp.worker.replica import Replica, portable
 
@@ -25,7 +25,7 @@ class AsyncProgram:
     """The asynchronous mode's worker side, over a ``Replica``."""
 
     def __init__(self, replica: Replica) -> None:
-        check_shardable(replica.optimizer, "async")  # its parameter servers shard the optimizer state
+        check_elementwise(replica.optimizer, "async")  # its parameter servers shard the optimizer state
         self.replica = replica
 
     def abort(self) -> None:

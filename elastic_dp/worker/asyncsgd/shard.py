@@ -31,7 +31,7 @@ from elastic_dp.config import TrainConfig
 from elastic_dp.faults import Fault, FaultHook
 from elastic_dp.malloc import keep_freed_memory
 from elastic_dp.durable.storage import Storage
-from elastic_dp.state.zero.chunks import check_shardable
+from elastic_dp.state.zero.chunks import check_elementwise
 from elastic_dp.task import Task, trainable
 
 
@@ -92,7 +92,7 @@ class ParameterShard(Keeper):
         torch.manual_seed(config.seed)
         model = task.model()
         optimizer = task.optimizer(model)
-        check_shardable(optimizer, "async")
+        check_elementwise(optimizer, "async")
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.lo, self.hi, self.version = lo, hi, 0
         by_tensor: dict[int, list[str]] = {}

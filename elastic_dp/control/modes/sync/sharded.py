@@ -1,9 +1,9 @@
 """The sharded layout (ZeRO stages 1 and 2), seen from the coordinator.
 
 Each rank owns one chunk of the state and its right neighbour keeps a peer snapshot of
-it (``elastic_dp.state.zero.stages``); ranks alternate between nodes (``spread_over_nodes``), so that
+it (``elastic_dp.state.zero.sharded``); ranks alternate between nodes (``spread_over_nodes``), so that
 neighbour is on another node wherever the cluster allows. After a failure the survivors report what they hold, and
-``shard_sources`` picks the newest step at which every old chunk is still held
+``chunk_sources`` picks the newest step at which every old chunk is still held
 somewhere; the holders export those chunks to Ray's object store, and each rank of the
 next generation re-cuts its new chunk out of them. The exported chunks stay the source
 until a generation has imported them: a worker lost while that generation forms costs
@@ -25,7 +25,7 @@ from elastic_dp.control.modes.sync.group import Generations
 
 
 @dataclass(frozen=True, slots=True)
-class ShardPlan:
+class ChunkPlan:
     """Where each old rank's ZeRO chunk comes from, all at one step."""
 
     step: int
@@ -34,7 +34,7 @@ class ShardPlan:
     """Per old rank: (the old rank that holds the chunk, ``live`` | ``own`` | ``peer``)."""
 
 
-def shard_sources(world_size: int, holdings: dict[int, dict]) -> ShardPlan | None:
+def chunk_sources(world_size: int, holdings: dict[int, dict]) -> ChunkPlan | None:
     """Pick the newest step at which every old rank's chunk is still held somewhere.
 
     ``holdings`` maps each surviving old rank to what it reported: ``live`` (the step of
@@ -57,7 +57,7 @@ def shard_sources(world_size: int, holdings: dict[int, dict]) -> ShardPlan | Non
             else:
                 break
         else:
-            return ShardPlan(step, tuple(sources))
+            return ChunkPlan(step, tuple(sources))
     return None
 
 
@@ -89,7 +89,7 @@ class _Exported:
     step: int
     world_size: int
     refs: list[Any]
-    """Per old rank, its chunk (a ``ShardState``)."""
+    """Per old rank, its chunk (a ``ChunkState``)."""
 
 
 class ShardedLayout:
@@ -109,7 +109,7 @@ class ShardedLayout:
         self.exported, self.restoring = None, False
 
     def stepped(self, step: int, results: dict[Any, StepResult]) -> None:
-        pass  # what each member holds is asked after a failure (shard_holdings)
+        pass  # what each member holds is asked after a failure (chunk_holdings)
 
     def reform(self, members: list[Any], failure: Failure, faults: dict[int, Fault]) -> RecoveryResult:
         if self.restoring:
@@ -121,7 +121,7 @@ class ShardedLayout:
             if not self._export(holders):
                 lost = [r for r, m in enumerate(old) if m not in holders]
                 return RecoveryResult(Recovery.STATE_LOST, reason=(
-                    f"ranks {lost} of {len(old)} were lost together, and with them a ZeRO shard and its peer "
+                    f"ranks {lost} of {len(old)} were lost together, and with them a ZeRO chunk and its peer "
                     "snapshot"))
         step = self.exported.step
         self._import(members, faults)
@@ -135,13 +135,13 @@ class ShardedLayout:
         """Export the newest complete set of the current generation's chunks that
         ``holders`` hold; False when some chunk is held by nobody."""
         old = self.gens.members
-        reports = self.gens.run(holders, {m.actor.shard_holdings.remote(): m for m in holders})
-        plan = shard_sources(len(old), {old.index(m): r for m, r in reports.items()})
+        reports = self.gens.run(holders, {m.actor.chunk_holdings.remote(): m for m in holders})
+        plan = chunk_sources(len(old), {old.index(m): r for m, r in reports.items()})
         if plan is None:
             return False
         metas, refs = {}, []
         for holder, kind in plan.sources:
-            meta, ref = old[holder].actor.export_shard.remote(kind, plan.step)
+            meta, ref = old[holder].actor.export_chunk.remote(kind, plan.step)
             metas[meta] = old[holder]
             refs.append(ref)
         self.gens.run(holders, metas)  # exported before the holders join the next generation
@@ -151,7 +151,7 @@ class ShardedLayout:
     def _import(self, members: list[Any], faults: dict[int, Fault]) -> None:
         self.gens.form(members, faults)
         src = self.exported
-        self.gens.call_all("import_shards", src.refs, src.world_size, src.step)
+        self.gens.call_all("import_chunks", src.refs, src.world_size, src.step)
         self.exported = None
 
     def load(self, checkpoint: Checkpoint) -> None:

@@ -1,50 +1,17 @@
-"""ZeRO stages 1 and 2: sharded optimizer state (and gradients), resharded on every resize.
+"""ZeRO's sharded state, the part stages 1 and 2 share, resharded on every resize.
 
-The unit of sharding is the gradient bucket (elastic_dp.comm.reducer): parameters packed, last
-first, into buckets that never mix optimizer param groups. Each bucket's flat buffer is
-padded to a multiple of the world size ``N`` and rank ``r`` owns its ``r``-th chunk. The
-bucket partition does not depend on ``N``, only the padding does, so a bucket's state is
-the same flat vector at every world size and resharding is a re-cut of that vector.
-
-Per rank and bucket the strategy holds:
-
-- the parameters, as views into one flat buffer per bucket (full copy, the model's dtype);
-- the fp32 *master* of its chunk: a view into that buffer for fp32 parameters, a separate
-  fp32 copy for bf16/fp16 parameters;
-- the optimizer state of its chunk: a torch optimizer of the task's class and param
-  groups, over the master chunks (this is why the optimizer must be element-wise);
-- stage 1: the full gradient buffer, reduce-scattered in place as backward produces it
-  (the rank's chunk of it holds the global gradient, the rest this rank's local one);
-  stage 2: only the gradient chunk (the bucket is reduce-scattered as backward produces it
-  and the full gradients are released).
-
-A committed step updates the chunk bucket by bucket, in the order the forward uses them,
-and starts each bucket's parameter all-gather as soon as that bucket is updated (it runs
-while the next bucket is), and does not wait: the next step's forward waits for a bucket
-in the forward pre-hook of the first module that holds one of its parameters (as FSDP2
-does), so the gather overlaps whatever comes before that module's forward. Whether
-that is safe is learnt in the first step, whose gather was waited for: only if every
-parameter belongs to a module whose forward ran (a parameter read outside its module's
-forward would be read before its bucket arrives) are later gathers left in flight;
-otherwise each gather is waited for at the end of its step, and a warning names the
-parameters. Anything else that reads the parameters (a checkpoint, the weights, a sample)
-first waits for them (``settle``). The chunk (master + optimizer state) is the state; the
-full parameters are derived from it.
-
-Peer redundancy (DESIGN invariant 6): every ``snapshot_every`` committed steps each rank
-copies its chunk into host memory and starts sending it to rank ``r+1`` while it receives
-rank ``r-1``'s (``elastic_dp.state.zero.snapshots``: the transfer runs while the next step trains; a
-neighbour on the same host maps the copy in shared memory instead, and nothing is sent).
-With fp32 parameters the masters are not sent, only the optimizer state: a master chunk
-is its owner's chunk of the parameters, which the all-gather brings to every rank, and
-the receiver copies rank ``r-1``'s out of its own parameters after that all-gather and
-before the next one. A received snapshot counts only once it has arrived whole, and its
-all-gather too. After a failure the coordinator asks the survivors what they hold
-(``holdings()``) and picks the newest step at which every old rank's chunk is held
-somewhere (``modes.sync.sharded.shard_sources``). Survivors then export those chunks
-(``export()``), and the new generation's ranks each cut their new chunk, and a copy of
-their left neighbour's, out of them (``import_shards()``; the chunk arithmetic is in
-``elastic_dp.state.zero.chunks``).
+The unit of sharding is the gradient bucket (``elastic_dp.comm.reducer``): each bucket's
+flat buffer is padded to a multiple of the world size ``N`` and rank ``r`` owns its
+``r``-th chunk; the partition does not depend on ``N``, only the padding does, so
+resharding is a re-cut of the same flat vectors (``.chunks``). Per bucket a rank holds the
+parameters (views into one flat buffer, all-gathered after each update and waited for in
+the next forward's pre-hook), the fp32 master of its chunk and the optimizer state of its
+chunk (a torch optimizer of the task's class over the master chunks: element-wise
+optimizers only). Where the gradients live is the stage's (``stage1.ShardedOptimizer``,
+``stage2.ShardedGradients``). Every ``snapshot_every`` steps a rank's chunk is copied to
+its right neighbour (``.snapshots``), and after a failure the chunks are cut anew out of
+what the survivors hold (``holdings``, ``export``, ``import_chunks``). docs/zero.md walks
+through all of it, with the figures.
 """
 
 from __future__ import annotations
@@ -63,7 +30,7 @@ from elastic_dp.config import TrainConfig
 from elastic_dp.errors import CollectiveError
 from elastic_dp.faults import FaultHook
 from elastic_dp.comm.reducer import GradientReducer, make_buckets
-from elastic_dp.state.zero.chunks import ShardState, check_shardable, cut, needed_sources, unpack
+from elastic_dp.state.zero.chunks import ChunkState, check_elementwise, cut, needed_sources, unpack
 from elastic_dp.state.zero.snapshots import SNAPSHOT_WAIT_S, Exchange, PeerSnapshots
 from elastic_dp.state.base import BucketedGradients, WholeModel, broadcast_tensors, inside, nbytes
 from elastic_dp.state.zero import format as zero_format
@@ -71,14 +38,15 @@ from elastic_dp.state.zero import format as zero_format
 logger = logging.getLogger(__name__)
 
 class Sharded(BucketedGradients, WholeModel):
-    """ZeRO stage 1 or 2, built once per worker. Its layout depends on the world size, so
+    """ZeRO's sharded state, built once per worker (a stage's subclass says where the
+    gradients live: ``_gradients``, ``_gradient_buffers``). Its layout depends on the world size, so
     it is re-cut for each generation of ``group`` (``_current``) when that generation
     starts: its first step, or the state it is given (``sync_from``, ``load``,
-    ``import_shards``). Until then it still holds, and can export, the last generation's."""
+    ``import_chunks``). Until then it still holds, and can export, the last generation's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
                  config: TrainConfig, device: torch.device, faults: FaultHook | None = None) -> None:
-        check_shardable(optimizer, config.zero)
+        check_elementwise(optimizer, config.zero)
         self.faults = faults or FaultHook()  # the phase ``snapshot`` is here
         self.model, self.base_optimizer, self.device = model, optimizer, device
         self.stage, self.group, self.config = config.zero, group, config
@@ -105,7 +73,7 @@ class Sharded(BucketedGradients, WholeModel):
 
     def _build(self) -> None:
         self._gathers = {}  # the last generation's (``drop_pending``)
-        stage, group, config, optimizer = self.stage, self.group, self.config, self.base_optimizer
+        group, config, optimizer = self.group, self.config, self.base_optimizer
         self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) in group_of]
@@ -138,19 +106,24 @@ class Sharded(BucketedGradients, WholeModel):
         self.snapshots.configure(group, 0 if any(b.dtype != torch.float32 for b in self.param_buffers)
                                  else sum(self.chunks))
 
-        if stage == 2:
-            self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
-                                for b, c in zip(self.buckets, self.chunks)]
         self.reducer = GradientReducer(self.params, group, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bytes,
                                        reduce_fp32=config.reduce_fp32, group_of=group_of, pad_to=self.world_size,
-                                       scatter_into=self.grad_chunks if stage == 2 else None,
-                                       scatter_in_place=stage == 1)
+                                       **self._gradients())
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [m for m, gi in zip(self.masters, self.bucket_group) if gi == i]}
                   for i, g in enumerate(optimizer.param_groups)]
         accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold more (AdamW)
         self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
         self.live_step = 0
+
+    def _gradients(self) -> dict:
+        """How the reducer reduces this stage's gradients (``GradientReducer``'s scatter
+        arguments), for the buckets just built."""
+        raise NotImplementedError
+
+    def _gradient_buffers(self) -> list[torch.Tensor]:
+        """The tensors that hold this stage's gradients (``state_bytes``)."""
+        raise NotImplementedError
 
     @property
     def param_groups(self) -> list[dict]:
@@ -160,7 +133,7 @@ class Sharded(BucketedGradients, WholeModel):
     def zero_grad(self) -> None:
         if self.generation != self.group.generation:
             raise RuntimeError(f"generation {self.group.generation} got no state before its first step "
-                               "(sync_from, load or import_shards)")
+                               "(sync_from, load or import_chunks)")
         self._parameter_wait_s = 0.0
         self.reducer.zero_grad()
     def _grad_chunk(self, b: int) -> torch.Tensor:
@@ -289,7 +262,7 @@ class Sharded(BucketedGradients, WholeModel):
     def state_bytes(self) -> dict[str, int]:
         """Bytes this worker holds for parameters, gradients and optimizer state (with the
         fp32 masters when they are separate from the parameters); snapshots apart."""
-        grads = self.grad_chunks if self.stage == 2 else [b.buffer for b in self.reducer.buckets]
+        grads = self._gradient_buffers()
         stray = [p.grad for p in self.params if p.grad is not None and not inside(p.grad, grads)]
         separate = [m for b, m in enumerate(self.masters) if m.data_ptr() != self._own_params(b).data_ptr()]
         state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -334,8 +307,8 @@ class Sharded(BucketedGradients, WholeModel):
         return {"rank": self.rank, "live": self.live_step, "own": [s.step for s in self.snapshots.own],
                 "peer": [s.step for s in self.snapshots.peer], **self.snapshots.sizes()}
 
-    def export(self, kind: str, step: int) -> ShardState:
-        """A chunk as a ShardState: ``live``, or the ``own`` / ``peer`` snapshot of ``step``."""
+    def export(self, kind: str, step: int) -> ChunkState:
+        """A chunk as a ChunkState: ``live``, or the ``own`` / ``peer`` snapshot of ``step``."""
         if kind == "live":
             if step != self.live_step:
                 raise ValueError(f"live chunk is at step {self.live_step}, not {step}")
@@ -348,7 +321,7 @@ class Sharded(BucketedGradients, WholeModel):
                     if isinstance(value, torch.Tensor):
                         value = value.detach()
                         state.setdefault(key, []).append(value.clone() if value.dim() == 0 else value.to("cpu"))
-            return ShardState(step=step, world_size=self.world_size, rank=self.rank,
+            return ChunkState(step=step, world_size=self.world_size, rank=self.rank,
                               master=[m.detach().to("cpu", torch.float32) for m in self.masters], state=state)
         snap = self.snapshots.find(kind, step)
         rank = self.rank if kind == "own" else (self.rank - 1) % self.world_size
@@ -359,16 +332,16 @@ class Sharded(BucketedGradients, WholeModel):
         """Old ranks whose chunks overlap this rank's new chunk or its left neighbour's."""
         return needed_sources(self.rank, self.numels, self.world_size, old_world_size)
 
-    def import_shards(self, fetch: Callable[[list[int]], list[ShardState]], old_world_size: int, step: int) -> None:
+    def import_chunks(self, fetch: Callable[[list[int]], list[ChunkState]], old_world_size: int, step: int) -> None:
         """Become this generation's rank from the old generation's chunks at ``step``;
         ``fetch(old_ranks)`` returns those ranks' chunks (only the ones needed are asked)."""
         self._current()
         needed = self.needed_sources(old_world_size)
         fetched = dict(zip(needed, fetch(needed)))
-        self.load_shards(fetched.__getitem__, old_world_size, step)
+        self.load_chunks(fetched.__getitem__, old_world_size, step)
 
     @torch.no_grad()
-    def load_shards(self, fetch: Callable[[int], ShardState], old_world_size: int, step: int) -> None:
+    def load_chunks(self, fetch: Callable[[int], ChunkState], old_world_size: int, step: int) -> None:
         """Become this generation's rank from the old chunks; then gather the parameters.
 
         A collective: every rank of the new generation calls it. Afterwards the rank holds
@@ -383,7 +356,7 @@ class Sharded(BucketedGradients, WholeModel):
         self.snapshots.reset(own, left)
 
     @torch.no_grad()
-    def _set_live(self, shard: ShardState) -> None:
+    def _set_live(self, shard: ChunkState) -> None:
         self.settle()
         for b, master in enumerate(self.masters):
             master.copy_(shard.master[b])
@@ -403,12 +376,12 @@ class Sharded(BucketedGradients, WholeModel):
     @torch.no_grad()
     def reset_from_params(self, step: int) -> None:
         """Start from the model's parameters (equal on every rank) and empty optimizer state."""
-        shard = ShardState(step=step, world_size=self.world_size, rank=self.rank,
+        shard = ChunkState(step=step, world_size=self.world_size, rank=self.rank,
                            master=[self._own_params(b).detach().float().cpu() for b in range(len(self.buckets))])
         self._set_live(shard)
         peer, left = None, (self.rank - 1) % self.world_size
         if self.world_size > 1:
-            peer = ShardState(step=step, world_size=self.world_size, rank=left,
+            peer = ChunkState(step=step, world_size=self.world_size, rank=left,
                               master=[buf[left * c:(left + 1) * c].detach().float().cpu()
                                       for buf, c in zip(self.param_buffers, self.chunks)])
         self.snapshots.reset(shard, peer)
@@ -450,4 +423,4 @@ class Sharded(BucketedGradients, WholeModel):
         saved at any world size and stage), after the model's parameters were loaded."""
         masters = [self.param_buffers[b][:bucket.numel].detach().float().cpu() for b, bucket in enumerate(self.buckets)]
         full = zero_format.whole_state(self.buckets, self.names, masters, tensors, step)
-        self.load_shards(lambda _: full, 1, step)
+        self.load_chunks(lambda _: full, 1, step)
