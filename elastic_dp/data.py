@@ -1,7 +1,7 @@
 """The elastic sampler: step -> global batch -> per-worker slices.
 
 The sample indices of a step depend only on the dataset length, the global batch ``B``
-and the seed, never on the number of workers (DESIGN invariant 2). A plain
+and the seed, never on the number of workers (docs/design.md, fixed global batch). A plain
 single-process loop replays a run exactly with::
 
     sampler = ElasticSampler(len(dataset), global_batch=B, seed=seed)

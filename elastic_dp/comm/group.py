@@ -9,7 +9,7 @@ A ``CollectiveGroup`` is an object with a lifecycle, never a global::
     group.destroy()
 
 The rendezvous keys of generation ``g`` live under the prefix ``gen{g}/`` of the
-coordinator's TCPStore (DESIGN invariant 1): a straggler from ``g-1`` can never join
+coordinator's TCPStore (docs/design.md, generations): a straggler from ``g-1`` can never join
 ``g``, and re-forming on the same store needs that fresh prefix anyway. The process group
 is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), not through
 ``init_process_group``, so no default group or environment variable is involved and a
@@ -331,7 +331,7 @@ class CollectiveGroup:
         Safe to call from another thread while the training thread is blocked in a
         collective; the group is unusable afterwards (``destroy()`` it once the blocked
         collective has returned). NCCL has a real abort. gloo has none that releases a
-        blocked rank (DESIGN, pitfalls), so the group's connected TCP sockets are shut
+        blocked rank (docs/elastic.md), so the group's connected TCP sockets are shut
         down, which makes the blocked call raise in a few ms. Its listening socket is left
         alone: shutting that one down aborts the process.
         """

@@ -1,6 +1,6 @@
 """``elastic-dp plan``: per-worker memory and communication of data-parallel training.
 
-The memory model of DESIGN.md, per parameter (Ψ parameters, N workers):
+The memory model of docs/zero.md, per parameter (Ψ parameters, N workers):
 
 ===========  =========  ============  =========================================
 precision    params P   gradients G   optimizer state K (Adam; m moments)

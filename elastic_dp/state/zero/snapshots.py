@@ -1,4 +1,4 @@
-"""Peer snapshots of a ZeRO chunk (DESIGN invariant 6): what a rank keeps of its own chunk
+"""Peer snapshots of a ZeRO chunk (docs/design.md, no single copy): what a rank keeps of its own chunk
 and of its left neighbour's, and the transfer between them.
 
 Every ``snapshot_every`` committed steps rank ``r`` packs its chunk into host memory

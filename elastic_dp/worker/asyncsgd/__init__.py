@@ -1,0 +1,1 @@
+"""Asynchronous SGD, worker side: the gradient program and the parameter-server shard actor."""

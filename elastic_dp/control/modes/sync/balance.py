@@ -2,7 +2,7 @@
 
 The global batch is fixed and each micro-batch's loss is scaled by its share of that
 batch, so the gradient summed over the ranks is the same however the batch is split
-(DESIGN invariant 2): a slow worker can be given fewer samples, and the run still ends on
+(docs/design.md, fixed global batch): a slow worker can be given fewer samples, and the run still ends on
 the plain replay's parameters. Each worker's compute time per sample (forward and
 backward, from its step reports) is smoothed; the slices are proportional to the speeds,
 at least one sample each, and change only when some slice would move by more than

@@ -1,7 +1,7 @@
 """The synchronous mode's collective groups: one per generation, on one rendezvous store.
 
 Every membership change forms a new generation ``g`` whose rendezvous keys live under the
-prefix ``gen{g}/`` of the coordinator's TCPStore (DESIGN invariant 1). A generation whose
+prefix ``gen{g}/`` of the coordinator's TCPStore (docs/design.md, generations). A generation whose
 forming failed is never reused: the next attempt takes the next number.
 """
 

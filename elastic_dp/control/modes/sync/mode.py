@@ -2,9 +2,9 @@
 
 For step ``s`` the mode takes the sampler's global batch, splits it into contiguous
 slices over the current ranks, and the step counts when every member reports it
-committed (DESIGN invariants 2, 5). A member lost in a step raises ``MembersLost``; once
+committed (docs/design.md: fixed global batch, atomic steps). A member lost in a step raises ``MembersLost``; once
 the coordinator has decided who continues, the layout (``.layouts``) carries the state
-over to the next generation and says which step comes next (invariant 4). The mode
+over to the next generation and says which step comes next (exactly-once). The mode
 never touches a tensor: state moves between workers, checkpoints and the output as
 opaque objects.
 """
