@@ -95,31 +95,31 @@ def _held(live, own=(), peer=()):
     return {"live": live, "own": list(own), "peer": list(peer)}
 
 
-def test_shard_sources_prefers_live_chunks_at_the_newest_common_step():
+def test_chunk_sources_prefers_live_chunks_at_the_newest_common_step():
     # k=1, rank 1 of 3 died during step 7 (forward): everyone's live chunk is at 7
     plan = chunk_sources(3, {0: _held(7, (6, 7), (6, 7)), 2: _held(7, (6, 7), (6, 7))})
     assert plan == ChunkPlan(7, ((0, "live"), (2, "peer"), (2, "live")))
 
 
-def test_shard_sources_rolls_back_when_a_survivor_already_committed():
+def test_chunk_sources_rolls_back_when_a_survivor_already_committed():
     # rank 2 committed step 7 (live 8) before the failure; rank 1's chunk exists only at 7
     plan = chunk_sources(3, {0: _held(7, (6, 7), (6, 7)), 2: _held(8, (6, 7), (6, 7))})
     assert plan == ChunkPlan(7, ((0, "live"), (2, "peer"), (2, "own")))
 
 
-def test_shard_sources_uses_an_older_snapshot_with_k_greater_than_1():
+def test_chunk_sources_uses_an_older_snapshot_with_k_greater_than_1():
     plan = chunk_sources(4, {0: _held(25, (10, 20), (10, 20)), 1: _held(25, (10, 20), (10, 20)),
                              3: _held(25, (10, 20), (10, 20))})
     assert plan == ChunkPlan(20, ((0, "own"), (1, "own"), (3, "peer"), (3, "own")))
 
 
-def test_shard_sources_reports_a_chunk_lost_with_its_replica():
+def test_chunk_sources_reports_a_chunk_lost_with_its_replica():
     # ranks 1 and 2 of 4 lost at once: rank 1's only replica was on rank 2
     assert chunk_sources(4, {0: _held(5, (4, 5), (4, 5)), 3: _held(5, (4, 5), (4, 5))}) is None
     assert chunk_sources(1, {}) is None
 
 
-def test_shard_sources_after_a_kill_during_a_snapshot():
+def test_chunk_sources_after_a_kill_during_a_snapshot():
     # rank 0 of 2 died while sending the step-8 snapshot: rank 1 holds rank 0's chunk at 7 only
     plan = chunk_sources(2, {1: _held(8, (7, 8), (7,))})
     assert plan == ChunkPlan(7, ((1, "peer"), (1, "own")))

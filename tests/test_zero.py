@@ -322,3 +322,18 @@ def test_gloo_with_cuda_tensors_stages_every_call_through_host_copies(monkeypatc
     reference, _, _ = train(MLP_TASK, config, 2, range(5), initial)
     assert max_diff(sharded, reference) < 2e-5
 
+
+
+def test_the_old_ranks_a_new_rank_reads_are_those_whose_chunks_overlap_its_own():
+    """``chunks.sources`` against the closed form, every old rank's range checked, for
+    shrinks, growths and uneven buckets."""
+    from elastic_dp.state.zero.chunks import chunk_sizes, sources
+
+    numels = [1, 7, 100, 1023, 4096 + 3]
+    for world, old_world in [(1, 3), (2, 3), (3, 2), (4, 7), (7, 4), (5, 5), (16, 3)]:
+        for rank in range(world):
+            expected = set()
+            for chunk, old in zip(chunk_sizes(numels, world), chunk_sizes(numels, old_world)):
+                lo, hi = rank * chunk, (rank + 1) * chunk
+                expected |= {i for i in range(old_world) if i * old < hi and (i + 1) * old > lo}
+            assert sources(rank, numels, world, old_world) == (sorted(expected) or [0]), (rank, world, old_world)

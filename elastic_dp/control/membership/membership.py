@@ -132,7 +132,8 @@ class Membership:
     def admit(self, members: Sequence[Hashable]) -> None:
         """``members`` (rank order) form the new generation; they are no longer joiners."""
         self.members = list(members)
-        self.joiners = [j for j in self.joiners if j not in members]
+        admitted = set(members)
+        self.joiners = [j for j in self.joiners if j not in admitted]
 
     def close(self) -> None:
         """Stop every worker, and withdraw the request for capacity."""

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import ray
 
 from elastic_dp.control.modes.base import MembersLost
-from elastic_dp.control.modes.watchdog import HangBounds, Watchdog
+from elastic_dp.control.modes.watchdog import RAY, HangBounds, Transport, Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,10 @@ class Waiting:
 
     def __init__(self, pending: dict[object, Any], *, deadline_s: float, grace_s: float,
                  abort: Callable[[list[Any]], None], watchdog: Watchdog | None = None, what: str = "call",
-                 detect: Callable[[], float] | None = None, wake: Callable[[], list] = list) -> None:
+                 detect: Callable[[], float] | None = None, wake: Callable[[], list] = list,
+                 transport: Transport = RAY) -> None:
         self.pending, self.outcome = dict(pending), CallOutcome()
+        self.transport = transport
         self.wake = wake
         self.deadline_s, self.grace_s, self.abort, self.watchdog, self.what = deadline_s, grace_s, abort, watchdog, what
         start = time.monotonic()
@@ -77,8 +79,13 @@ class Waiting:
         or None when the grace period after an abort is over."""
         wait_s = max(0.0, self.deadline - time.monotonic())
         watchdog = self.watchdog
-        done, _ = ray.wait(list(self.pending) + self.wake(), num_returns=1,
-                           timeout=min(wait_s, watchdog.due_in()) if watchdog else wait_s)
+        refs = list(self.pending) + self.wake()
+        # every call ready now, in one look (a wait costs as much as it has refs: taking one
+        # ready call per wait made a window of N members cost N^2 a step); else the first
+        done, _ = self.transport.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        if not done:
+            done, _ = self.transport.wait(refs, num_returns=1,
+                                          timeout=min(wait_s, watchdog.due_in()) if watchdog else wait_s)
         for member, why in watchdog.check(set(self.pending.values())) if watchdog else ():
             for key in [k for k, m in self.pending.items() if m is member]:
                 del self.pending[key]
@@ -91,12 +98,12 @@ class Waiting:
         self.signal(f"{self.what} deadline of {self.deadline_s:.1f} s passed (hung worker)")
         return []
 
-    def take(self, key: object, fetch: Callable[[object], Any] = ray.get) -> tuple[bool, Any]:
-        """``(True, fetch(key))``, or ``(False, None)`` when the member died or its call
-        raised (recorded, signalled, and no longer pending)."""
+    def take(self, key: object, fetch: Callable[[object], Any] | None = None) -> tuple[bool, Any]:
+        """``(True, fetch(key))`` (default: the transport's ``get``), or ``(False, None)``
+        when the member died or its call raised (recorded, signalled, and no longer pending)."""
         member = self.pending[key]
         try:
-            return True, fetch(key)
+            return True, (fetch or self.transport.get)(key)
         except ray.exceptions.RayActorError:
             del self.pending[key]
             self.outcome.lost.append(member)
@@ -118,7 +125,7 @@ class Waiting:
 
 def gather(calls: dict[object, Any], *, deadline_s: float, grace_s: float,
            abort: Callable[[list[Any]], None], failed: Callable[[Any, Any], str | None] = lambda m, r: None,
-           what: str = "call", watchdog: Watchdog | None = None) -> CallOutcome:
+           what: str = "call", watchdog: Watchdog | None = None, transport: Transport = RAY) -> CallOutcome:
     """Wait for the object refs in ``calls`` (ref -> member) under a deadline.
 
     ``abort(members)`` is called once, on the first failure signal, with the members whose
@@ -126,7 +133,8 @@ def gather(calls: dict[object, Any], *, deadline_s: float, grace_s: float,
     reported in its result (None: none). ``what`` names the call in the deadline's cause.
     ``watchdog`` finds hung members before the deadline (they are lost at once).
     """
-    waiting = Waiting(calls, deadline_s=deadline_s, grace_s=grace_s, abort=abort, watchdog=watchdog, what=what)
+    waiting = Waiting(calls, deadline_s=deadline_s, grace_s=grace_s, abort=abort, watchdog=watchdog, what=what,
+                      transport=transport)
     while waiting.pending:
         ready = waiting.ready()
         if ready is None:
@@ -150,9 +158,12 @@ class Calls:
     median step time so far, None before the first) scales the bound on stalled progress.
     """
 
-    def __init__(self, *, deadline_s: float, grace_s: float, bounds: HangBounds | None = None) -> None:
+    def __init__(self, *, deadline_s: float, grace_s: float, bounds: HangBounds | None = None,
+                 transport: Transport = RAY) -> None:
         self.deadline_s, self.grace_s = deadline_s, grace_s
         self.bounds = bounds or HangBounds()
+        self.transport = transport
+        """How results are waited for and taken (Ray's, but in the control plane's benchmark)."""
         self.typical_step_s: float | None = None
 
     def gather(self, calls: dict[object, Any], generation: int,
@@ -163,7 +174,8 @@ class Calls:
                 m.actor.abort_group.remote(generation)  # control thread; a hung worker never runs it
 
         return gather(calls, deadline_s=self.deadline_s, grace_s=self.grace_s, abort=abort, failed=failed,
-                      what=what, watchdog=Watchdog(self.bounds, self.typical_step_s))
+                      what=what, watchdog=Watchdog(self.bounds, self.typical_step_s, transport=self.transport),
+                      transport=self.transport)
 
     def run(self, group: list[Any], calls: dict[object, Any], generation: int) -> dict[Any, Any]:
         """Every member's result, or ``raise_for``'s exception."""

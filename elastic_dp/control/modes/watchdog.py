@@ -33,6 +33,19 @@ from elastic_dp.messages import Heartbeat
 
 
 @dataclass(frozen=True, slots=True)
+class Transport:
+    """How the driver waits for its calls' results and takes them: Ray's ``wait`` and
+    ``get``. The control plane's benchmark (``benchmarks/bench_control_plane.py``) drives
+    the same code with fake members and a transport of its own."""
+
+    wait: Callable[..., tuple[list, list]] = ray.wait
+    get: Callable[[Any], Any] = ray.get
+
+
+RAY = Transport()
+
+
+@dataclass(frozen=True, slots=True)
 class HangBounds:
     """When a worker counts as hung (``ClusterConfig`` sets these from the CLI flags)."""
 
@@ -52,8 +65,10 @@ class Watchdog:
     """Sends heartbeats to the members of one call and judges their answers."""
 
     def __init__(self, bounds: HangBounds, typical_step_s: float | None,
-                 clock: Callable[[], float] = time.monotonic, *, alone: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, alone: bool = False,
+                 transport: Transport = RAY) -> None:
         self.bounds, self.typical_step_s, self.clock, self.alone = bounds, typical_step_s, clock, alone
+        self.transport = transport
         self.paces: dict[Any, float] = {}
         """``alone``: each member's own typical time for the work it is judged in."""
         self._pings: dict[Any, tuple[object, float]] = {}  # member -> (heartbeat ref, sent at)
@@ -98,13 +113,13 @@ class Watchdog:
 
     def _collect(self, now: float, timeout_s: float) -> None:
         refs = [ref for ref, _ in self._pings.values()]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+        ready = set(self.transport.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
         for member, (ref, _) in list(self._pings.items()):
             if ref not in ready:
                 continue
             del self._pings[member]
             try:
-                beat = ray.get(ref)
+                beat = self.transport.get(ref)
             except ray.exceptions.RayError:
                 continue  # a dead worker: its call reports it
             self._beats[member] = (beat, now)

@@ -108,7 +108,8 @@ def sources(rank: int, numels: list[int], world_size: int, old_world_size: int) 
     found = set()
     for chunk, old in zip(chunk_sizes(numels, world_size), chunk_sizes(numels, old_world_size)):
         lo, hi = rank * chunk, (rank + 1) * chunk
-        found.update(i for i in range(old_world_size) if i * old < hi and (i + 1) * old > lo)
+        # i * old < hi and (i + 1) * old > lo: a range, not a scan of every old rank
+        found.update(range(lo // old, min(old_world_size, (hi - 1) // old + 1)))
     return sorted(found) or [0]
 
 

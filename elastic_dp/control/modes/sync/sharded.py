@@ -136,7 +136,8 @@ class ShardedLayout:
         ``holders`` hold; False when some chunk is held by nobody."""
         old = self.gens.members
         reports = self.gens.run(holders, {m.actor.chunk_holdings.remote(): m for m in holders})
-        plan = chunk_sources(len(old), {old.index(m): r for m, r in reports.items()})
+        rank_of = {m: rank for rank, m in enumerate(old)}
+        plan = chunk_sources(len(old), {rank_of[m]: r for m, r in reports.items()})
         if plan is None:
             return False
         metas, refs = {}, []

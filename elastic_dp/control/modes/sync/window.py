@@ -22,8 +22,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
-import ray
-
 from elastic_dp.errors import CollectiveError
 from elastic_dp.faults import STEP_PHASES, FaultPlan
 from elastic_dp.messages import WindowPlan
@@ -145,8 +143,9 @@ class Window:
         # detect: the first signal's time (``_detection`` measures it once every report is in);
         # wake: a starting worker's progress, so that keep_going is asked at once
         waiting = Waiting(streams, deadline_s=calls.deadline_s, grace_s=calls.grace_s, abort=abort,
-                          watchdog=Watchdog(calls.bounds, calls.typical_step_s), what="step", detect=time.time,
-                          wake=lambda: [] if self.stopping else self.wake())
+                          watchdog=Watchdog(calls.bounds, calls.typical_step_s, transport=calls.transport),
+                          what="step", detect=time.time, wake=lambda: [] if self.stopping else self.wake(),
+                          transport=calls.transport)
         while waiting.pending:
             ready = waiting.ready()
             if ready is None:
@@ -154,7 +153,7 @@ class Window:
             for gen in ready:
                 member = waiting.pending[gen]
                 try:
-                    ok, report = waiting.take(gen, lambda g: ray.get(next(g)))
+                    ok, report = waiting.take(gen, lambda g: calls.transport.get(next(g)))
                 except StopIteration:
                     del waiting.pending[gen]  # this member's window ended
                     continue
