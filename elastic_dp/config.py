@@ -123,6 +123,9 @@ class TrainConfig:
         _require(not (self.mode == "async" and self.zero),
                  f"--mode async shards the optimizer state on its parameter servers already: drop --zero "
                  f"{self.zero} (or use --mode sync)")
+        _require(not (self.mode == "async" and self.prefetch),
+                 "--prefetch collates a synchronous step's slice ahead; --mode async computes one whole step per "
+                 "lease: drop one of them")
         _require(not (self.mode == "async" and self.balance),
                  "--balance splits a synchronous step between workers; --mode async trains whole steps per "
                  "worker: drop one of them")

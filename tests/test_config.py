@@ -173,6 +173,7 @@ def test_stragglers_that_cannot_slow_anything_are_refused():
     ({"mode": "async", "max_staleness": -1}, "--max-staleness"), ({"mode": "async", "ps_shards": 0}, "--ps-shards"),
     ({"mode": "async", "zero": 2}, "drop --zero 2"), ({"mode": "async", "balance": True}, "--balance"),
     ({"mode": "hogwild"}, "--mode"), ({"mode": "async", "staleness_lr": "sqrt"}, "--staleness-lr"),
+    ({"mode": "async", "prefetch": True}, "--prefetch collates a synchronous step"),
 ])
 def test_async_settings_are_checked_naming_the_flag(fields, flag):
     with pytest.raises(ConfigError, match=flag):

@@ -3,14 +3,14 @@
 ``ModeContext`` is built once per run (``api.build_coordinator``) and handed to the mode
 the configuration chose (``modes.MODES``). The shared pieces are the checks and records
 whose meaning does not depend on how a run trains: one dataset on every worker, the
-resume event, the non-finite guard (``guard.NonFiniteGuard``), the checkpoint's manifest
+resume event, the weights written, the non-finite guard (``guard.NonFiniteGuard``), the checkpoint's manifest
 commit (``saving.commit``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from elastic_dp.config import CheckpointConfig, ClusterConfig, TrainConfig
 from elastic_dp.control.modes.guard import NonFiniteGuard
@@ -60,3 +60,16 @@ def record_resume(recorder: RunRecorder, resume: Any, world_size: int) -> None:
     if resume is not None:
         recorder.event("resumed", step=resume.step, saved_world_size=resume.world_size,
                        world_size=world_size, checkpoint=resume.url)
+
+
+def write_weights(recorder: RunRecorder, name: str, state: Callable[[], dict[str, Any]],
+                  on_worker: Callable[[Any, str], None] | None = None) -> None:
+    """``<out>/<name>.safetensors`` (nothing without ``--out``): to an ``--out`` URI by a
+    worker straight from its memory where the mode has one that can (``on_worker(storage,
+    file name)``), else by this driver from ``state()``."""
+    if recorder.storage is None:
+        return
+    if recorder.remote and on_worker is not None:
+        on_worker(recorder.storage, f"{name}.safetensors")
+    else:
+        recorder.weights(name, state())

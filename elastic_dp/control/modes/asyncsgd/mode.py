@@ -32,7 +32,8 @@ from elastic_dp.errors import ConfigError
 from elastic_dp.faults import Fault
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
 from elastic_dp.control.modes.saving import commit
-from elastic_dp.control.modes.context import ModeContext, check_resume, dataset_length, record_resume
+from elastic_dp.control.modes.context import (ModeContext, check_resume, dataset_length, record_resume,
+                                              write_weights)
 from elastic_dp.control.modes.watchdog import HangBounds, Watchdog
 from elastic_dp.control.modes.asyncsgd.ledger import Ledger, Update, snapshot_plan
 from elastic_dp.worker.asyncsgd.shard import Keeper, ParameterShard, flat_bounds
@@ -162,20 +163,17 @@ class AsyncMode:
         self.recorder.summary.recomputed = self.ledger.recomputed
 
     def _write_weights(self, name: str) -> None:
-        if self.recorder.storage is None:
-            return
+        write_weights(self.recorder, name, self._model_state)
+
+    def _model_state(self) -> dict:
+        """The model's state dict, assembled here from the shards' pieces."""
         parts = ray.get([s.model_part.remote() for s in self.shards])
         template = ray.get(self.members[0].actor.model_state.remote())  # shapes, dtypes, buffers
         flat = {k: v.reshape(-1).clone() for k, v in template.items()}
         for part in parts:
             for key, start, values in part:
                 flat[key][start:start + values.numel()] = values.to(flat[key].dtype)
-        state = {k: flat[k].reshape(v.shape) for k, v in template.items()}
-        if self.recorder.remote:
-            from elastic_dp.durable.checkpoint import save_tensors
-            save_tensors(self.recorder.storage, f"{name}.safetensors", state)
-        else:
-            self.recorder.weights(name, state)
+        return {k: flat[k].reshape(v.shape) for k, v in template.items()}
 
     # -- the sequencer ------------------------------------------------------------------
     def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True,

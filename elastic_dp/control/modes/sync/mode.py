@@ -23,7 +23,8 @@ from elastic_dp.messages import StepResult
 from elastic_dp.observe.metrics import known_peak_tflops
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult
 from elastic_dp.control.modes.calls import Calls
-from elastic_dp.control.modes.context import ModeContext, check_resume, dataset_length, record_resume
+from elastic_dp.control.modes.context import (ModeContext, check_resume, dataset_length, record_resume,
+                                              write_weights)
 from elastic_dp.control.modes.saving import SaveOutcome, Saves
 from elastic_dp.control.modes.watchdog import HangBounds
 from elastic_dp.control.modes.sync.group import Generations
@@ -104,10 +105,8 @@ class SyncMode:
     def _write_weights(self, name: str) -> None:
         """``<out>/<name>.safetensors``: written by rank 0 straight to an ``--out`` URI, or
         by this driver into its local ``--out`` directory."""
-        if self.recorder.remote:
-            self._from_rank0("write_weights", self.recorder.storage, f"{name}.safetensors")
-        elif self.recorder.storage is not None:
-            self.recorder.weights(name, self._from_rank0("model_state"))
+        write_weights(self.recorder, name, lambda: self._from_rank0("model_state"),
+                      lambda storage, file: self._from_rank0("write_weights", storage, file))
 
     def close(self) -> None:
         pass  # the workers are all it has
