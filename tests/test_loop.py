@@ -1,4 +1,4 @@
-"""The worker's own step loop without Ray (elastic_dp.worker.window, Replica.run_window), on gloo
+"""The worker's own step loop without Ray (elastic_dp.worker.window, SyncProgram.run_window), on gloo
 ranks run as threads: a request to stop, heard by one rank only, ends every rank's
 window after the same step, through the commit vote; grants name their window."""
 

@@ -14,7 +14,7 @@ The coordinator can also end a window early, at a boundary no grant foresaw (a w
 became ready to join): it asks every rank to stop (``Grants.extend(..., stop=True)``).
 A rank that has heard it says so in the first commit vote it sends after that (read as
 the vote leaves with the last bucket, so the step in flight can carry it), which travels
-with the gradients (``reducer.VOTE``), so every rank learns it from the same tally and
+with the gradients (``comm.vote.Ballot``), so every rank learns it from the same tally and
 ends the window after the same step, however late the request reached each of them.
 
 ``Prefetcher`` collates the next step's slice on a background thread while the current

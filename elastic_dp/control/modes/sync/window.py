@@ -7,7 +7,7 @@ workers never wait for it. It stops granting at ``limit`` (the last step, a chec
 injected join). When ``keep_going`` says no (a worker is ready to join) it asks every
 member to stop: the first commit vote to leave after the request carries it to every
 rank (the step in flight's, if its last bucket has not left), and all end the window
-after that step (``loop.Grants.stopping``), or at the end of the grant if
+after that step (``worker.window.Grants.stopping``), or at the end of the grant if
 they reach it first. A failure in step ``s`` stops the window there: the others are
 aborted as after a failed step call, and ``MembersLost`` names ``s``, the step the
 recovery starts from.
@@ -33,7 +33,7 @@ from elastic_dp.control.modes.watchdog import Watchdog
 
 LOOKAHEAD_S = 2.0
 """How far ahead steps are granted, in the run's typical step time: enough that reports
-(every ``worker.REPORT_INTERVAL_S``, 0.5 s) and the next grant arrive before the workers
+(every ``worker.sync.REPORT_INTERVAL_S``, 0.5 s) and the next grant arrive before the workers
 run out; the grant is extended when less than half of it remains. Between
 ``MIN_LOOKAHEAD`` and ``MAX_LOOKAHEAD`` steps. A long grant does not delay a join: the
 window is stopped through the vote, at most one step after the request reaches a worker."""
