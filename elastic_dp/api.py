@@ -21,7 +21,7 @@ from elastic_dp.durable.checkpoint import CheckpointStore
 from elastic_dp.config import (CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig, check_batch_fits, run_name,
                      run_settings)
 from elastic_dp.control.coordinator import Coordinator
-from elastic_dp.errors import ClusterError, ConfigError
+from elastic_dp.errors import ClusterError, ConfigError, ElasticDPError
 from elastic_dp.observe.exporters import RayMetrics
 from elastic_dp.faults import Fault, FaultPlan, parse_faults
 from elastic_dp.control.membership import Membership
@@ -79,6 +79,10 @@ class Trainer:
         try:
             return build_coordinator(self.task, self.train, self.cluster, self.checkpoint, recorder,
                                      self.faults, name=self.name, settings=self.settings).run()
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, ElasticDPError):  # a worker's: shown in the caller's words
+                raise exc.cause from None
+            raise
         finally:
             recorder.close()
             if started:

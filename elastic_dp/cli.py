@@ -23,7 +23,7 @@ import sys
 
 from elastic_dp.api import Trainer
 from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig
-from elastic_dp.errors import ElasticDPError
+from elastic_dp.errors import SURFACE, ElasticDPError
 from elastic_dp.observe.plan import MemoryPlan, parse_size, render
 from elastic_dp.task import load_task
 
@@ -175,11 +175,14 @@ def _report(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    surface = SURFACE.set("cli")  # errors name this command's flags, not the API's fields
     try:
         return {"plan": _plan, "report": _report, "train": _train}[args.command](args)
     except ElasticDPError as exc:
         print(f"elastic-dp: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        SURFACE.reset(surface)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,77 @@
 """One exception hierarchy for elastic_dp.
 
-Every message says what went wrong and which setting or input to change. The classes
-carry only a message, so they pickle cleanly when they cross from a worker actor to the
-coordinator.
+Every message says what went wrong and which setting or input to change, in the words
+of the caller: the flag from the ``elastic-dp`` command (``--zero 1``), the field from the
+Python API (``TrainConfig.zero=1``). Messages are written with the flags; an error shown
+where the API is the caller (``SURFACE``, the default) names the fields instead
+(``API_NAMES``). The classes carry only a message, so they pickle cleanly when they cross
+from a worker actor to the coordinator, and are shown in the words of the process that
+shows them.
 """
 
 from __future__ import annotations
 
+import contextvars
+import re
+
+SURFACE: contextvars.ContextVar[str] = contextvars.ContextVar("elastic_dp_surface", default="api")
+"""Who is calling: ``api`` (Python) or ``cli`` (``elastic-dp``, which sets it)."""
+
+API_NAMES = {
+    **{f"--{f.replace('_', '-')}": f"TrainConfig.{f}" for f in (
+        "steps", "global_batch", "micro_batch", "seed", "warmup_steps", "lr_reference_batch", "clip_grad_norm",
+        "precision", "bucket_mb", "first_bucket_mb", "zero", "snapshot_every", "on_nonfinite",
+        "max_nonfinite_steps", "mode", "max_staleness", "staleness_lr", "ps_shards", "ps_device", "prefetch",
+        "balance")},
+    "--no-reduce-fp32": "TrainConfig(reduce_fp32=False)", "--no-prefetch": "TrainConfig(prefetch=False)",
+    "--workers": "ClusterConfig.workers", "--device": "ClusterConfig.device",
+    "--gpus-per-worker": "ClusterConfig.gpus_per_worker", "--backend": "ClusterConfig.backend",
+    "--address": "ClusterConfig.address", "--placement-timeout": "ClusterConfig.placement_timeout_s",
+    "--step-timeout": "ClusterConfig.step_timeout_s", "--heartbeat-timeout": "ClusterConfig.heartbeat_timeout_s",
+    "--stall-floor": "ClusterConfig.stall_floor_s", "--stall-factor": "ClusterConfig.stall_factor",
+    "--collective-timeout": "ClusterConfig.collective_timeout_s",
+    "--min-wait-timeout": "ClusterConfig.min_wait_timeout_s", "--abort-grace": "ClusterConfig.abort_grace_s",
+    "--checkpoint-dir": "CheckpointConfig.dir", "--storage": "CheckpointConfig.storage",
+    "--checkpoint-every": "CheckpointConfig.every", "--checkpoint-keep": "CheckpointConfig.keep",
+    "--sync-checkpoints": "CheckpointConfig(asynchronous=False)", "--resume": "CheckpointConfig.resume",
+    "--tensorboard": "MetricsConfig.tensorboard", "--run-name": "MetricsConfig.name",
+    "--peak-tflops": "MetricsConfig.peak_tflops", "--no-ray-metrics": "MetricsConfig(ray_metrics=False)",
+    "--inject": "Trainer's inject", "--out": "Trainer's out_dir", "--progress": "Trainer(progress=True)",
+    "--no-progress": "Trainer(progress=False)",
+}
+"""Each ``elastic-dp train`` flag's name in the Python API (``tests/test_errors.py``
+checks it against the command's flags and the config classes' fields)."""
+
+_WORDS = ("sync", "async", "skip", "fail", "cpu", "cuda", "auto", "gloo", "nccl", "bf16", "fp32", "none",
+          "inverse", "latest", "never")
+_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)"
+                   r"(?: (MIN:MAX|-?\d[\w.]*|'[^']*'|[A-Z][A-Z0-9_]*\b|(?:" + "|".join(_WORDS) + r")\b))?")
+
+
+def in_api_words(text: str) -> str:
+    """``text`` with each flag (and its value) named as the Python API names it."""
+    def name(match: re.Match) -> str:
+        flag, value = match.group(1), match.group(2)
+        api = API_NAMES.get(flag)
+        if api is None:
+            return match.group(0)
+        if value is None:
+            return api
+        if flag == "--workers" and value == "MIN:MAX":
+            return "ClusterConfig(min_workers=MIN, workers=MAX)"
+        if "(" in api or "'s " in api:  # a boolean flag, or a Trainer argument: no value follows it
+            return f"{api} {value}"
+        return f"{api}={value!r}" if value in _WORDS else f"{api}={value}"
+
+    return _FLAG.sub(name, text)
+
 
 class ElasticDPError(Exception):
     """Base class of every error elastic_dp raises on purpose."""
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return in_api_words(text) if SURFACE.get() == "api" else text
 
 
 class ConfigError(ElasticDPError, ValueError):
@@ -50,7 +112,7 @@ class WorkerError(ElasticDPError):
         self.step = step
 
     def __reduce__(self):  # keep keyword fields (and the subclass) across the Ray actor boundary
-        return (_rebuild_worker_error, (type(self), str(self), self.rank, self.step))
+        return (_rebuild_worker_error, (type(self), self.args[0] if self.args else "", self.rank, self.step))
 
 
 def _rebuild_worker_error(cls: type, message: str, rank: int, step: int) -> "WorkerError":

@@ -1,24 +1,12 @@
 """A worker's (or parameter-server shard's) C allocator: freed memory is kept for the next step.
 
-A training step allocates and frees the same buffers every step: activations, their
-gradients, ZeRO-2's bucket buffers. torch's CPU allocator has no cache of its own; it
-calls malloc. glibc's malloc gives memory back to the system whenever the top of its heap
-has more than ``M_TRIM_THRESHOLD`` free (128 KiB to start, then adapted to the largest
-chunk freed), and serves large requests with ``mmap``, unmapped again when freed. Either
-way the next step touches those pages anew, and every 4 KiB of them costs a page fault.
-On the GPT job that was about 1,300 faults per step in one process, and up to 2,000 per
-worker and step in two, 1–4% of a CPU step (docs/BENCHMARKS.md). CUDA's caching allocator
-keeps device memory for the same reason.
-
-So each worker sets both thresholds (``keep_freed_memory``): requests up to
-``MMAP_THRESHOLD`` come from the heap, and the heap gives memory back only beyond
-``TRIM_THRESHOLD`` free at its top. The worker's resident memory then stays near the
-step's peak, which every step reaches anyway. glibc's own environment variables
-(``USER_SETTINGS``) set by the user win: the worker then leaves the allocator alone, as it
-does with any other C library, and as it does with ``ELASTIC_DP_KEEP_FREED_MEMORY=0`` in
-its environment. (Setting one of glibc's thresholds by hand also turns off its adaptation:
-``MALLOC_TRIM_THRESHOLD_=131072``, its starting value, made a worker take 23,000 faults per
-GPT step and 134.6 ms against 91.6 ms per step.)
+A training step allocates and frees the same buffers every step, and torch's CPU
+allocator calls malloc directly: with glibc's defaults the freed memory goes back to the
+system and the next step page-faults it in again. ``keep_freed_memory`` sets glibc's
+mmap and trim thresholds so the process keeps it, as CUDA's caching allocator does on a
+GPU, unless the user set glibc's variables (``USER_SETTINGS``) or
+``ELASTIC_DP_KEEP_FREED_MEMORY=0``. Why these thresholds, and what they save:
+docs/sync.md (memory from step to step).
 """
 
 from __future__ import annotations

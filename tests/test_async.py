@@ -156,10 +156,10 @@ def test_a_training_thread_blocked_in_a_gradient_is_found_by_its_stalled_progres
 
 
 def test_async_input_errors_name_the_setting(ray_cluster, tmp_path):
-    with pytest.raises(ConfigError, match="--ps-shards 100000 is more than the model's"):
+    with pytest.raises(ConfigError, match=r"TrainConfig\.ps_shards=100000 is more than the model's"):
         _train(tmp_path / "a", TINY_GPT_TASK, workers=1, ps_shards=100_000)
     lbfgs = dataclasses.replace(TINY_GPT_TASK, optimizer=lambda m: torch.optim.LBFGS(m.parameters()))
-    with pytest.raises(ConfigError, match="--mode async shards optimizer state element by element.*--mode sync"):
+    with pytest.raises(ConfigError, match=r"TrainConfig\.mode='async' shards optimizer state element by element.*TrainConfig\.mode='sync'"):
         _train(tmp_path / "b", lbfgs, workers=1)
     assert not (tmp_path / "a" / "initial.safetensors").exists()
     assert not (tmp_path / "b" / "initial.safetensors").exists()
@@ -198,7 +198,7 @@ def test_one_worker_and_checkpoints_passed_between_the_modes_end_on_the_replay(r
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the refusal needs a cluster "
                                                       "without one (tests/test_cuda.py runs shards on it)")
 def test_parameter_servers_on_a_gpu_are_refused_on_a_cluster_without_one(ray_cluster, tmp_path):
-    with pytest.raises(ConfigError, match="--ps-device cuda puts the parameter servers on a GPU.*--ps-device cpu"):
+    with pytest.raises(ConfigError, match=r"TrainConfig\.ps_device='cuda' puts the parameter servers on a GPU.*TrainConfig\.ps_device='cpu'"):
         _train(tmp_path, TINY_GPT_TASK, workers=1, ps_device="cuda")
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 

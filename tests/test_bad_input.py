@@ -36,12 +36,12 @@ def test_cli_reports_unknown_job_and_exits_2():
 
 @pytest.mark.parametrize("batch", [0, -4])
 def test_non_positive_global_batch(batch):
-    with pytest.raises(ConfigError, match="--global-batch"):
+    with pytest.raises(ConfigError, match=r"TrainConfig\.global_batch"):
         TrainConfig(global_batch=batch)
 
 
 def test_global_batch_smaller_than_worker_count(tmp_path):
-    with pytest.raises(ConfigError, match="smaller than the 3 workers.*--global-batch"):
+    with pytest.raises(ConfigError, match=r"smaller than the 3 workers.*TrainConfig\.global_batch"):
         _trainer(workers=3, train={"global_batch": 2}, out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -53,21 +53,21 @@ def test_dataset_shorter_than_one_global_batch(ray_cluster, tmp_path):
 
 
 def test_more_workers_than_the_cluster_can_place(ray_cluster):
-    with pytest.raises(PlacementError, match=r"could not place 9 workers .* 4 in all.*--workers"):
+    with pytest.raises(PlacementError, match=r"could not place 9 workers .* 4 in all.*ClusterConfig\.workers"):
         _trainer(workers=9, train={"global_batch": 9}, cluster={"placement_timeout_s": 2}).fit()
 
 
 def test_unwritable_checkpoint_dir(ray_cluster, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with pytest.raises(CheckpointError, match="not writable.*--checkpoint-dir"):
+    with pytest.raises(CheckpointError, match=r"not writable.*CheckpointConfig\.dir"):
         _trainer(checkpoint={"dir": str(blocker / "ckpt")}).fit()
 
 
 def test_resume_without_checkpoint(ray_cluster, tmp_path):
-    with pytest.raises(CheckpointError, match="no checkpoint to resume from.*--resume"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint to resume from.*CheckpointConfig\.resume"):
         _trainer(checkpoint={"dir": str(tmp_path / "empty"), "resume": True}).fit()
-    with pytest.raises(ConfigError, match="--checkpoint-dir"):
+    with pytest.raises(ConfigError, match=r"CheckpointConfig\.dir"):
         CheckpointConfig(resume=True)
 
 
@@ -94,13 +94,13 @@ def test_resume_auto_refuses_a_checkpoint_of_its_name_saved_with_other_settings(
     trainer("shared", steps=2).fit()
     out = tmp_path / "out"
     with pytest.raises(CheckpointError, match=r"saved with clip_grad_norm=None, and this run has "
-                                              r"clip_grad_norm=1\.0.*another\s+--run-name"):
+                                              r"clip_grad_norm=1\.0.*another\s+MetricsConfig\.name"):
         trainer("shared", out=str(out), steps=4, clip_grad_norm=1.0).fit()
     assert not out.exists()
     # by default the name follows the settings: the same job with other settings is another run
     assert trainer(steps=2).name != trainer(steps=2, clip_grad_norm=1.0).name
     assert trainer(steps=2).name == trainer(steps=7).name  # --steps is not among them
-    with pytest.raises(ConfigError, match="either --checkpoint-dir DIR or --storage URI"):
+    with pytest.raises(ConfigError, match=r"either CheckpointConfig\.dir=DIR or CheckpointConfig\.storage=URI"):
         CheckpointConfig(dir="a", storage="b")
     with pytest.raises(ConfigError, match="resume must be never, latest or auto"):
         CheckpointConfig(storage="b", resume="sometimes")
@@ -109,7 +109,7 @@ def test_resume_auto_refuses_a_checkpoint_of_its_name_saved_with_other_settings(
 def test_resume_with_another_global_batch(ray_cluster, tmp_path):
     ckpt = tmp_path / "ckpt"
     _trainer(workers=1, train={"steps": 1}, checkpoint={"dir": str(ckpt)}).fit()
-    with pytest.raises(CheckpointError, match="global_batch=10.*--global-batch 10"):
+    with pytest.raises(CheckpointError, match=r"global_batch=10.*TrainConfig\.global_batch=10"):
         _trainer(train={"steps": 2, "global_batch": 12}, checkpoint={"dir": str(ckpt), "resume": True}).fit()
 
 

@@ -175,7 +175,7 @@ def test_the_same_without_a_checkpoint_fails_naming_the_settings():
     mode = FakeMode(losses={3: [1, 2]}, state_lost=1)
     coordinator, _, _ = _run(mode, workers=3, min_workers=1)
     with pytest.raises(MembershipError, match="snapshot were lost, and there is no durable checkpoint: "
-                                              "pass --checkpoint-dir and --checkpoint-every"):
+                                              r"pass CheckpointConfig\.dir and CheckpointConfig\.every"):
         coordinator.run()
     assert _states(coordinator)[-3:] == ["RECOVERING", "REFORMING", "FAILED"]
 
@@ -184,7 +184,7 @@ def test_below_min_waits_for_capacity_then_fails():
     mode = FakeMode(losses={2: [1]})
     coordinator, pool, clock = _run(mode, workers=2, min_workers=2, wait_timeout_s=3.0)
     pool.slots_go_with_workers = True  # no replacement is ever placed
-    with pytest.raises(MembershipError, match=r"only 1 workers available after waiting 3 s.*--min-wait-timeout"):
+    with pytest.raises(MembershipError, match=r"only 1 workers available after waiting 3 s.*ClusterConfig\.min_wait_timeout_s"):
         coordinator.run()
     states = _states(coordinator)
     assert states[:3] == ["STARTING", "RUNNING", "RECOVERING"] and states[-1] == "FAILED"

@@ -42,9 +42,9 @@ def test_split_is_contiguous_balanced_and_complete(world):
 
 
 def test_split_refuses_more_workers_than_samples():
-    with pytest.raises(ConfigError, match="--global-batch"):
+    with pytest.raises(ConfigError, match=r"TrainConfig\.global_batch"):
         split(np.arange(2), 3)
-    with pytest.raises(ConfigError, match="--global-batch"):
+    with pytest.raises(ConfigError, match=r"TrainConfig\.global_batch"):
         rank_slice(np.arange(2), 3, 0)
 
 
@@ -54,7 +54,7 @@ def test_micro_batches():
 
 
 def test_dataset_shorter_than_global_batch():
-    with pytest.raises(ConfigError, match="fewer than one global batch.*--global-batch"):
+    with pytest.raises(ConfigError, match=r"fewer than one global batch.*TrainConfig\.global_batch"):
         ElasticSampler(5, global_batch=8, seed=0)
 
 

@@ -149,7 +149,7 @@ def test_below_min_waits_for_capacity_then_fails_clearly(ray_cluster, tmp_path):
     thread.start()
     try:
         start = time.monotonic()
-        with pytest.raises(MembershipError, match=r"only 1 workers available after waiting 3 s.*MIN in --workers MIN:MAX"):
+        with pytest.raises(MembershipError, match=r"only 1 workers available after waiting 3 s.*MIN in ClusterConfig\(min_workers=MIN,\ workers=MAX\)"):
             Trainer(task, train=config, cluster=ClusterConfig(workers=2, min_wait_timeout_s=3.0), out_dir=str(out),
                     progress=False, inject=["kill:step=30:rank=1"]).fit()
         assert time.monotonic() - start >= 3.0

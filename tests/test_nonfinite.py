@@ -74,7 +74,7 @@ def test_a_nan_sample_is_skipped_and_the_run_ends_on_the_replay(ray_cluster, tmp
 
 def test_on_nonfinite_fail_ends_the_run_naming_the_step_and_the_rank(ray_cluster, tmp_path):
     config = dataclasses.replace(POISONED_TASK.defaults, on_nonfinite="fail")
-    with pytest.raises(NonFiniteError, match=r"step 3: the loss was not finite on rank 0.*--on-nonfinite skip"):
+    with pytest.raises(NonFiniteError, match=r"step 3: the loss was not finite on rank 0.*TrainConfig\.on_nonfinite='skip'"):
         Trainer(POISONED_TASK, train=config, cluster=ClusterConfig(workers=2), out_dir=str(tmp_path),
                 progress=False).fit()
     assert not (tmp_path / "final.safetensors").exists()
@@ -95,7 +95,8 @@ def test_async_skips_a_nan_update_as_a_no_op_and_ends_on_the_replay(ray_cluster,
 def test_async_on_nonfinite_fail_ends_the_run_naming_the_update_the_worker_and_the_setting(ray_cluster, tmp_path):
     config = dataclasses.replace(POISONED_TASK.defaults, mode="async", max_staleness=0, on_nonfinite="fail")
     with pytest.raises(NonFiniteError, match=r"update 4 \(the gradient of sampler step 3 by worker-\d+\): the loss "
-                                             r"was not finite.*--on-nonfinite fail.*--on-nonfinite skip"):
+                                             r"was not finite.*TrainConfig\.on_nonfinite='fail'.*"
+                                             r"TrainConfig\.on_nonfinite='skip'"):
         Trainer(POISONED_TASK, train=config, cluster=ClusterConfig(workers=1), out_dir=str(tmp_path),
                 progress=False).fit()
     assert not (tmp_path / "final.safetensors").exists()
@@ -103,7 +104,7 @@ def test_async_on_nonfinite_fail_ends_the_run_naming_the_update_the_worker_and_t
 
 def test_async_consecutive_nan_updates_beyond_the_limit_fail_naming_the_setting(ray_cluster, tmp_path):
     config = dataclasses.replace(TWICE_POISONED_TASK.defaults, mode="async", max_staleness=0, max_nonfinite_steps=2)
-    with pytest.raises(NonFiniteError, match=r"2 consecutive updates \(4\.\.5\).*--max-nonfinite-steps is 2"):
+    with pytest.raises(NonFiniteError, match=r"2 consecutive updates \(4\.\.5\).*TrainConfig\.max_nonfinite_steps is 2"):
         Trainer(TWICE_POISONED_TASK, train=config, cluster=ClusterConfig(workers=1), out_dir=str(tmp_path),
                 progress=False).fit()
 
@@ -119,7 +120,7 @@ def test_consecutive_skips_beyond_the_limit_fail_naming_the_setting():
     assert not guard.check(2, _results(False)) and guard.consecutive == 0  # a clean step resets the count
     assert guard.check(3, _results(True)) and guard.check(4, _results(True))
     with pytest.raises(NonFiniteError, match=r"3 consecutive steps \(3\.\.5\).*gradient was not finite.*"
-                                             r"--max-nonfinite-steps is 3"):
+                                             r"TrainConfig\.max_nonfinite_steps is 3"):
         guard.check(5, _results(True))
     events = guard.recorder.summary.events
     assert [e["step"] for e in events] == [0, 1, 3, 4, 5] and events[0]["loss_ranks"] == [1]

@@ -44,7 +44,7 @@ def test_joiners_admitted_at_step_boundary_up_to_max():
 
 @pytest.mark.parametrize("bad", [(0, 2), (3, 2)])
 def test_bad_range_is_refused(bad):
-    with pytest.raises(ConfigError, match="MIN:MAX"):
+    with pytest.raises(ConfigError, match=r"ClusterConfig\(min_workers=MIN, workers=MAX\) needs 1 <= MIN <= MAX"):
         ElasticPolicy(min_workers=bad[0], max_workers=bad[1])
 
 

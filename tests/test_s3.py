@@ -139,17 +139,17 @@ def test_an_unreachable_endpoint_is_reported_within_seconds(s3):
     _, _, port = s3
     closed = _free_port()
     start = time.monotonic()
-    with pytest.raises(StorageError, match=rf"endpoint 127\.0\.0\.1:{closed} .* does not answer.*--storage"):
+    with pytest.raises(StorageError, match=rf"endpoint 127\.0\.0\.1:{closed} .* does not answer.*CheckpointConfig\.storage"):
         Trainer(TINY_GPT_TASK, checkpoint=CheckpointConfig(
             storage=f"s3://ckpt/x?endpoint_override=127.0.0.1:{closed}&scheme=http"))
     assert time.monotonic() - start < 5
-    with pytest.raises(StorageError, match=r"--storage 'nosuch://bucket/x' is not a storage URI"):
+    with pytest.raises(StorageError, match=r"CheckpointConfig\.storage='nosuch://bucket/x' is not a storage URI"):
         Trainer(TINY_GPT_TASK, checkpoint=CheckpointConfig(storage="nosuch://bucket/x"))
 
 
 def test_a_bucket_that_does_not_exist_is_not_writable(ray_cluster, s3, tmp_path):
     _, _, port = s3
-    with pytest.raises(StorageError, match=r"s3://missing/runs/.* is not writable.*pass a writable --storage"):
+    with pytest.raises(StorageError, match=r"s3://missing/runs/.* is not writable.*pass a writable CheckpointConfig\.storage"):
         _fit(1, tmp_path / "out", steps=1,
              storage=f"s3://missing/runs?endpoint_override=127.0.0.1:{port}&scheme=http")
     assert not (tmp_path / "out").exists()

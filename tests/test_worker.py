@@ -85,7 +85,8 @@ def test_a_step_that_fails_before_its_fault_s_phase_leaves_nothing_armed(monkeyp
     def rank_fn(group):
         program = SyncProgram(Replica(task, MLP_TASK.defaults, CPU, group))
         program.replica.broadcast_state(0)
-        failed = program.step(0, np.arange(4), Fault.parse("kill:step=0:rank=0:phase=optimizer"))
+        program.replica.faults.arm(Fault.parse("kill:step=0:rank=0:phase=optimizer"))  # as the actor does
+        failed = program.step(0, np.arange(4))
         broken["on"] = False
         return failed, program.step(0, np.arange(4))
 
@@ -104,16 +105,18 @@ def _actor(mode: str) -> WorkerActor:
 
 def test_an_async_worker_refuses_the_synchronous_calls_naming_both_modes():
     actor = _actor("async")
-    with pytest.raises(WorkerError, match=r"run_window is --mode sync's, and this worker runs --mode async"):
+    with pytest.raises(WorkerError, match=r"run_window is a call of TrainConfig\.mode='sync', and this worker runs "
+                                          r"TrainConfig\.mode='async'"):
         next(iter(actor.run_window(None)))
-    with pytest.raises(WorkerError, match=r"grant is --mode sync's"):
+    with pytest.raises(WorkerError, match=r"grant is a call of TrainConfig\.mode='sync'"):
         actor.grant(0, 1, True, {})
-    with pytest.raises(WorkerError, match=r"import_chunks moves ZeRO chunks.*--zero 0"):
+    with pytest.raises(WorkerError, match=r"import_chunks moves ZeRO chunks.*TrainConfig\.zero=0"):
         actor.import_chunks([], 1, 0)
 
 
 def test_a_sync_worker_refuses_the_asynchronous_gradient():
     actor = _actor("sync")
-    with pytest.raises(WorkerError, match=r"async_gradient is --mode async's, and this worker runs --mode sync"):
+    with pytest.raises(WorkerError, match=r"async_gradient is a call of TrainConfig\.mode='async', and this worker "
+                                          r"runs TrainConfig\.mode='sync'"):
         actor.async_gradient(0, {"seed": 0, "global_batch": 4, "dataset_len": 96}, [0, 1], None, None)
     assert isinstance(actor.program, SyncProgram)

@@ -76,13 +76,13 @@ def test_two_adjacent_workers_lost_fall_back_to_the_durable_checkpoint(ray_clust
 
 
 def test_adjacent_loss_without_a_checkpoint_fails_clearly(ray_cluster, tmp_path):
-    with pytest.raises(Exception, match="--checkpoint-dir and --checkpoint-every"):
+    with pytest.raises(Exception, match=r"CheckpointConfig\.dir and CheckpointConfig\.every"):
         _run(tmp_path, 3, ["kill:step=1:rank=1:phase=allreduce", "kill:step=1:rank=2"], zero=2, min_workers=1)
 
 
 def test_a_non_elementwise_optimizer_is_refused_before_training(ray_cluster, tmp_path):
     task = dataclasses.replace(TINY_GPT_TASK, optimizer=lambda m: torch.optim.LBFGS(m.parameters()))
-    with pytest.raises(ConfigError, match="--zero 2 shards optimizer state element by element.*LBFGS"):
+    with pytest.raises(ConfigError, match=r"TrainConfig\.zero=2 shards optimizer state element by element.*LBFGS"):
         Trainer(task, train=dataclasses.replace(TINY_GPT_TASK.defaults, zero=2),
                 cluster=ClusterConfig(workers=2), out_dir=str(tmp_path / "out"), progress=False).fit()
     assert not (tmp_path / "out").exists()

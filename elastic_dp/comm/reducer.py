@@ -1,50 +1,26 @@
-"""Bucketed gradient all-reduce, launched from backward hooks.
+"""Bucketed gradient reduction, launched from backward hooks (docs/sync.md, buckets).
 
-Parameters are packed, in reverse registration order (roughly the order backward
-produces their gradients), into buckets of about ``bucket_bytes``. During the last
-micro-batch's backward, each parameter's post-accumulate-grad hook marks it ready; when a
-bucket is complete its gradients are copied into the bucket's flat buffer and an
-asynchronous SUM all-reduce starts, while backward carries on with earlier layers.
+Parameters are packed, last first, into buckets (``make_buckets``); in the last
+micro-batch's backward each parameter's post-accumulate-grad hook marks it ready, and a
+complete bucket starts an asynchronous SUM reduction while backward goes on. Buckets are
+launched strictly in index order on every rank, since collectives match by order;
+``finish()`` launches the rest (a parameter without a gradient counts as zeros) and waits.
 
-Buckets are launched strictly in index order, on every rank: collectives are matched by
-their order, so a bucket that is ready early waits for its predecessors. ``finish()``
-launches whatever backward did not (unused parameters count as zero gradients), waits,
-and leaves the reduced gradients in ``param.grad``.
+Three modes, one per ZeRO stage: all-reduce, with each ``param.grad`` a view into its
+bucket's buffer where the dtypes allow (no copies; that is why gradients are zeroed here,
+never set to None); in-place reduce-scatter (stage 1: the buffers stay, and the rank's
+own chunk of each receives the global gradient); and reduce-scatter into the caller's
+chunks (stage 2: a bucket's full buffer lives from its launch to its reduction, and the
+full gradients are released). Under ZeRO buckets never mix param groups and are padded
+to a multiple of the world size, so that rank ``r`` owns the ``r``-th of equal chunks;
+the partition itself does not depend on the world size.
 
-Where the bucket has the parameters' dtype, each ``param.grad`` *is* a view into the
-bucket's buffer (as DDP's ``gradient_as_bucket_view``): autograd accumulates into it in
-place, the all-reduce runs on it in place, and no gradient is copied. That is why
-gradients are zeroed by ``zero_grad()`` here and never set to None. Buckets reduced in
-fp32 for bf16 parameters copy in and out instead.
-
-For the sharded stages (elastic_dp.state.zero.sharded) the same buckets are the unit of sharding:
-they never mix parameters of different optimizer param groups (``group_of``) and each
-buffer is padded to a multiple of the world size (``pad_to``) so that rank ``r`` owns
-the ``r``-th of ``world_size`` equal chunks. In scatter mode (ZeRO stage 2) a bucket is
-reduce-scattered into the caller's per-bucket ``scatter_into`` chunk instead of
-all-reduced: its full buffer exists only from launch until the reduction completes, and
-the parameters' full gradients are released (set to None) as soon as they are copied in.
-In in-place scatter mode (ZeRO stage 1, ``scatter_in_place``) the buffers stay, as in
-all-reduce mode, with the gradients as views into them, and each bucket is
-reduce-scattered into the rank's own chunk of its buffer: that chunk then holds the global
-gradient and the rest of the buffer this rank's local one. It sends half the bytes of an
-all-reduce, and the rank reads only its chunk anyway.
-
-The caller scales each micro-batch's loss so that local gradients are the sum of the
-per-sample gradients divided by the global batch; the SUM over ranks then gives the
-global-batch gradient exactly (docs/design.md, fixed global batch), with no division by the
-world size.
-
-The step's commit vote (``elastic_dp.comm.vote``) travels in the last bucket: its buffer
-carries the ``Ballot``'s elements, in which each rank puts whether its step raised
-(``ballot.error``), whether any of its losses (``ballot.nonfinite``) or local gradients
-(the sum of each bucket, taken as it is launched, is not finite) is not finite, and
-whether the coordinator asked it to end its window of steps after this one
-(``ballot.stop``: every rank then ends it at the same step, the one whose tally carries
-the request). The SUM over ranks arrives with the last bucket's reduction; ``finish()``
-returns it as a ``Vote``. In the scatter modes, where every rank receives only its
-chunk, the last bucket is reduce-scattered from a copy in which each rank's chunk is followed by the
-vote, so every rank receives the whole tally. No collective is spent on the vote alone.
+The losses are scaled so that the SUM over the ranks is the global-batch gradient
+(docs/design.md, fixed global batch). The commit vote (``elastic_dp.comm.vote``) travels
+in the last bucket: each rank's ``Ballot`` (its error, a non-finite loss or local
+gradient, a request to stop) follows the bucket's buffer, or each rank's chunk of it in
+the scatter modes, so every rank receives the whole tally with that bucket, and no
+collective is spent on the vote alone.
 """
 
 from __future__ import annotations

@@ -79,11 +79,13 @@ class WorkerActor:
     def _program(self, kind: type, call: str):
         if not isinstance(self.program, kind):
             mode = next(m for m, c in PROGRAMS.items() if c is kind)
-            raise WorkerError(f"{call} is --mode {mode}'s, and this worker runs --mode {self.replica.config.mode}")
+            raise WorkerError(f"{call} is a call of --mode {mode}, and this worker runs --mode {self.replica.config.mode}")
         return self.program
 
     def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
-        return self._program(SyncProgram, "step").step(step, indices, fault)
+        program = self._program(SyncProgram, "step")
+        self.faults.arm(fault)
+        return program.step(step, indices)
 
     @ray.method(num_returns="streaming")
     def run_window(self, plan: WindowPlan):
@@ -103,7 +105,9 @@ class WorkerActor:
         """``--mode async``: the gradient of sampler step ``step`` on the pulled ``pieces``
         (Ray resolved the shards' results); returns the report and one piece per shard."""
         program = self._program(AsyncProgram, "async_gradient")
-        report, grads = program.gradient(step, sampler, bounds, list(pieces), fault, slow)
+        self.faults.arm(fault)
+        self.faults.slow = slow
+        report, grads = program.gradient(step, sampler, bounds, list(pieces))
         return (report, *grads)
 
     def heartbeat(self) -> Heartbeat:

@@ -23,7 +23,6 @@ import numpy as np
 from elastic_dp.comm.vote import Vote
 from elastic_dp.data import ElasticSampler, rank_slice
 from elastic_dp.errors import CollectiveError
-from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult, WindowPlan
 from elastic_dp.worker.replica import Batches, Replica, portable
 from elastic_dp.worker.window import Grants, Prefetcher
@@ -51,17 +50,14 @@ class SyncProgram:
         """The group is being aborted: a window waiting for a grant ends."""
         self.grants.cancel()
 
-    def step(self, step: int, indices: np.ndarray, fault: Fault | None = None,
-             batches: Batches | BaseException | None = None) -> StepResult:
+    def step(self, step: int, indices: np.ndarray, batches: Batches | BaseException | None = None) -> StepResult:
         """Train one step on this worker's slice ``indices`` of the global batch
-        (``batches``: its micro-batches, when prepared ahead; ``fault``: one to arm for
-        this step's phases)."""
-        faults = self.replica.faults
-        faults.arm(fault)
+        (``batches``: its micro-batches, when prepared ahead). The faults armed for it
+        fire at their phases; one whose phase the step did not reach is disarmed."""
         try:
             return self._step(step, indices, batches)
         finally:
-            faults.disarm()  # a fault of a phase the step did not reach does not fire later
+            self.replica.faults.disarm()  # so that it does not fire in a later step
             self.replica.progress.enter("idle")
 
     def run_window(self, plan: WindowPlan) -> Iterator[list[StepResult]]:
@@ -100,8 +96,9 @@ class SyncProgram:
                     self.prefetcher.submit((generation, step + 1, rank, world, grants.sizes(step + 1)),
                                            slice_of(step + 1))
                 replica.faults.slow = plan.slow if plan.slow is not None and plan.slow.slows(step) else None
+                replica.faults.arm(grants.fault(step))  # granted with the step (--inject)
                 try:
-                    result = self.step(step, indices, grants.fault(step), batches)
+                    result = self.step(step, indices, batches)
                 except Exception:  # a bug: the steps committed before it are reported, then it
                     if report:
                         yield report

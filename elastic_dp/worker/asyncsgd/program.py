@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from elastic_dp.data import ElasticSampler
-from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
 from elastic_dp.state.zero.chunks import check_elementwise
 from elastic_dp.task import trainable
@@ -31,12 +30,13 @@ class AsyncProgram:
     def abort(self) -> None:
         pass  # no window to end: a gradient is one call
 
-    def gradient(self, step: int, sampler: dict[str, int], bounds: list[int], pieces: list[np.ndarray],
-                 fault: Fault | None = None, slow: Fault | None = None) -> tuple[dict, list[np.ndarray]]:
+    def gradient(self, step: int, sampler: dict[str, int], bounds: list[int],
+                 pieces: list[np.ndarray]) -> tuple[dict, list[np.ndarray]]:
         """The gradient of sampler step ``step`` on the parameters ``pieces`` (the shards'
         flat fp32 pieces of one version), clipped by its own norm, cut at ``bounds`` into
         one flat piece per shard. Also a small report: loss, whether loss and gradient are
-        finite, the error of the task if it raised. ``fault``, ``slow``: to arm for it.
+        finite, the error of the task if it raised. The faults armed for it fire at their
+        phases (``forward``); a slow one, set on the hook, slows it.
 
         Pieces travel as NumPy arrays, which Ray reads from its object store without a
         copy (torch tensors it would unpickle into new memory): the pulled pieces are read
@@ -60,8 +60,6 @@ class AsyncProgram:
                   "compute_s": 0.0}
         result = StepResult(step=step, rank=0, generation=0, committed=False)
         start = time.perf_counter()
-        replica.faults.arm(fault)
-        replica.faults.slow = slow
         replica.progress.enter("compute")  # the watchdog judges a stalled gradient by this phase
         try:
             replica.forward_backward(replica.collate(indices), result, vote=False)
