@@ -101,7 +101,7 @@ def test_staleness_0_equals_the_synchronous_replay(ray_cluster, tmp_path):
     summary, config, updates, _ = _train(tmp_path, TINY_GPT_TASK, workers=3, max_staleness=0)
     assert [(u["version"], u["step"], u["base_version"], u["staleness"]) for u in updates] == [
         (v + 1, v, v, 0) for v in range(config.steps)]
-    expected = replay(TINY_GPT_TASK, dataclasses.replace(config, mode="sync"), str(tmp_path / "initial.safetensors"))
+    expected = replay(TINY_GPT_TASK, config, str(tmp_path / "initial.safetensors"))
     assert max_abs_diff(load_file(tmp_path / "final.safetensors"), expected) < TOL
     assert summary.steps == config.steps
 

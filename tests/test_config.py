@@ -185,3 +185,27 @@ def test_the_parameter_servers_device_is_an_async_setting():
     with pytest.raises(ConfigError, match=r"TrainConfig\.ps_device"):
         TrainConfig(mode="async", ps_device="tpu")
     assert TrainConfig(mode="async", ps_device="cuda").ps_device == "cuda"
+
+
+def test_a_setting_the_chosen_mode_does_not_read_is_refused_naming_it():
+    """No setting is ignored: the synchronous mode refuses the parameter servers' settings,
+    the asynchronous mode those of the gradient reduction and the collective group."""
+    from elastic_dp.control.modes import ModeContext, make_mode
+    from elastic_dp.observe.metrics import RunRecorder
+
+    def mode(train, cluster=ClusterConfig()):
+        return make_mode(ModeContext(train=train, cluster=cluster, faults=FaultPlan(),
+                                     recorder=RunRecorder(None, total_steps=train.steps, progress=False)))
+
+    with pytest.raises(ConfigError, match=r"TrainConfig\.max_staleness is a setting that TrainConfig\.mode='sync' "
+                                          r"does not read: drop it, or use TrainConfig\.mode='async'"):
+        mode(TrainConfig(max_staleness=2))
+    with pytest.raises(ConfigError, match=r"TrainConfig\.ps_shards is a setting that TrainConfig\.mode='sync'"):
+        mode(TrainConfig(ps_shards=3))
+    with pytest.raises(ConfigError, match=r"TrainConfig\.bucket_mb is a setting that TrainConfig\.mode='async'"):
+        mode(TrainConfig(mode="async", bucket_mb=4.0))
+    with pytest.raises(ConfigError, match=r"ClusterConfig\.backend is a setting that TrainConfig\.mode='async'"):
+        mode(TrainConfig(mode="async"), ClusterConfig(backend="gloo"))
+    accepted = mode(TrainConfig(mode="async", max_staleness=2, ps_shards=3))
+    accepted.close()  # the shard actors it started, where the suite's Ray is up
+    assert mode(TrainConfig(bucket_mb=4.0), ClusterConfig(backend="gloo")).generation == -1

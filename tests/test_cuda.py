@@ -36,7 +36,7 @@ def _run(tmp_path, cluster: ClusterConfig, *, task=TINY_GPT_TASK, inject=(), che
     config = dataclasses.replace(task.defaults, steps=6, **train)
     summary = Trainer(task, train=config, cluster=cluster, checkpoint=checkpoint, out_dir=str(tmp_path),
                       progress=False, inject=list(inject)).fit()
-    expected = replay(task, dataclasses.replace(config, mode="sync"), str(tmp_path / "initial.safetensors"),
+    expected = replay(task, config, str(tmp_path / "initial.safetensors"),
                       device="cuda")
     return summary, max_abs_diff(load_file(tmp_path / "final.safetensors"), expected)
 

@@ -9,13 +9,13 @@ commit (``saving.commit``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Sequence
 
 from elastic_dp.config import CheckpointConfig, ClusterConfig, TrainConfig
 from elastic_dp.control.modes.guard import NonFiniteGuard
 from elastic_dp.data import check_resumable
-from elastic_dp.errors import TaskError
+from elastic_dp.errors import ConfigError, TaskError
 from elastic_dp.faults import FaultPlan
 from elastic_dp.observe.metrics import RunRecorder
 from elastic_dp.task import Task
@@ -38,6 +38,20 @@ class ModeContext:
     def guard(self) -> NonFiniteGuard:
         """The run's non-finite guard (``--on-nonfinite``, ``--max-nonfinite-steps``)."""
         return NonFiniteGuard(self.train.on_nonfinite, self.train.max_nonfinite_steps, self.recorder)
+
+
+def refuse_unread(context: ModeContext, unread: dict[str, str]) -> None:
+    """Refuse, naming the flag, each setting of ``unread`` (``TrainConfig`` or
+    ``ClusterConfig`` field -> flag) that the run sets and its mode does not read: a
+    setting is honoured by every mode that accepts it, or refused, never ignored."""
+    mode = context.train.mode
+    other = "sync" if mode == "async" else "async"
+    for config in (context.train, context.cluster):
+        defaults = {f.name: f.default for f in fields(config)}
+        for name, flag in unread.items():
+            if name in defaults and getattr(config, name) != defaults[name]:
+                raise ConfigError(f"{flag} is a setting that --mode {mode} does not read: drop it, or use "
+                                  f"--mode {other}")
 
 
 def dataset_length(members: Sequence[Any]) -> int:

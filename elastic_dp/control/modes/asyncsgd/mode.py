@@ -33,7 +33,7 @@ from elastic_dp.faults import Fault
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
 from elastic_dp.control.modes.saving import commit
 from elastic_dp.control.modes.context import (ModeContext, check_resume, dataset_length, record_resume,
-                                              write_weights)
+                                              refuse_unread, write_weights)
 from elastic_dp.control.modes.watchdog import HangBounds, Watchdog
 from elastic_dp.control.modes.asyncsgd.ledger import Ledger, Update, snapshot_plan
 from elastic_dp.worker.asyncsgd.shard import Keeper, ParameterShard, flat_bounds
@@ -81,7 +81,14 @@ class AsyncMode:
 
     generation = 0  # there is no collective group to re-form
 
+    UNREAD = {"bucket_mb": "--bucket-mb", "first_bucket_mb": "--first-bucket-mb", "reduce_fp32": "--no-reduce-fp32",
+              "backend": "--backend", "collective_timeout_s": "--collective-timeout"}
+    """Settings of the synchronous mode's gradient reduction and collective group, which
+    this mode has neither of (``refuse_unread``; ``--zero``, ``--balance`` and ``--prefetch``
+    are refused by ``TrainConfig`` itself)."""
+
     def __init__(self, context: ModeContext) -> None:
+        refuse_unread(context, self.UNREAD)
         train, cluster = context.train, context.cluster
         self.train, self.cluster, self.recorder, self.faults = train, cluster, context.recorder, context.faults
         self.task, self.settings = context.task, context.settings

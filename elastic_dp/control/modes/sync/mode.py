@@ -24,7 +24,7 @@ from elastic_dp.observe.metrics import known_peak_tflops
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult
 from elastic_dp.control.modes.calls import Calls
 from elastic_dp.control.modes.context import (ModeContext, check_resume, dataset_length, record_resume,
-                                              write_weights)
+                                              refuse_unread, write_weights)
 from elastic_dp.control.modes.saving import SaveOutcome, Saves
 from elastic_dp.control.modes.watchdog import HangBounds
 from elastic_dp.control.modes.sync.group import Generations
@@ -37,7 +37,11 @@ logger = logging.getLogger(__name__)
 class SyncMode:
     """Synchronous SGD over one collective group per generation (``TrainingMode``)."""
 
+    UNREAD = {"max_staleness": "--max-staleness", "staleness_lr": "--staleness-lr", "ps_shards": "--ps-shards"}
+    """Settings of the asynchronous mode's parameter servers (``refuse_unread``)."""
+
     def __init__(self, context: ModeContext) -> None:
+        refuse_unread(context, self.UNREAD)
         train, cluster = context.train, context.cluster
         self.train, self.recorder, self.faults = train, context.recorder, context.faults
         bounds = HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s, stall_floor_s=cluster.stall_floor_s,
