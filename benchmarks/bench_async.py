@@ -53,8 +53,9 @@ def main() -> None:
         for round_ in range(args.rounds):
             for mode, times in (("sync", sync), ("async", asynchronous)):
                 out = f"{tmp}/{mode}{round_}"
+                shards = {"ps_shards": args.ps_shards} if mode == "async" else {}  # sync has no parameter servers
                 config = dataclasses.replace(task.defaults, steps=args.steps, mode=mode,
-                                             ps_shards=args.ps_shards, snapshot_every=args.snapshot_every)
+                                             snapshot_every=args.snapshot_every, **shards)
                 Trainer(task, train=config, cluster=ClusterConfig(workers=1), out_dir=out,
                         progress=False).fit()
                 times.append(median_step_ms(out, args.warmup))

@@ -59,8 +59,9 @@ def test_a_worker_process_reuses_the_memory_its_last_step_freed():
     default, kept = _start("default"), _start("keep")  # side by side: each counts its own faults
     default, kept = _result(default), _result(kept)
     assert kept["kept"] is True
-    # each page the step touches anew is a fault: ~1,300 per GPT step with glibc's defaults
-    assert default["faults_per_step"] > 500, default
+    # each page the step touches anew is a fault: with glibc's defaults 150 to 2,000 per GPT step
+    # (its thresholds adapt to what is freed first, which varies from run to run)
+    assert default["faults_per_step"] > 50, default
     assert kept["faults_per_step"] < default["faults_per_step"] / 4, (kept, default)  # measured: 6x to 4000x
 
 
