@@ -79,7 +79,8 @@ class WorkerActor:
     def _program(self, kind: type, call: str):
         if not isinstance(self.program, kind):
             mode = next(m for m, c in PROGRAMS.items() if c is kind)
-            raise WorkerError(f"{call} is a call of --mode {mode}, and this worker runs --mode {self.replica.config.mode}")
+            raise WorkerError(f"{call} is a call of --mode {mode}, and this worker runs "
+                              f"--mode {self.replica.config.mode}")
         return self.program
 
     def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
@@ -133,10 +134,11 @@ class WorkerActor:
                          fault: Fault | None = None) -> int:
         """Training thread, between steps: copy this rank's share of the checkpoint into
         host memory (all a save stalls training for); ``upload_checkpoint`` writes it."""
-        self.faults.arm(fault)
+        if fault is not None and fault.phase == "checkpoint":  # one of phase upload waits with its part
+            self.faults.arm(fault)
         self.faults.at("checkpoint")
         part = self.replica.checkpoint_part(step, sampler)
-        self._staged[directory] = part, fault
+        self._staged[directory] = part, fault if fault is not None and fault.phase == "upload" else None
         return sum(t.numel() * t.element_size() for f in part.files.values() for t in f.values())
 
     @ray.method(concurrency_group="io")
