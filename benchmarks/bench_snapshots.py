@@ -38,10 +38,10 @@ VARIANTS = {"zero0": (0, "1"), "zero1_shared": (1, "1"), "zero1_sent": (1, "0"),
 
 def _rank(rank: int, world: int, port: int, rounds: int, steps: int, out: str) -> None:
     torch.set_num_threads(1)
-    from elastic_dp.state.zero import shm
     from elastic_dp.comm.group import CollectiveGroup
     from elastic_dp.data import ElasticSampler, rank_slice
     from elastic_dp.malloc import keep_freed_memory
+    from elastic_dp.state.zero import shm
     from elastic_dp.worker.replica import Replica
     from elastic_dp.worker.sync import SyncProgram
     from jobs.gpt import TASK

@@ -39,7 +39,6 @@ from elastic_dp.data import ElasticSampler
 from jobs.gpt import TASK
 from tests.reference import replay_updates
 
-
 EVAL_STEPS = range(5000, 5008)
 
 

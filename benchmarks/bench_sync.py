@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import thread_cpu
-from benchmarks.stats import round_ratio_interval
 from benchmarks.peers import DDPWorker, ReduceWorker, local_ray, remote
+from benchmarks.stats import round_ratio_interval
 from benchmarks.tasks import TINY_MLP_TASK
 from elastic_dp import CheckpointConfig, ClusterConfig
 from elastic_dp.api import build_coordinator

@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from benchmarks.peers import local_ray
-from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, Task, Trainer, TrainConfig
+from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, Task, TrainConfig, Trainer
 
 EVERY = 6  # checkpoint every 6 steps
 

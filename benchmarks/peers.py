@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import threading
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.comm.reducer import GradientReducer
 from elastic_dp.data import ElasticSampler, micro_batches, split
 from elastic_dp.malloc import keep_freed_memory
-from elastic_dp.comm.reducer import GradientReducer
 from jobs.gpt import TASK
 
 

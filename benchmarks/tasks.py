@@ -60,7 +60,7 @@ def fill_windows() -> Dataset:
 
 
 def _fill_task() -> Task:
-    from jobs.gpt import loss, build_optimizer
+    from jobs.gpt import build_optimizer, loss
 
     # FLOPs per window as jobs.gpt counts them: 6 x parameters per token plus attention
     params = 12 * FILL_LAYERS * FILL_DIM**2 + 13 * FILL_LAYERS * FILL_DIM + 256 * FILL_DIM \

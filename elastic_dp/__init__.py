@@ -7,8 +7,19 @@ Public names: ``Trainer``, ``Task``, the config dataclasses, ``ElasticSampler``,
 from elastic_dp.api import Trainer
 from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig
 from elastic_dp.data import ElasticSampler, split
-from elastic_dp.errors import (CheckpointError, ClusterError, CollectiveError, ConfigError, ElasticDPError,
-                     MembershipError, NonFiniteError, PlacementError, StorageError, TaskError, WorkerError)
+from elastic_dp.errors import (
+                     CheckpointError,
+                     ClusterError,
+                     CollectiveError,
+                     ConfigError,
+                     ElasticDPError,
+                     MembershipError,
+                     NonFiniteError,
+                     PlacementError,
+                     StorageError,
+                     TaskError,
+                     WorkerError,
+)
 from elastic_dp.faults import Fault
 from elastic_dp.observe.metrics import RunSummary
 from elastic_dp.task import Task, load_task

@@ -17,19 +17,26 @@ import socket
 
 import ray
 
-from elastic_dp.durable.checkpoint import CheckpointStore
-from elastic_dp.config import (CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig, check_batch_fits, run_name,
-                     run_settings)
+from elastic_dp.config import (
+    CheckpointConfig,
+    ClusterConfig,
+    MetricsConfig,
+    TrainConfig,
+    check_batch_fits,
+    run_name,
+    run_settings,
+)
 from elastic_dp.control.coordinator import Coordinator
-from elastic_dp.errors import ClusterError, ConfigError, ElasticDPError
-from elastic_dp.observe.exporters import RayMetrics
-from elastic_dp.faults import Fault, FaultPlan, parse_faults
 from elastic_dp.control.membership import Membership
 from elastic_dp.control.membership.pool import WorkerPool
-from elastic_dp.observe.metrics import RunRecorder, RunSummary, Throughput
 from elastic_dp.control.modes import ModeContext, make_mode
 from elastic_dp.control.modes.asyncsgd.mode import PS_GPU_SHARE
+from elastic_dp.durable.checkpoint import CheckpointStore
 from elastic_dp.durable.storage import Storage
+from elastic_dp.errors import ClusterError, ConfigError, ElasticDPError
+from elastic_dp.faults import Fault, FaultPlan, parse_faults
+from elastic_dp.observe.exporters import RayMetrics
+from elastic_dp.observe.metrics import RunRecorder, RunSummary, Throughput
 from elastic_dp.task import Task
 
 logger = logging.getLogger(__name__)

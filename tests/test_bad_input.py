@@ -8,8 +8,18 @@ import sys
 
 import pytest
 
-from elastic_dp import (CheckpointConfig, CheckpointError, ClusterConfig, ConfigError, MetricsConfig,
-                        PlacementError, TaskError, Trainer, TrainConfig, load_task)
+from elastic_dp import (
+    CheckpointConfig,
+    CheckpointError,
+    ClusterConfig,
+    ConfigError,
+    MetricsConfig,
+    PlacementError,
+    TaskError,
+    TrainConfig,
+    Trainer,
+    load_task,
+)
 from tests.tasks import BAD_LOSS_TASK, MLP_TASK
 
 

@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from elastic_dp import CheckpointError
-from elastic_dp.durable.checkpoint import (CheckpointStore, TrainingState, cut_part, load_optimizer_state, manifest_of,
-                                   optimizer_state, write_part)
+from elastic_dp.durable.checkpoint import (
+    CheckpointStore,
+    TrainingState,
+    cut_part,
+    load_optimizer_state,
+    manifest_of,
+    optimizer_state,
+    write_part,
+)
 from elastic_dp.durable.storage import Storage
 from tests.tasks import mlp, sgd_two_groups
 

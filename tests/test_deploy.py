@@ -11,11 +11,11 @@ import re
 import shlex
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import jsonschema
 import pytest
+import tomllib
 import yaml
 
 from elastic_dp.cli import _parser

@@ -16,9 +16,9 @@ import pytest
 from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
+from tests.procs import worker_pids
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
-from tests.procs import worker_pids
 from tests.tasks import TINY_GPT_TASK, BlockedOnceMarked
 
 TOL = 2e-5

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, MetricsConfig, Trainer, TrainConfig, cli
+from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, MetricsConfig, TrainConfig, Trainer, cli
 from elastic_dp.errors import API_NAMES, SURFACE, WorkerError
 from jobs.gpt import TASK
 

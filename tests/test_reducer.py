@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from elastic_dp import TaskError, TrainConfig
-from elastic_dp.comm.vote import Vote
 from elastic_dp.comm.reducer import GradientReducer, make_buckets
+from elastic_dp.comm.vote import Vote
 from elastic_dp.task import Task
 from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram

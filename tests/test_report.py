@@ -121,7 +121,7 @@ def test_throughput_tokens_and_model_flops_utilisation():
     assert figures == {"samples_per_s": 64.0, "tokens_per_s": 4096.0, "mfu": 64 * 3e8 / (2 * 1e12)}
     assert Throughput().figures(32, 0.5, 2) == {"samples_per_s": 64.0}  # no tokens, FLOPs or peak declared
     assert known_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and known_peak_tflops("") is None
-    from jobs.gpt import TASK, GPT, CONTEXT
+    from jobs.gpt import CONTEXT, GPT, TASK
     params = sum(p.numel() for p in GPT().parameters())
     assert TASK.tokens_per_sample == CONTEXT and TASK.flops_per_sample >= 6 * params * CONTEXT
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from elastic_dp import ConfigError, ElasticSampler, Task, TrainConfig
-from elastic_dp.durable.checkpoint import merge_parts
 from elastic_dp.data import split
+from elastic_dp.durable.checkpoint import merge_parts
 from elastic_dp.errors import CollectiveError
 from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer
-
 from elastic_dp.state.zero import shm
 from tests.tasks import TINY_GPT_TASK
 from tests.test_elastic import run_against_replay

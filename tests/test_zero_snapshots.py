@@ -16,8 +16,8 @@ import torch
 
 from elastic_dp import ElasticSampler
 from elastic_dp.data import split
-from elastic_dp.state.zero import shm
 from elastic_dp.observe.plan import MemoryPlan
+from elastic_dp.state.zero import shm
 from elastic_dp.state.zero.chunks import Snapshot
 from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram

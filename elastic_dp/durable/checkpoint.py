@@ -41,8 +41,8 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
-from elastic_dp.errors import CheckpointError
 from elastic_dp.durable.storage import Storage
+from elastic_dp.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

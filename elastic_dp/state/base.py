@@ -7,10 +7,10 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from elastic_dp.durable.checkpoint import Part, TrainingState, Wanted, cut_part
 from elastic_dp.comm.group import CollectiveGroup
-from elastic_dp.comm.vote import Ballot, Vote
 from elastic_dp.comm.reducer import GradientReducer
+from elastic_dp.comm.vote import Ballot, Vote
+from elastic_dp.durable.checkpoint import Part, TrainingState, Wanted, cut_part
 
 
 class Strategy(Protocol):

@@ -17,22 +17,21 @@ import numpy as np
 import ray
 import torch
 
-from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, save_tensors, write_part
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.config import TrainConfig
+from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, save_tensors, write_part
+from elastic_dp.durable.storage import Storage
 from elastic_dp.errors import WorkerError
 from elastic_dp.faults import Fault, FaultHook
-from elastic_dp.messages import WindowPlan
 from elastic_dp.malloc import keep_freed_memory
-from elastic_dp.messages import Heartbeat, StepResult, WorkerInfo
+from elastic_dp.messages import Heartbeat, StepResult, WindowPlan, WorkerInfo
+from elastic_dp.state.base import Resharding
+from elastic_dp.state.zero.chunks import ChunkState
 from elastic_dp.task import Task
+from elastic_dp.threads import set_os_name
 from elastic_dp.worker.asyncsgd.program import AsyncProgram
 from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram
-from elastic_dp.state.base import Resharding
-from elastic_dp.state.zero.chunks import ChunkState
-from elastic_dp.durable.storage import Storage
-from elastic_dp.threads import set_os_name
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import logging
 import time
 from typing import Callable, Hashable, Protocol, Sequence
 
-from elastic_dp.errors import PlacementError
 from elastic_dp.control.membership.policy import Action, ElasticPolicy, MembershipDecision
+from elastic_dp.errors import PlacementError
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from ray.autoscaler.sdk import request_resources
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elastic_dp.worker.actor import remote_worker_class
 from elastic_dp.config import ClusterConfig, TrainConfig
+from elastic_dp.control.placement import resolve_device, worker_bundle
 from elastic_dp.errors import PlacementError
 from elastic_dp.messages import WorkerInfo
-from elastic_dp.control.placement import resolve_device, worker_bundle
 from elastic_dp.task import Task
+from elastic_dp.worker.actor import remote_worker_class
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 
 import torch
 
-from elastic_dp.durable.checkpoint import Wanted
 from elastic_dp.comm.reducer import Bucket
+from elastic_dp.durable.checkpoint import Wanted
 from elastic_dp.state.zero.chunks import ChunkState
 
 

@@ -24,16 +24,16 @@ from typing import Any
 
 import torch
 
-from elastic_dp.durable.checkpoint import TrainingState, Wanted
 from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.comm.reducer import GradientReducer, make_buckets
 from elastic_dp.config import TrainConfig
+from elastic_dp.durable.checkpoint import TrainingState, Wanted
 from elastic_dp.errors import CollectiveError
 from elastic_dp.faults import FaultHook
-from elastic_dp.comm.reducer import GradientReducer, make_buckets
-from elastic_dp.state.zero.chunks import ChunkState, check_elementwise, cut, needed_sources, unpack
-from elastic_dp.state.zero.snapshots import SNAPSHOT_WAIT_S, Exchange, PeerSnapshots
 from elastic_dp.state.base import BucketedGradients, WholeModel, broadcast_tensors, inside, nbytes
 from elastic_dp.state.zero import format as zero_format
+from elastic_dp.state.zero.chunks import ChunkState, check_elementwise, cut, needed_sources, unpack
+from elastic_dp.state.zero.snapshots import SNAPSHOT_WAIT_S, Exchange, PeerSnapshots
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,19 @@ from dataclasses import dataclass
 
 import torch
 
-from elastic_dp.state.zero import shm
 from elastic_dp.comm.group import CollectiveGroup
-from elastic_dp.state.zero.chunks import SNAPSHOTS_KEPT, ChunkState, Snapshot, keep, pack, packed_numel, spare, state_keys
 from elastic_dp.state.base import nbytes
+from elastic_dp.state.zero import shm
+from elastic_dp.state.zero.chunks import (
+    SNAPSHOTS_KEPT,
+    ChunkState,
+    Snapshot,
+    keep,
+    pack,
+    packed_numel,
+    spare,
+    state_keys,
+)
 from elastic_dp.threads import set_os_name
 
 SNAPSHOT_WAIT_S = 5.0

@@ -26,11 +26,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from elastic_dp.durable.checkpoint import Checkpoint, Part, add_piece, dtype_name, optimizer_state, part_files, write_part
 from elastic_dp.config import TrainConfig
+from elastic_dp.durable.checkpoint import (
+    Checkpoint,
+    Part,
+    add_piece,
+    dtype_name,
+    optimizer_state,
+    part_files,
+    write_part,
+)
+from elastic_dp.durable.storage import Storage
 from elastic_dp.faults import Fault, FaultHook
 from elastic_dp.malloc import keep_freed_memory
-from elastic_dp.durable.storage import Storage
 from elastic_dp.state.zero.chunks import check_elementwise
 from elastic_dp.task import Task, trainable
 

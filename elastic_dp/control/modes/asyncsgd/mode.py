@@ -28,14 +28,20 @@ from typing import Any, Callable
 
 import ray
 
+from elastic_dp.control.modes.asyncsgd.ledger import Ledger, Update, snapshot_plan
+from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
+from elastic_dp.control.modes.context import (
+    ModeContext,
+    check_resume,
+    dataset_length,
+    record_resume,
+    refuse_unread,
+    write_weights,
+)
+from elastic_dp.control.modes.saving import commit
+from elastic_dp.control.modes.watchdog import HangBounds, Watchdog
 from elastic_dp.errors import ConfigError
 from elastic_dp.faults import Fault
-from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
-from elastic_dp.control.modes.saving import commit
-from elastic_dp.control.modes.context import (ModeContext, check_resume, dataset_length, record_resume,
-                                              refuse_unread, write_weights)
-from elastic_dp.control.modes.watchdog import HangBounds, Watchdog
-from elastic_dp.control.modes.asyncsgd.ledger import Ledger, Update, snapshot_plan
 from elastic_dp.worker.asyncsgd.shard import Keeper, ParameterShard, flat_bounds
 
 logger = logging.getLogger(__name__)

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-
-from elastic_dp.durable.checkpoint import Checkpoint
-from elastic_dp.faults import Fault
-from elastic_dp.messages import StepResult
 from elastic_dp.control.modes.base import Failure, Recovery, RecoveryResult, classify
 from elastic_dp.control.modes.calls import raise_for
 from elastic_dp.control.modes.sync.group import Generations
+from elastic_dp.durable.checkpoint import Checkpoint
+from elastic_dp.faults import Fault
+from elastic_dp.messages import StepResult
 
 
 class StateLayout(Protocol):

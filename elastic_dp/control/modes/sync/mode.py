@@ -17,20 +17,26 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
-from elastic_dp.data import ElasticSampler
-from elastic_dp.messages import StepResult
-from elastic_dp.observe.metrics import known_peak_tflops
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult
 from elastic_dp.control.modes.calls import Calls
-from elastic_dp.control.modes.context import (ModeContext, check_resume, dataset_length, record_resume,
-                                              refuse_unread, write_weights)
+from elastic_dp.control.modes.context import (
+    ModeContext,
+    check_resume,
+    dataset_length,
+    record_resume,
+    refuse_unread,
+    write_weights,
+)
 from elastic_dp.control.modes.saving import SaveOutcome, Saves
-from elastic_dp.control.modes.watchdog import HangBounds
-from elastic_dp.control.modes.sync.group import Generations
 from elastic_dp.control.modes.sync.balance import Balancer
+from elastic_dp.control.modes.sync.group import Generations
 from elastic_dp.control.modes.sync.layouts import make_layout
 from elastic_dp.control.modes.sync.window import Committed, Window
+from elastic_dp.control.modes.watchdog import HangBounds
+from elastic_dp.data import ElasticSampler
+from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
+from elastic_dp.messages import StepResult
+from elastic_dp.observe.metrics import known_peak_tflops
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
-from elastic_dp.errors import CollectiveError
-from elastic_dp.faults import STEP_PHASES, FaultPlan
-from elastic_dp.messages import WindowPlan
-from elastic_dp.messages import StepResult
 from elastic_dp.control.modes.base import MembersLost
 from elastic_dp.control.modes.calls import Waiting
 from elastic_dp.control.modes.sync.group import Generations
 from elastic_dp.control.modes.watchdog import Watchdog
+from elastic_dp.errors import CollectiveError
+from elastic_dp.faults import STEP_PHASES, FaultPlan
+from elastic_dp.messages import StepResult, WindowPlan
 
 LOOKAHEAD_S = 2.0
 """How far ahead steps are granted, in the run's typical step time: enough that reports
