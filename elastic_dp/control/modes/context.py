@@ -2,9 +2,10 @@
 
 ``ModeContext`` is built once per run (``api.build_coordinator``) and handed to the mode
 the configuration chose (``modes.MODES``). The shared pieces are the checks and records
-whose meaning does not depend on how a run trains: one dataset on every worker, the
-resume event, the weights written, the non-finite guard (``guard.NonFiniteGuard``), the checkpoint's manifest
-commit (``saving.commit``).
+whose meaning does not depend on how a run trains: settings the mode does not read
+refused, one dataset on every worker, the resume check and event, the weights written, the
+non-finite guard (``guard.NonFiniteGuard``), the checkpoint's manifest commit
+(``saving.commit``).
 """
 
 from __future__ import annotations
