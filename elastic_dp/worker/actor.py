@@ -22,7 +22,7 @@ from elastic_dp.config import TrainConfig
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, save_tensors, write_part
 from elastic_dp.durable.storage import Storage
 from elastic_dp.errors import WorkerError
-from elastic_dp.faults import Fault, FaultHook
+from elastic_dp.faults import SAVE_PHASES, Fault, FaultHook
 from elastic_dp.malloc import keep_freed_memory
 from elastic_dp.messages import Heartbeat, StepResult, WindowPlan, WorkerInfo
 from elastic_dp.state.base import Resharding
@@ -133,11 +133,11 @@ class WorkerActor:
                          fault: Fault | None = None) -> int:
         """Training thread, between steps: copy this rank's share of the checkpoint into
         host memory (all a save stalls training for); ``upload_checkpoint`` writes it."""
-        if fault is not None and fault.phase == "checkpoint":  # one of phase upload waits with its part
-            self.faults.arm(fault)
+        self.faults.arm(fault)
         self.faults.at("checkpoint")
+        self.faults.disarm(SAVE_PHASES)  # one of phase upload is armed again as its part is written
         part = self.replica.checkpoint_part(step, sampler)
-        self._staged[directory] = part, fault if fault is not None and fault.phase == "upload" else None
+        self._staged[directory] = part, fault
         return sum(t.numel() * t.element_size() for f in part.files.values() for t in f.values())
 
     @ray.method(concurrency_group="io")
