@@ -46,16 +46,9 @@ def test_n_workers_match_single_process_reference(ray_cluster, tmp_path, workers
     assert summary.samples == config.steps * config.global_batch
 
 
-def test_world_sizes_agree_with_each_other(ray_cluster, tmp_path):
-    finals = []
-    for workers in (1, 3):
-        _run(TINY_GPT_TASK, workers, tmp_path / str(workers))
-        finals.append(load_file(tmp_path / str(workers) / "final.safetensors"))
-    assert max_abs_diff(*finals) < TOL
-
-
 def test_gpt_with_warmup_clipping_and_adamw_matches_reference(ray_cluster, tmp_path):
-    config, _ = _run(TINY_GPT_TASK, 2, tmp_path)
+    # 3 workers: uneven slices; the world sizes agree with each other through the replay
+    config, _ = _run(TINY_GPT_TASK, 3, tmp_path)
     expected = replay(TINY_GPT_TASK, config, str(tmp_path / "initial.safetensors"))
     assert max_abs_diff(load_file(tmp_path / "final.safetensors"), expected) < TOL
 

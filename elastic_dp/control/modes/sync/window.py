@@ -199,9 +199,11 @@ class Window:
             self.next += 1
         step = self.next
         results = {m: r for m, r in reports.get(step, {}).items() if m not in lost}
-        for by_rank in self.handed.values():  # a survivor's faults did not fire (a fired one loses its worker)
-            self.faults.put_back(f for rank, f in by_rank.items() if self.members[rank] in alive)
-        # a lost worker's are not handed out again: it may have run past the steps it reported
+        for s, by_rank in self.handed.items():
+            # a survivor's faults did not fire (a fired one loses its worker); nor did a lost
+            # worker's from step + 2 on: it may have committed ``step`` alone, the last to leave
+            # its all-reduce, and run into step + 1, but no further
+            self.faults.put_back(f for rank, f in by_rank.items() if self.members[rank] in alive or s > step + 1)
         for s in range(step + 1, self.granted):
             self.faults.forget_step(s, len(self.members))  # granted, never run
         task_errors = [r.error for r in results.values() if r.error is not None
