@@ -102,6 +102,18 @@ def ensure_env() -> Path:
     return _venv_python()
 
 
+def _parallel(args: list[str]) -> list[str]:
+    """pytest-xdist's options: one test process per core, at most 2, unless the caller chose
+    (``-n``, ``--numprocesses``, ``-p no:xdist``). The suite is CPU-bound on a 2-core machine
+    (torch's import and the optimizer's first build in every worker actor): two processes
+    fill the cores that one leaves idle while its tests wait on deadlines, heartbeats and
+    subprocesses (README, "The tests come in two tiers")."""
+    if any(a.startswith(("-n", "--numprocesses", "--dist")) or a == "no:xdist" for a in args):
+        return []
+    cores = min(2, os.cpu_count() or 1)
+    return ["-n", str(cores), "--dist", "worksteal"] if cores > 1 else []
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("demo", "test", "setup"):
         print(__doc__)
@@ -114,7 +126,7 @@ def main(argv: list[str]) -> int:
         cmd = [py, "-m", "elastic_dp.cli", "train", "jobs.gpt", "--workers", "2",
                "--steps", "300", "--out", "runs/demo", *argv[1:]]
     else:
-        cmd = [py, "-m", "pytest", *argv[1:]]
+        cmd = [py, "-m", "pytest", *_parallel(argv[1:]), *argv[1:]]
     print("+", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
