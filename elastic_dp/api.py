@@ -37,6 +37,7 @@ from elastic_dp.errors import ClusterError, ConfigError, ElasticDPError
 from elastic_dp.faults import Fault, FaultPlan, parse_faults
 from elastic_dp.observe.exporters import RayMetrics
 from elastic_dp.observe.metrics import RunRecorder, RunSummary, Throughput
+from elastic_dp.schedules import check_sources
 from elastic_dp.task import Task
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Trainer:
         self.out_dir = out_dir
         self.metrics = metrics or MetricsConfig()
         check_batch_fits(self.train, self.cluster)
+        check_sources(task, self.train)
         self.progress = progress
         self.faults = parse_faults(inject, self.train, self.cluster, self.checkpoint)
         for uri, setting in ((self.checkpoint.storage, "--storage"), (self.checkpoint.dir, "--checkpoint-dir")):

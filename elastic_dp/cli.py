@@ -6,6 +6,7 @@
         [--out DIR] [--zero 0|1|2 --snapshot-every K]
         [--on-nonfinite skip|fail --max-nonfinite-steps N]
     elastic-dp report RUN_DIR [--out DIR]
+    elastic-dp tokenize TEXT... --out DIR|URI [--tokenizer MODULE:NAME] [--dtype uint16|uint32]
     elastic-dp plan --params 7.5e9 --workers 64 --zero 1 [--gpu-memory 80GB]
         [--precision bf16|fp32] [--optimizer adam|adamw|sgd-momentum|sgd] [--json]
 
@@ -19,19 +20,22 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 
 from elastic_dp.api import Trainer
 from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig
-from elastic_dp.errors import SURFACE, ElasticDPError
+from elastic_dp.errors import SURFACE, ElasticDPError, TaskError
 from elastic_dp.observe.plan import MemoryPlan, parse_size, render
+from elastic_dp.schedules import SCHEDULES
 from elastic_dp.task import load_task
 
 logger = logging.getLogger("elastic_dp.cli")
 
 # flag -> TrainConfig field; absent flags keep the job's defaults
 _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": int,
-                "warmup_steps": int, "lr_reference_batch": int, "clip_grad_norm": float,
+                "warmup_steps": int, "lr_schedule": str, "decay_steps": int, "min_lr_ratio": float,
+                "decay_fraction": float, "lr_reference_batch": int, "clip_grad_norm": float,
                 "precision": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int,
                 "snapshot_every": int, "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str,
                 "max_staleness": int, "staleness_lr": str, "ps_shards": int, "ps_device": str}
@@ -57,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2]},
                  "on_nonfinite": {"choices": ["skip", "fail"]}, "mode": {"choices": ["sync", "async"]},
                  "staleness_lr": {"choices": ["none", "inverse"]},
+                 "lr_schedule": {"choices": list(SCHEDULES)},
                  "ps_device": {"choices": ["cpu", "cuda"]}}.get(name, {})
         train.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
                            help=f"override the job's {name}", **extra)
@@ -122,6 +127,15 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", help="the directory a run wrote with --out (metrics.jsonl, events.jsonl)")
     report.add_argument("--out", default=None, help="where to write the plots and report.md (default RUN_DIR/report)")
 
+    tokenize = sub.add_parser("tokenize", help="write token files (a corpus larger than memory) from text files")
+    tokenize.add_argument("inputs", nargs="+", help="text files, in order (their bytes are concatenated)")
+    tokenize.add_argument("--out", required=True, help="a directory or pyarrow.fs URI (s3://bucket/prefix?...)")
+    tokenize.add_argument("--tokenizer", default=None, metavar="MODULE:NAME",
+                          help="an importable callable text -> list of token ids (default: bytes, as jobs.gpt)")
+    tokenize.add_argument("--dtype", choices=["uint16", "uint32"], default="uint16",
+                          help="token id type (uint32 for vocabularies over 65,536)")
+    tokenize.add_argument("--file-tokens", type=int, default=1 << 26, help="tokens per file (default 2^26)")
+
     plan = sub.add_parser("plan", help="per-worker memory and communication for a model size and ZeRO stage")
     plan.add_argument("--params", required=True, help="parameter count, e.g. 7.5e9 or 125M")
     plan.add_argument("--workers", type=int, required=True, help="data-parallel workers")
@@ -165,6 +179,21 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenize(args: argparse.Namespace) -> int:
+    from elastic_dp.tokens import byte_tokens, load_tokenizer, write_token_files
+
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else byte_tokens
+    for path in args.inputs:
+        if not os.path.isfile(path):
+            raise TaskError(f"{path} is not a file: pass text files to elastic-dp tokenize")
+    texts = (open(path, "rb").read() if args.tokenizer is None else open(path, encoding="utf-8").read()
+             for path in args.inputs)
+    index = write_token_files(texts, args.out, tokenizer=tokenizer, dtype=args.dtype, file_tokens=args.file_tokens,
+                              tokenizer_name=args.tokenizer or "bytes")
+    print(f"wrote {index['tokens']} tokens in {len(index['files'])} files to {args.out}")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from elastic_dp.observe.report import write_report  # matplotlib only when a report is drawn
     out = write_report(args.run_dir, args.out)
@@ -177,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     surface = SURFACE.set("cli")  # errors name this command's flags, not the API's fields
     try:
-        return {"plan": _plan, "report": _report, "train": _train}[args.command](args)
+        return {"plan": _plan, "report": _report, "tokenize": _tokenize, "train": _train}[args.command](args)
     except ElasticDPError as exc:
         print(f"elastic-dp: error: {exc}", file=sys.stderr)
         return 2

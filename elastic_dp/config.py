@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elastic_dp.errors import ConfigError
+from elastic_dp.schedules import SCHEDULES, schedule_factor
 
 
 def _require(ok: bool, message: str) -> None:
@@ -33,6 +34,17 @@ class TrainConfig:
     """Seeds model initialisation and the sampler's shuffles (``--seed``)."""
     warmup_steps: int = 0
     """Linear learning-rate warmup from 0 over this many steps (``--warmup-steps``)."""
+    lr_schedule: Literal["constant", "cosine", "linear", "wsd"] = "constant"
+    """After the warmup: ``constant``; ``cosine`` or ``linear`` decay to ``min_lr_ratio`` at
+    ``decay_steps``; ``wsd`` (warmup, stable, decay) constant, then a linear decay over the
+    last ``decay_fraction`` of ``decay_steps`` (``--lr-schedule``; the rules:
+    ``elastic_dp.schedules.schedule_factor``, README)."""
+    decay_steps: int | None = None
+    """The step at which the decay reaches ``min_lr_ratio`` (``--decay-steps``). None: ``steps``."""
+    min_lr_ratio: float = 0.1
+    """The decayed rate, as a fraction of the base rate (``--min-lr-ratio``)."""
+    decay_fraction: float = 0.1
+    """``wsd``: the fraction of ``decay_steps`` that the decay takes (``--decay-fraction``)."""
     lr_reference_batch: int | None = None
     """Linear scaling rule: the optimizer's learning rates are multiplied by
     ``global_batch / lr_reference_batch`` (``--lr-reference-batch``). None: no scaling."""
@@ -100,6 +112,18 @@ class TrainConfig:
                  f"micro_batch must be positive, got {self.micro_batch} (--micro-batch)")
         _require(self.warmup_steps >= 0,
                  f"warmup_steps must be >= 0, got {self.warmup_steps} (--warmup-steps)")
+        _require(self.lr_schedule in SCHEDULES,
+                 f"lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r} (--lr-schedule)")
+        _require(self.decay_steps is None or self.decay_steps > 0,
+                 f"decay_steps must be positive, got {self.decay_steps} (--decay-steps)")
+        _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio} (--min-lr-ratio)")
+        _require(0 < self.decay_fraction <= 1,
+                 f"decay_fraction must be in (0, 1], got {self.decay_fraction} (--decay-fraction)")
+        if self.lr_schedule != "constant" and self.steps:
+            _require(self.decay_end() > self.warmup_steps,
+                     f"--lr-schedule {self.lr_schedule} decays after the warmup, until --decay-steps (default: "
+                     f"--steps), but that is {self.decay_end()}, not after --warmup-steps {self.warmup_steps}: "
+                     "raise --decay-steps or lower --warmup-steps")
         _require(self.lr_reference_batch is None or self.lr_reference_batch > 0,
                  f"lr_reference_batch must be positive, got {self.lr_reference_batch} "
                  "(--lr-reference-batch)")
@@ -144,14 +168,20 @@ class TrainConfig:
             mb = 1.0 if device_type == "cuda" else self.bucket_mb
         return int(min(mb, self.bucket_mb) * 2**20)
 
+    def decay_end(self) -> int:
+        """``decay_steps``, or ``steps`` when it is None."""
+        return self.steps if self.decay_steps is None else self.decay_steps
+
+    def lr_scaling(self) -> float:
+        """The linear-scaling factor: ``global_batch / lr_reference_batch``, or 1."""
+        return 1.0 if self.lr_reference_batch is None else self.global_batch / self.lr_reference_batch
+
     def lr_factor(self, step: int) -> float:
-        """Multiplier on every param group's base learning rate at ``step`` (0-based)."""
-        factor = 1.0
-        if self.lr_reference_batch is not None:
-            factor *= self.global_batch / self.lr_reference_batch
-        if self.warmup_steps and step < self.warmup_steps:
-            factor *= (step + 1) / self.warmup_steps
-        return factor
+        """Multiplier on every param group's base learning rate at ``step`` (0-based): the
+        schedule's factor times the linear-scaling factor."""
+        return self.lr_scaling() * schedule_factor(
+            self.lr_schedule, step, warmup=self.warmup_steps, decay_steps=self.decay_end(),
+            min_ratio=self.min_lr_ratio, decay_fraction=self.decay_fraction)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -311,6 +341,9 @@ def run_settings(job: str, train: TrainConfig) -> dict[str, object]:
     not among them: a run may continue at any of those."""
     return {"job": job, "global_batch": train.global_batch, "seed": train.seed,
             "warmup_steps": train.warmup_steps, "lr_reference_batch": train.lr_reference_batch,
+            **({} if train.lr_schedule == "constant" else {
+                "lr_schedule": train.lr_schedule, "decay_steps": train.decay_end(), "min_lr_ratio": train.min_lr_ratio,
+                **({"decay_fraction": train.decay_fraction} if train.lr_schedule == "wsd" else {})}),
             "clip_grad_norm": train.clip_grad_norm, "precision": train.precision}
 
 

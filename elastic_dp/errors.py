@@ -19,7 +19,8 @@ SURFACE: contextvars.ContextVar[str] = contextvars.ContextVar("elastic_dp_surfac
 
 API_NAMES = {
     **{f"--{f.replace('_', '-')}": f"TrainConfig.{f}" for f in (
-        "steps", "global_batch", "micro_batch", "seed", "warmup_steps", "lr_reference_batch", "clip_grad_norm",
+        "steps", "global_batch", "micro_batch", "seed", "warmup_steps", "lr_schedule", "decay_steps",
+        "min_lr_ratio", "decay_fraction", "lr_reference_batch", "clip_grad_norm",
         "precision", "bucket_mb", "first_bucket_mb", "zero", "snapshot_every", "on_nonfinite",
         "max_nonfinite_steps", "mode", "max_staleness", "staleness_lr", "ps_shards", "ps_device", "prefetch",
         "balance")},
@@ -42,7 +43,7 @@ API_NAMES = {
 """Each ``elastic-dp train`` flag's name in the Python API (``tests/test_errors.py``
 checks it against the command's flags and the config classes' fields)."""
 
-_WORDS = ("sync", "async", "skip", "fail", "cpu", "cuda", "auto", "gloo", "nccl", "bf16", "fp32", "none",
+_WORDS = ("constant", "cosine", "linear", "wsd", "sync", "async", "skip", "fail", "cpu", "cuda", "auto", "gloo", "nccl", "bf16", "fp32", "none",
           "inverse", "latest", "never")
 _FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)"
                    r"(?: (MIN:MAX|-?\d[\w.]*|'[^']*'|[A-Z][A-Z0-9_]*\b|(?:" + "|".join(_WORDS) + r")\b))?")

@@ -36,7 +36,16 @@ class Task:
     ``B`` whatever the worker count."""
     optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]
     """Builds the optimizer over the model's parameters (param groups allowed). The
-    learning rates it sets are the base rates that warmup and linear scaling multiply."""
+    learning rates it sets are the base rates that the schedule and linear scaling multiply."""
+    lr_schedule: Callable[[int], float] | None = None
+    """Optional: ``step -> factor`` on the base learning rates, a pure function of the
+    (0-based) step, used instead of ``TrainConfig.lr_schedule`` and its warmup; linear
+    scaling (``lr_reference_batch``) still multiplies it."""
+    scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None
+    """Optional: builds a torch ``LRScheduler`` over the optimizer it is given, stepped once
+    per committed step (never twice for a re-run one), its state in checkpoints and in a
+    joiner's state; used instead of ``TrainConfig.lr_schedule`` (``elastic_dp.schedules``).
+    It may set the learning rate only, from the step alone (no ``ReduceLROnPlateau``)."""
     collate: Callable[[list], Any] = default_collate
     """Turns a list of samples into a batch (default: torch's ``default_collate``)."""
     defaults: TrainConfig = field(default_factory=TrainConfig)

@@ -5,11 +5,13 @@ step would have to depend on seed, step and sample only; the job does without it
 
     elastic-dp train jobs.gpt --workers 2 --steps 150 --out runs/gpt
     python -m jobs.gpt --workers 2 --steps 150         # the form a Ray job entrypoint uses
+    GPT_TOKENS=DIR_OR_URI elastic-dp train jobs.gpt …   # on token files (elastic-dp tokenize)
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -98,7 +100,18 @@ def build_model() -> GPT:
     return GPT()
 
 
-def build_dataset() -> ByteWindows:
+TOKENS_ENV = "GPT_TOKENS"
+"""Set to a directory or URI of byte-level token files (``elastic-dp tokenize``) to train on
+them instead of the standard library's source; the workers must see it too (a Ray job:
+``--runtime-env-json '{"env_vars": {"GPT_TOKENS": "..."}}'``)."""
+
+
+def build_dataset() -> Dataset:
+    uri = os.environ.get(TOKENS_ENV)
+    if uri:
+        from elastic_dp.tokens import TokenWindows
+
+        return TokenWindows(uri, CONTEXT)
     return ByteWindows(corpus())
 
 

@@ -25,9 +25,11 @@ def _to(batch, device: torch.device):
 
 
 def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None = None,
-           device: str = "cpu") -> dict[str, torch.Tensor]:
+           device: str = "cpu", lr_factor=None, scheduler=None) -> dict[str, torch.Tensor]:
     """Train from the weights in ``initial`` on ``device`` and return the final state dict
-    (on the CPU)."""
+    (on the CPU). ``lr_factor(step)``: the factor on the base rates (default: the
+    configuration's, ``TrainConfig.lr_factor``); ``scheduler(optimizer)``: a torch
+    scheduler stepped after each step instead (what a plain loop does)."""
     torch.manual_seed(config.seed)
     model = task.model().to(device)
     model.load_state_dict(load_file(initial))
@@ -35,6 +37,8 @@ def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None =
     optimizer = task.optimizer(model)
     base = [g["lr"] for g in optimizer.param_groups]
     sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
+    schedule = scheduler(optimizer) if scheduler is not None else None
+    lr_factor = lr_factor or config.lr_factor
     autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
     for step in range(config.steps if steps is None else steps):
         batch = _to(task.collate([dataset[int(i)] for i in sampler.batch(step)]), torch.device(device))
@@ -43,13 +47,16 @@ def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None =
             loss = task.loss(model, batch)
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not (torch.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)):
-            continue  # a step with a non-finite loss or gradient is a no-op (docs/sync.md)
-        if config.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
-        for group, lr in zip(optimizer.param_groups, base):
-            group["lr"] = lr * config.lr_factor(step)
-        optimizer.step()
+        finite = torch.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)
+        if finite:  # a step with a non-finite loss or gradient is a no-op (docs/sync.md)
+            if config.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
+            if schedule is None:
+                for group, lr in zip(optimizer.param_groups, base):
+                    group["lr"] = lr * lr_factor(step)
+            optimizer.step()
+        if schedule is not None:
+            schedule.step()  # a skipped step is still a step of the run
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 

@@ -50,6 +50,21 @@ def sgd_two_groups(model: nn.Module) -> torch.optim.Optimizer:
 MLP_TASK = Task(model=mlp, dataset=Regression, loss=mse, optimizer=sgd_two_groups,
                 defaults=TrainConfig(steps=8, global_batch=10, micro_batch=2, seed=3))
 
+def warmup_then_exponential(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A torch scheduler that reads the rate it left in the optimizer (chained): a linear
+    warmup over 3 steps, then x0.8 a step."""
+    return torch.optim.lr_scheduler.SequentialLR(
+        optimizer, [torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.25, total_iters=3),
+                    torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.8)], milestones=[3])
+
+
+def halving(step: int) -> float:
+    """A ``Task.lr_schedule``: the rate halves every 3 steps."""
+    return 0.5 ** (step // 3)
+
+
+SCHEDULED_TASK = dataclasses.replace(MLP_TASK, scheduler=warmup_then_exponential)
+
 # the first sample of step 3 (so rank 0's, whatever the worker count)
 POISONED = int(ElasticSampler(96, global_batch=10, seed=3).batch(3)[0])
 

@@ -97,10 +97,13 @@ def _train(tmp_path, task, *, workers, inject=(), cluster=None, checkpoint=None,
 
 def test_staleness_0_equals_the_synchronous_replay(ray_cluster, tmp_path):
     """Updates are then applied in step order, each on the version before it, at 3 workers
-    (one worker: the test below)."""
-    summary, config, updates, _ = _train(tmp_path, TINY_GPT_TASK, workers=3, max_staleness=0)
+    (one worker: the test below); with a cosine schedule, each at its step's rate."""
+    summary, config, updates, _ = _train(tmp_path, TINY_GPT_TASK, workers=3, max_staleness=0, lr_schedule="cosine",
+                                         decay_steps=5, min_lr_ratio=0.2)
     assert [(u["version"], u["step"], u["base_version"], u["staleness"]) for u in updates] == [
         (v + 1, v, v, 0) for v in range(config.steps)]
+    assert [u["lr_scale"] for u in updates] == pytest.approx([config.lr_factor(v) for v in range(config.steps)])
+    assert updates[-1]["lr_scale"] == pytest.approx(0.2)  # decayed to the floor
     expected = replay(TINY_GPT_TASK, config, str(tmp_path / "initial.safetensors"))
     assert max_abs_diff(load_file(tmp_path / "final.safetensors"), expected) < TOL
     assert summary.steps == config.steps

@@ -16,7 +16,15 @@ from PIL import Image
 
 from elastic_dp import ClusterConfig, ConfigError, MetricsConfig, Trainer
 from elastic_dp.observe.metrics import Throughput, known_peak_tflops
-from elastic_dp.observe.report import ReportError, RunLog, plot_breakdown, plot_loss, read_run, write_report
+from elastic_dp.observe.report import (
+    ReportError,
+    RunLog,
+    plot_breakdown,
+    plot_loss,
+    plot_lr,
+    read_run,
+    write_report,
+)
 from tests.records import read_lines
 from tests.tasks import MLP_TASK
 
@@ -45,7 +53,7 @@ def _events(run_dir: Path) -> list[dict]:
 
 def test_report_draws_every_plot_and_marks_each_change_at_its_step(run_dir, tmp_path):
     out = write_report(run_dir, tmp_path / "report")
-    for name in ("loss.png", "throughput.png", "breakdown.png"):
+    for name in ("loss.png", "throughput.png", "breakdown.png", "lr.png"):
         with Image.open(out / name) as image:
             image.verify()
         with Image.open(out / name) as image:
@@ -114,6 +122,12 @@ def test_the_breakdown_stacks_each_phase_and_the_rest_of_the_step_as_other():
     assert list(heights) == ["compute", "parameter wait", "reduce wait", "optimizer", "snapshot", "other"]
     assert heights["parameter wait"] == pytest.approx([0.1, 0.0])
     assert heights["other"] == pytest.approx([0.2, 0.2])  # what the timed phases leave of the step
+
+
+def test_the_learning_rate_is_plotted_at_each_step_a_skipped_one_left_out():
+    metrics = [{"step": s, "time": 10.0 + s, "step_s": 1.0, "lr": lr} for s, lr in enumerate([0.1, 0.05, None, 0.02])]
+    line = next(line for line in plot_lr(RunLog(metrics=metrics, events=[])).axes[0].lines if line.get_gid() == "lr")
+    assert list(line.get_xdata()) == [0, 1, 3] and list(line.get_ydata()) == [0.1, 0.05, 0.02]
 
 
 def test_throughput_tokens_and_model_flops_utilisation():

@@ -6,12 +6,13 @@ import dataclasses
 import json
 import shutil
 
+import pytest
 from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
-from tests.tasks import TINY_GPT_TASK
+from tests.tasks import SCHEDULED_TASK, TINY_GPT_TASK, mlp, sgd_two_groups, warmup_then_exponential
 
 TOL = 2e-5  # float32 reduction order, as in test_sync_equivalence
 
@@ -69,3 +70,32 @@ def test_zero_checkpoint_saved_at_3_resumes_at_2(ray_cluster, tmp_path):
         _fit(workers, tmp_path / f"at-{workers}", steps=6, ckpt_dir=ckpt, resume=True, zero=zero)
         resumed = load_file(tmp_path / f"at-{workers}" / "final.safetensors")
         assert max_abs_diff(straight, resumed) < TOL, workers
+
+
+def test_a_torch_scheduler_across_a_kill_a_join_and_a_resume_ends_on_the_plain_loop(ray_cluster, tmp_path):
+    """A chained torch scheduler (warmup, then x0.8 a step): 2 workers, rank 1 killed in
+    step 2, one more joining at step 4, checkpoints every 3 steps, stopped after 6; resumed
+    at 2 workers to step 10. A plain loop steps the scheduler after each of the 10 steps."""
+    task = SCHEDULED_TASK
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=3)
+    Trainer(task, train=dataclasses.replace(task.defaults, steps=6), cluster=ClusterConfig(workers=3, min_workers=1),
+            checkpoint=ckpt, out_dir=str(tmp_path / "first"), progress=False,
+            inject=["kill:step=2:rank=1", "join:step=4"]).fit()
+    changes = [e for e in read_lines(tmp_path / "first" / "events.jsonl") if e["kind"] == "membership_changed"]
+    assert sum(e["lost"] for e in changes) == 1 and sum(e.get("joined", 0) for e in changes) >= 1
+    manifest = json.loads(next((tmp_path / "ckpt").glob("step-00000006-*/manifest.json")).read_text())
+    assert manifest["optimizer"]["scheduler"]["last_epoch"] == 6
+    Trainer(task, train=dataclasses.replace(task.defaults, steps=10), cluster=ClusterConfig(workers=2),
+            checkpoint=dataclasses.replace(ckpt, resume="latest"), out_dir=str(tmp_path / "second"),
+            progress=False).fit()
+    config = dataclasses.replace(task.defaults, steps=10)
+    expected = replay(task, config, str(tmp_path / "first" / "initial.safetensors"), scheduler=warmup_then_exponential)
+    assert max_abs_diff(load_file(tmp_path / "second" / "final.safetensors"), expected) < TOL
+    optimizer = sgd_two_groups(mlp())
+    loop, rates = warmup_then_exponential(optimizer), []
+    for _ in range(10):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        loop.step()
+    logged = {m["step"]: m["lr"] for d in ("first", "second") for m in read_lines(tmp_path / d / "metrics.jsonl")}
+    assert [logged[s] for s in range(10)] == [pytest.approx(r) for r in rates]

@@ -6,6 +6,7 @@ continues a run of the same name from its latest checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, CheckpointError, ClusterConfig, Trainer
 from elastic_dp.errors import StorageError
+from elastic_dp.tokens import TokenWindows, write_token_files
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import TINY_GPT_TASK
@@ -153,3 +155,22 @@ def test_a_bucket_that_does_not_exist_is_not_writable(ray_cluster, s3, tmp_path)
         _fit(1, tmp_path / "out", steps=1,
              storage=f"s3://missing/runs?endpoint_override=127.0.0.1:{port}&scheme=http")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_on_token_files_in_s3_with_a_kill_and_a_join_ends_on_the_replay(ray_cluster, s3, tmp_path):
+    """Each worker reads its windows by ranged reads of the objects (elastic_dp.tokens)."""
+    from jobs import gpt
+
+    uri = s3[0].replace("/runs?", "/corpus?")
+    write_token_files([gpt.corpus(40_000)], uri, file_tokens=15_000)
+    task = dataclasses.replace(TINY_GPT_TASK, dataset=functools.partial(TokenWindows, uri, 16))
+    config = dataclasses.replace(task.defaults, steps=6)
+    Trainer(task, train=config, cluster=ClusterConfig(workers=3, min_workers=1), out_dir=str(tmp_path),
+            progress=False, inject=["kill:step=2:rank=1", "join:step=4"]).fit()
+    changes = [e for e in _events(tmp_path) if e["kind"] == "membership_changed"]
+    assert sum(e["lost"] for e in changes) == 1 and sum(e.get("joined", 0) for e in changes) >= 1
+    assert [m["step"] for m in read_lines(tmp_path / "metrics.jsonl")] == list(range(6))
+    expected = replay(task, config, str(tmp_path / "initial.safetensors"))
+    assert max_abs_diff(load_file(tmp_path / "final.safetensors"), expected) < TOL
+    assert sorted(i.base_name for i in s3[1].get_file_info(pafs.FileSelector("ckpt/corpus"))) == [
+        "part-00000.bin", "part-00001.bin", "part-00002.bin", "tokens.json"]

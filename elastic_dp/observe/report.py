@@ -161,6 +161,16 @@ def plot_breakdown(log: RunLog) -> Figure:
     return fig
 
 
+def plot_lr(log: RunLog) -> Figure:
+    """The first param group's learning rate at each step (``--lr-schedule``, the task's)."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    points = [(m["step"], m["lr"]) for m in log.metrics if m.get("lr") is not None]
+    ax.plot([s for s, _ in points], [v for _, v in points], color="tab:purple", gid="lr")
+    ax.set(xlabel="step", ylabel="learning rate", title="Learning rate (first param group)")
+    return fig
+
+
 def staleness_counts(log: RunLog) -> dict[int, int]:
     """How many of the applied updates had each staleness."""
     return dict(sorted(Counter(u["staleness"] for u in log.updates).items()))
@@ -184,6 +194,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     plots = {"loss.png": plot_loss(log), "throughput.png": plot_throughput(log),
              "breakdown.png": plot_breakdown(log)}
+    if any(m.get("lr") is not None for m in log.metrics):
+        plots["lr.png"] = plot_lr(log)
     if log.updates:
         plots["staleness.png"] = plot_staleness(log)
     for name, fig in plots.items():

@@ -21,6 +21,7 @@ from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState
 from elastic_dp.errors import ElasticDPError, TaskError, WorkerError
 from elastic_dp.faults import FaultHook
 from elastic_dp.messages import Progress, StepResult, WorkerInfo
+from elastic_dp.schedules import LearningRates
 from elastic_dp.state import Strategy, make_strategy
 from elastic_dp.task import Task, trainable
 
@@ -73,7 +74,8 @@ class Replica:
         self.model = task.model().to(device)
         self.dataset = task.dataset()
         self.optimizer = task.optimizer(self.model)
-        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.rates = LearningRates(task, config, self.optimizer)
+        """Each param group's learning rate at each step (``elastic_dp.schedules``)."""
         self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device, self.faults)
         self.progress = Progress()
 
@@ -93,20 +95,37 @@ class Replica:
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
         """This worker's state, copied: the whole of it at ZeRO stage 0 (for a joiner);
         with ZeRO only this rank's part of the optimizer state (``merge_parts`` joins them)."""
-        return self.strategy.training_state(step, sampler)
+        state = self.strategy.training_state(step, sampler)
+        self._add_scheduler(state.optimizer_meta, step)
+        return state
 
     def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
         """This rank's share of a checkpoint, copied into host memory."""
-        return self.strategy.checkpoint_part(step, sampler)
+        part = self.strategy.checkpoint_part(step, sampler)
+        if part.meta:  # rank 0's: the manifest's optimizer entry
+            self._add_scheduler(part.meta, step)
+        return part
+
+    def _add_scheduler(self, meta: dict[str, Any], step: int) -> None:
+        """``Task.scheduler``'s state after ``step`` steps, beside the optimizer's param groups."""
+        if self.rates.scheduler is not None:
+            meta["scheduler"] = self.rates.scheduler.state(step)
 
     def load_state(self, state: TrainingState) -> None:
         """Load a whole (world-size-independent) training state; with ZeRO a collective."""
         self.strategy.load_state(state)
+        self._load_scheduler(state)
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Read what this rank needs of ``checkpoint`` from its storage (every file checked
         against its sha256 before any collective), then load it."""
-        self.strategy.load_state(checkpoint.read(self.strategy.wanted()))
+        self.load_state(checkpoint.read(self.strategy.wanted()))
+
+    def _load_scheduler(self, state: TrainingState) -> None:
+        """Go on from the scheduler's state the training state carries (none there: the rates
+        of a new scheduler, which are the same for one stepped as often)."""
+        if self.rates.scheduler is not None and state.optimizer_meta.get("scheduler") is not None:
+            self.rates.scheduler.load(state.optimizer_meta["scheduler"], state.step)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         return self.strategy.model_state()

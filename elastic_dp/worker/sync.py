@@ -196,8 +196,7 @@ class SyncProgram:
         if replica.config.clip_grad_norm is not None:
             result.grad_norm = strategy.clip_grad_norm(replica.config.clip_grad_norm)
         replica.faults.at("optimizer")
-        factor = replica.config.lr_factor(step)
-        for group, base in zip(strategy.param_groups, replica.base_lrs):
-            group["lr"] = base * factor
+        for group, lr in zip(strategy.param_groups, replica.rates.at(step)):
+            group["lr"] = lr
         result.lr = strategy.param_groups[0]["lr"]
         strategy.optimizer_step(step)

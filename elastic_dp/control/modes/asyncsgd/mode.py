@@ -42,6 +42,7 @@ from elastic_dp.control.modes.saving import commit
 from elastic_dp.control.modes.watchdog import HangBounds, Watchdog
 from elastic_dp.errors import ConfigError
 from elastic_dp.faults import Fault
+from elastic_dp.schedules import factor_rule
 from elastic_dp.worker.asyncsgd.shard import Keeper, ParameterShard, flat_bounds
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ class AsyncMode:
             if self.keeper is not None:
                 self.keeper.trim.remote(-1)
         earlier, self.ledger = self.ledger, Ledger(step, max_staleness=self.train.max_staleness,
-                                                   staleness_lr=self.train.staleness_lr, lr_factor=self.train.lr_factor)
+                                                   staleness_lr=self.train.staleness_lr,
+                                                   lr_factor=factor_rule(self.task, self.train))
         if earlier is not None:
             self.ledger.carry(earlier)
 
