@@ -62,6 +62,9 @@ class Trainer:
         self.metrics = metrics or MetricsConfig()
         check_batch_fits(self.train, self.cluster)
         check_sources(task, self.train)
+        if self.train.eval_every and task.eval_dataset is None:
+            raise ConfigError("--eval-every evaluates the task's Task.eval_dataset, and this task has none: give it "
+                              "one (a factory of a held-out dataset), or drop --eval-every")
         self.progress = progress
         self.faults = parse_faults(inject, self.train, self.cluster, self.checkpoint)
         for uri, setting in ((self.checkpoint.storage, "--storage"), (self.checkpoint.dir, "--checkpoint-dir")):

@@ -35,7 +35,7 @@ logger = logging.getLogger("elastic_dp.cli")
 # flag -> TrainConfig field; absent flags keep the job's defaults
 _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": int,
                 "warmup_steps": int, "lr_schedule": str, "decay_steps": int, "min_lr_ratio": float,
-                "decay_fraction": float, "lr_reference_batch": int, "clip_grad_norm": float,
+                "decay_fraction": float, "eval_every": int, "eval_batches": int, "lr_reference_batch": int, "clip_grad_norm": float,
                 "precision": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int,
                 "snapshot_every": int, "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str,
                 "max_staleness": int, "staleness_lr": str, "ps_shards": int, "ps_device": str}

@@ -45,6 +45,12 @@ class TrainConfig:
     """The decayed rate, as a fraction of the base rate (``--min-lr-ratio``)."""
     decay_fraction: float = 0.1
     """``wsd``: the fraction of ``decay_steps`` that the decay takes (``--decay-fraction``)."""
+    eval_every: int | None = None
+    """Evaluate ``Task.eval_dataset`` after every this many committed steps, and after the
+    last (``--eval-every``). None: no evaluation."""
+    eval_batches: int | None = None
+    """Evaluate on the first this many global batches of the eval set (``--eval-batches``).
+    None: the whole eval set."""
     lr_reference_batch: int | None = None
     """Linear scaling rule: the optimizer's learning rates are multiplied by
     ``global_batch / lr_reference_batch`` (``--lr-reference-batch``). None: no scaling."""
@@ -124,6 +130,15 @@ class TrainConfig:
                      f"--lr-schedule {self.lr_schedule} decays after the warmup, until --decay-steps (default: "
                      f"--steps), but that is {self.decay_end()}, not after --warmup-steps {self.warmup_steps}: "
                      "raise --decay-steps or lower --warmup-steps")
+        _require(self.eval_every is None or self.eval_every > 0,
+                 f"eval_every must be positive, got {self.eval_every} (--eval-every)")
+        _require(self.eval_batches is None or self.eval_batches > 0,
+                 f"eval_batches must be positive, got {self.eval_batches} (--eval-batches)")
+        _require(self.eval_batches is None or self.eval_every is not None,
+                 "--eval-batches sets how much of the eval set --eval-every evaluates: add --eval-every or drop it")
+        _require(self.eval_every is None or self.mode == "sync",
+                 "--eval-every evaluates between synchronous steps; --mode async has none yet: drop it, or use "
+                 "--mode sync")
         _require(self.lr_reference_batch is None or self.lr_reference_batch > 0,
                  f"lr_reference_batch must be positive, got {self.lr_reference_batch} "
                  "(--lr-reference-batch)")

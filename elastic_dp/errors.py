@@ -20,7 +20,7 @@ SURFACE: contextvars.ContextVar[str] = contextvars.ContextVar("elastic_dp_surfac
 API_NAMES = {
     **{f"--{f.replace('_', '-')}": f"TrainConfig.{f}" for f in (
         "steps", "global_batch", "micro_batch", "seed", "warmup_steps", "lr_schedule", "decay_steps",
-        "min_lr_ratio", "decay_fraction", "lr_reference_batch", "clip_grad_norm",
+        "min_lr_ratio", "decay_fraction", "eval_every", "eval_batches", "lr_reference_batch", "clip_grad_norm",
         "precision", "bucket_mb", "first_bucket_mb", "zero", "snapshot_every", "on_nonfinite",
         "max_nonfinite_steps", "mode", "max_staleness", "staleness_lr", "ps_shards", "ps_device", "prefetch",
         "balance")},

@@ -4,7 +4,8 @@
                                     P is forward (default), allreduce, optimizer, snapshot
                                     (ZeRO's peer snapshot), checkpoint (while rank R copies
                                     its part of the checkpoint after step S), upload (while
-                                    it writes that part in the background), reform (rank R of the
+                                    it writes that part in the background), eval (while rank R
+                                    evaluates after step S, --eval-every), reform (rank R of the
                                     generation formed after another fault at step S, as it joins)
                                     or shard (--mode async: parameter-server shard R, as it
                                     applies update S, the one that makes version S + 1)
@@ -35,7 +36,7 @@ from elastic_dp.errors import ConfigError
 
 STEP_PHASES = ("forward", "allreduce", "optimizer", "snapshot")
 SAVE_PHASES = ("checkpoint", "upload")
-PHASES = (*STEP_PHASES, *SAVE_PHASES, "reform", "shard")
+PHASES = (*STEP_PHASES, *SAVE_PHASES, "eval", "reform", "shard")
 KINDS = ("kill", "hang", "join", "slow")
 
 
@@ -144,6 +145,11 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
         if not ((every and (f.step + 1) % every == 0) or f.step + 1 == train.steps):
             refuse(f"no checkpoint is saved after step {f.step}: --checkpoint-every {every} saves after steps "
                    "whose number plus one it divides, and after the last step")
+    if f.phase == "eval":
+        every = train.eval_every
+        if not every or not ((f.step + 1) % every == 0 or f.step + 1 == train.steps):
+            refuse(f"no evaluation runs after step {f.step}: --eval-every {every} evaluates after steps whose "
+                   "number plus one it divides, and after the last step")
     if f.phase == "snapshot" and (not train.zero or (f.step + 1) % train.snapshot_every):
         refuse(f"phase=snapshot needs --zero 1 or 2 and a step after which a snapshot is taken: (step + 1) "
                f"divisible by --snapshot-every {train.snapshot_every}")
@@ -242,6 +248,13 @@ class FaultPlan:
         taken = {rank: self.take(step, rank, SAVE_PHASES) for rank in range(world_size)}
         return {rank: f for rank, f in taken.items() if f is not None}
 
+    def take_phase(self, step: int, world_size: int, phases: tuple[str, ...]) -> dict[int, Fault]:
+        """The faults of the ranks of a call after ``step`` in one of ``phases`` (``eval``)."""
+        for phase in phases:
+            self._sizes[phase, step].add(world_size)
+        taken = {rank: self.take(step, rank, phases) for rank in range(world_size)}
+        return {rank: f for rank, f in taken.items() if f is not None}
+
     def take_reform(self, step: int, world_size: int) -> dict[int, Fault]:
         """The faults of the generation that re-forms after a failure in ``step``."""
         self._sizes["reform", step].add(world_size)
@@ -270,11 +283,13 @@ class FaultPlan:
     def _why(self, f: Fault) -> str:
         if f.kind == "join":
             return f"the run never reached step {f.step}"
-        what = {"checkpoint": "checkpoint", "upload": "checkpoint", "reform": "reform"}.get(f.phase, "step")
+        what = {"checkpoint": "checkpoint", "upload": "checkpoint", "reform": "reform", "eval": "eval"}.get(f.phase,
+                                                                                                      "step")
         sizes = sorted(self._sizes.get((what, f.step), ()))
         if not sizes:
             return {"checkpoint": f"no checkpoint was saved after step {f.step} in this run",
                     "reform": f"no group re-formed after a failure in step {f.step}",
+                    "eval": f"no evaluation ran after step {f.step} in this run",
                     "step": f"step {f.step} was never run in this run"}[what]
         if f.rank >= max(sizes):
             where = "the generation re-formed after it" if what == "reform" else f"step {f.step}"

@@ -55,6 +55,8 @@ class WorkerInfo:
     """The Ray node the worker runs on."""
     device_name: str = ""
     """The GPU's name (``torch.cuda.get_device_name``); empty on a CPU."""
+    eval_len: int = 0
+    """Samples in the eval set it built (``Task.eval_dataset``; 0 without ``--eval-every``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,10 @@ class Task:
     optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]
     """Builds the optimizer over the model's parameters (param groups allowed). The
     learning rates it sets are the base rates that the schedule and linear scaling multiply."""
+    eval_dataset: Callable[[], Dataset] | None = None
+    """Optional: builds the held-out map-style dataset that ``--eval-every`` evaluates (the
+    task's ``loss`` in ``model.eval()`` mode, without gradients; the reported loss is the
+    mean over its samples)."""
     lr_schedule: Callable[[int], float] | None = None
     """Optional: ``step -> factor`` on the base learning rates, a pure function of the
     (0-based) step, used instead of ``TrainConfig.lr_schedule`` and its warmup; linear

@@ -6,6 +6,7 @@ step would have to depend on seed, step and sample only; the job does without it
     elastic-dp train jobs.gpt --workers 2 --steps 150 --out runs/gpt
     python -m jobs.gpt --workers 2 --steps 150         # the form a Ray job entrypoint uses
     GPT_TOKENS=DIR_OR_URI elastic-dp train jobs.gpt …   # on token files (elastic-dp tokenize)
+    elastic-dp train jobs.gpt --eval-every 50 …         # held-out loss on the next 100 kB of source
 """
 
 from __future__ import annotations
@@ -115,6 +116,15 @@ def build_dataset() -> Dataset:
     return ByteWindows(corpus())
 
 
+EVAL_BYTES = 100_000
+
+
+def build_eval_dataset() -> ByteWindows:
+    """Held out: the 100,000 bytes of the standard library's source after the training
+    corpus (``--eval-every K`` evaluates on them)."""
+    return ByteWindows(corpus(CORPUS_BYTES + EVAL_BYTES)[CORPUS_BYTES:])
+
+
 def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     logits = model(x)
@@ -152,6 +162,7 @@ def training_flops_per_sample(model: GPT, context: int = CONTEXT) -> float:
 
 
 TASK = Task(model=build_model, dataset=build_dataset, loss=loss, optimizer=build_optimizer,
+            eval_dataset=build_eval_dataset,
             sample=generate, tokens_per_sample=CONTEXT, flops_per_sample=training_flops_per_sample(GPT()),
             defaults=TrainConfig(steps=150, global_batch=32, micro_batch=16, warmup_steps=10,
                                  clip_grad_norm=1.0))

@@ -22,9 +22,10 @@ class FakeMode:
     ranks lost in successive re-formations; ``state_lost``: re-formations that find no copy
     of the state (as ZeRO does when a chunk and its snapshot are gone)."""
 
-    def __init__(self, losses=None, reform_losses=(), state_lost=0, resize_losses=()) -> None:
+    def __init__(self, losses=None, reform_losses=(), state_lost=0, resize_losses=(), eval_losses=None) -> None:
         self.losses, self.reform_losses, self.state_lost = dict(losses or {}), list(reform_losses), state_lost
         self.resize_losses = list(resize_losses)
+        self.eval_losses = dict(eval_losses or {})  # step -> ranks lost while evaluating after it (once)
         self.generation, self.members, self.calls, self.ended = -1, [], [], []
 
     def _form(self, members) -> None:
@@ -69,6 +70,13 @@ class FakeMode:
         self.calls.append(("restore", state.step))
         self._form(members)
 
+    def evaluate(self, step: int) -> tuple[float, int]:
+        self.calls.append(("evaluate", step))
+        if step in self.eval_losses:
+            lost = [self.members[r] for r in self.eval_losses.pop(step)]
+            raise MembersLost(self.members, lost, f"{lost} died while evaluating")
+        return 1.0 / step, 10
+
     def save(self, store, step: int) -> None:
         store.saved.append(step)
         self.ended.append(SaveOutcome(step, f"step-{step}", 0.0, 0.0, 0))
@@ -109,13 +117,14 @@ class FakeStore:
 
 
 def _run(mode, *, workers=3, min_workers=2, capacity=None, steps=6, faults=(), store=None, every=0,
-         wait_timeout_s=300.0):
+         wait_timeout_s=300.0, eval_every=None):
     clock = FakeClock()
     pool = FakePool(capacity if capacity is not None else workers)
     joins = sum(f.kind == "join" for f in faults)
     membership = Membership(pool, min_workers=min_workers, max_workers=workers, held_back=joins,
                             wait_timeout_s=wait_timeout_s, clock=clock)
-    coordinator = Coordinator(mode, membership, train=TrainConfig(steps=steps), faults=FaultPlan(faults),
+    coordinator = Coordinator(mode, membership, train=TrainConfig(steps=steps, eval_every=eval_every),
+                              faults=FaultPlan(faults),
                               recorder=RunRecorder(None, total_steps=steps, progress=False), store=store,
                               checkpoint=CheckpointConfig(dir="unused", every=every), sleep=clock.sleep)
     return coordinator, pool, clock
@@ -233,3 +242,19 @@ def test_a_worker_lost_while_joiners_are_admitted_loses_no_step():
     reformed, joined = [e for e in summary.events if e["kind"] == "membership_changed"]
     assert reformed["steps_rerun"] == 0 and reformed["world_size"] == 2 and reformed["lost_ranks"] == [2]
     assert joined["joined"] == 1 and joined["world_size"] == 3 and coordinator.step == 6
+
+
+def test_a_loss_during_an_evaluation_re_runs_the_evaluation_never_a_step():
+    """Evaluations after steps 4 and 8 and after the last (10); a worker dies in the one after
+    step 8: the group re-forms with no step re-run, and that evaluation runs again."""
+    mode = FakeMode(eval_losses={8: [2]})
+    coordinator, _, _ = _run(mode, steps=10, eval_every=4)
+    coordinator.run()
+    assert [c for c in mode.calls if c[0] == "evaluate"] == [("evaluate", 4), ("evaluate", 8), ("evaluate", 8),
+                                                              ("evaluate", 10)]
+    states = _states(coordinator)
+    assert states[states.index("EVALUATING", states.index("EVALUATING") + 1):][:5] == [
+        "EVALUATING", "RECOVERING", "REFORMING", "RUNNING", "EVALUATING"]
+    change = next(e for e in coordinator.recorder.summary.events if e["kind"] == "membership_changed")
+    assert change["steps_rerun"] == 0 and change["step"] == 8
+    assert coordinator.recorder.summary.eval_loss == pytest.approx(1 / 10)

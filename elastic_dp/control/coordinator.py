@@ -5,6 +5,7 @@ of the current state, which acts and returns the next state with its reason::
 
     STARTING -> RUNNING -> FINISHING -> FINISHED
                 RUNNING <-> SAVING                      (a checkpoint is due)
+                RUNNING <-> EVALUATING                  (an evaluation is due: --eval-every)
                 RUNNING  -> RESIZING -> RUNNING         (joiners admitted at a step boundary)
     (a member lost) -> RECOVERING -> REFORMING -> RUNNING
                        RECOVERING <-> WAITING           (below MIN: wait for capacity)
@@ -43,6 +44,7 @@ class RunState(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
     SAVING = "saving"
+    EVALUATING = "evaluating"
     RESIZING = "resizing"
     RECOVERING = "recovering"
     WAITING = "waiting"
@@ -89,6 +91,9 @@ class Coordinator:
         self.step = 0
         self.save_due = False
         self._saved_step: int | None = None
+        self.eval_due = False
+        self._evaluated_step: int | None = None
+        """The step after which the last evaluation ran (None: none yet)."""
         self._decision_event: dict | None = None
         self._pause_at: int | None = None  # run_until's step
         """The step of the last checkpoint committed or in flight (None: none)."""
@@ -98,6 +103,7 @@ class Coordinator:
         self._checkpoint_exists = False
         self._handlers: dict[RunState, Callable[[], Transition]] = {
             RunState.STARTING: self._starting, RunState.RUNNING: self._running, RunState.SAVING: self._saving,
+            RunState.EVALUATING: self._evaluating,
             RunState.RESIZING: self._resizing, RunState.RECOVERING: self._recovering,
             RunState.WAITING: self._waiting, RunState.REFORMING: self._reforming,
             RunState.RESTORING: self._restoring, RunState.FINISHING: self._finishing}
@@ -189,6 +195,9 @@ class Coordinator:
 
     def _running(self) -> Transition:
         self._settle_saves()
+        if self.eval_due or (self.step >= self.steps and self.train.eval_every and self.steps
+                             and self._evaluated_step != self.step):
+            return Transition(RunState.EVALUATING, f"evaluation due after step {self.step}")
         if self.save_due:
             return Transition(RunState.SAVING, f"checkpoint due after step {self.step}")
         if self.step >= self.steps:
@@ -203,7 +212,7 @@ class Coordinator:
             self.decision = decision
             return Transition(RunState.RESIZING, decision.reason)
         self.step = self.mode.advance(self.step, self._window_limit(), self._keep_going, self.membership.arrivals)
-        self.save_due = self._due(self.step)
+        self.save_due, self.eval_due = self._due(self.step), self._eval_due(self.step)
         return Transition(RunState.RUNNING)
 
     def _window_limit(self) -> int:
@@ -213,12 +222,22 @@ class Coordinator:
         every = self.ckpt_cfg.every
         if self.store is not None and every:
             limit = min(limit, (self.step // every + 1) * every)
+        if self.train.eval_every:
+            limit = min(limit, (self.step // self.train.eval_every + 1) * self.train.eval_every)
         join = self.faults.next_join(self.step)
         return min(limit, join) if join is not None else limit
 
     def _keep_going(self) -> bool:
         """Between two steps of a window: no worker is waiting to join."""
         return self.membership.at_step_boundary().action is Action.CONTINUE
+
+    def _evaluating(self) -> Transition:
+        """Evaluate with the parameters after ``step`` committed steps. A loss of workers
+        here re-runs the evaluation once the group re-formed, never a training step."""
+        loss, samples = self.mode.evaluate(self.step)
+        self.recorder.evaluation(self.step - 1, loss, samples)
+        self.eval_due, self._evaluated_step = False, self.step
+        return Transition(RunState.RUNNING, f"evaluated after step {self.step}: loss {loss:.4f} over {samples}")
 
     def _saving(self) -> Transition:
         self.mode.save(self.store, self.step)
@@ -338,15 +357,20 @@ class Coordinator:
         steps from there on are trained (and recorded) again."""
         if step < self.step:
             self.recorder.rewind(step)
-            self.save_due = False
+            self.save_due = self.eval_due = False
         elif step > self.step:
-            self.save_due = self._due(step)
+            self.save_due, self.eval_due = self._due(step), self._eval_due(step)
         self.step, self.failure = step, None
 
     def _due(self, step: int) -> bool:
         """A checkpoint is due once ``step`` steps have committed."""
         every = self.ckpt_cfg.every
         return self.store is not None and bool(every) and step % every == 0
+
+    def _eval_due(self, step: int) -> bool:
+        """An evaluation is due once ``step`` steps have committed (the last: ``_running``)."""
+        every = self.train.eval_every
+        return bool(every) and step > 0 and step % every == 0 and self._evaluated_step != step
 
     def _event_changed(self, kind: str, result: RecoveryResult, **extra: Any) -> None:
         f = self.failure

@@ -59,6 +59,9 @@ class TensorBoard:
             if value is not None:
                 self.writer.add_scalar(tag, value, step, walltime=record["time"])
 
+    def evaluation(self, record: dict[str, Any]) -> None:
+        self.writer.add_scalar("eval/loss", record["eval_loss"], record["step"], walltime=record["time"])
+
     def event(self, record: dict[str, Any]) -> None:
         if record["kind"] not in MARKED:
             return
@@ -98,6 +101,8 @@ class RayMetrics:
                                 tag_keys=("run",)) for k in GAUGES}
         self.counters = {k: Counter(f"elastic_dp_{k}", description=f"elastic_dp: {text}", tag_keys=("run",))
                          for k, text in COUNTERS.items()}
+        self.eval_gauge = Gauge("elastic_dp_eval_loss", description="elastic_dp: loss of the last evaluation",
+                                tag_keys=("run",))
 
     def step(self, record: dict[str, Any]) -> None:
         for key, gauge in self.gauges.items():
@@ -106,6 +111,9 @@ class RayMetrics:
         self.counters["steps"].inc(1, tags=self.tags)
         if record.get("nonfinite"):
             self.counters["skipped_steps"].inc(1, tags=self.tags)
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        self.eval_gauge.set(float(record["eval_loss"]), tags=self.tags)
 
     def event(self, record: dict[str, Any]) -> None:
         kind = record["kind"]

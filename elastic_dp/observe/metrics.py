@@ -56,6 +56,8 @@ class RunSummary:
     """Asynchronous SGD: how many of the applied updates had each staleness."""
     recomputed: int = 0
     """Asynchronous SGD: gradients refused as too stale and computed again."""
+    eval_loss: float | None = None
+    """The last evaluation's loss (``--eval-every``)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -67,6 +69,8 @@ class RunSummary:
                  f"  samples      {self.samples}  ({self.samples_per_s:.1f} samples/s over {self.seconds:.1f} s)"]
         if self.final_loss is not None:
             lines.append(f"  loss         {self.first_loss:.4f} (first step) -> {self.final_loss:.4f} (last step)")
+        if self.eval_loss is not None:
+            lines.append(f"  eval loss    {self.eval_loss:.4f} (after the last step)")
         if self.staleness is not None:
             histogram = ", ".join(f"{k}: {n}" for k, n in sorted(self.staleness.items()))
             lines.append(f"  staleness    {histogram}  (updates per staleness; {self.recomputed} recomputed)")
@@ -206,6 +210,15 @@ class RunRecorder:
         elif (step + 1) % self._log_every == 0 or step + 1 == self.total_steps or loss is None:
             logger.info("gen %d step %d/%d: loss %s, %.3f s/step, %d workers",
                         generation, step + 1, self.total_steps, shown, step_s, world_size)
+
+    def evaluation(self, step: int, loss: float, samples: int) -> None:
+        """An evaluation with the parameters after ``step`` (0-based, the step it follows):
+        a line of its own in metrics.jsonl, ``{"step", "time", "eval_loss", "eval_samples"}``."""
+        record = {"step": step, "time": time.time(), "eval_loss": loss, "eval_samples": samples}
+        self._append("metrics.jsonl", record)
+        for exporter in self.exporters:
+            exporter.evaluation(record)
+        self.summary.eval_loss = loss
 
     def rewind(self, to_step: int) -> None:
         """The run went back to ``to_step`` (a rollback or a checkpoint): steps from there on

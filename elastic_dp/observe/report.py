@@ -48,6 +48,8 @@ class RunLog:
     notes: list[str] = field(default_factory=list)
     updates: list[dict] = field(default_factory=list)
     """Asynchronous SGD: the applied updates in version order (an undone one as replaced)."""
+    evaluations: list[dict] = field(default_factory=list)
+    """``--eval-every``: metrics.jsonl's ``eval_loss`` lines, by the step they follow."""
 
     @property
     def changes(self) -> list[tuple[int, str]]:
@@ -96,8 +98,10 @@ def read_run(run_dir: str | Path) -> RunLog:
         raise ReportError(f"{run_dir} has no metrics.jsonl: pass the directory a run wrote with --out")
     notes: list[str] = []
     by_step: dict[int, dict] = {}
+    evaluations: dict[int, dict] = {}
     for record in _read_jsonl(metrics_path, notes):
-        by_step[record["step"]] = record  # a rolled-back step: its last training counts
+        # a rolled-back step: its last training counts (an evaluation: its own line)
+        (evaluations if "eval_loss" in record else by_step)[record["step"]] = record
     if not by_step:
         raise ReportError(f"{metrics_path} has no complete step yet")
     events_path = run_dir / "events.jsonl"
@@ -106,7 +110,8 @@ def read_run(run_dir: str | Path) -> RunLog:
         notes.append("events.jsonl is missing: no membership changes are marked")
     updates_path = run_dir / "updates.jsonl"
     by_version = {u["version"]: u for u in _read_jsonl(updates_path, notes)} if updates_path.is_file() else {}
-    return RunLog([by_step[s] for s in sorted(by_step)], events, notes, [by_version[v] for v in sorted(by_version)])
+    return RunLog([by_step[s] for s in sorted(by_step)], events, notes, [by_version[v] for v in sorted(by_version)],
+                  [evaluations[s] for s in sorted(evaluations)])
 
 
 def _figure() -> Figure:
@@ -118,6 +123,9 @@ def plot_loss(log: RunLog) -> Figure:
     ax = fig.add_subplot()
     points = [(m["step"], m["loss"]) for m in log.metrics if m["loss"] is not None]
     ax.plot([s for s, _ in points], [v for _, v in points], color="tab:blue", label="loss")
+    if log.evaluations:
+        ax.plot([e["step"] for e in log.evaluations], [e["eval_loss"] for e in log.evaluations], "o-",
+                color="tab:green", label="eval loss", gid="eval_loss")
     skipped = [m["step"] for m in log.metrics if m.get("nonfinite")]
     if skipped:
         ax.plot(skipped, [min(v for _, v in points)] * len(skipped), "x", color="tab:red",
@@ -222,6 +230,10 @@ def _markdown(log: RunLog, run_dir: str | Path, plots: list[str]) -> str:
         if values:
             median = statistics.median(values) * (100 if unit == "%" else 1)
             lines.append(f"- {label}, median: {median:.1f}{unit}")
+    if log.evaluations:
+        last = log.evaluations[-1]
+        lines.append(f"- eval loss: {log.evaluations[0]['eval_loss']:.4f} (after step {log.evaluations[0]['step']}) "
+                     f"-> {last['eval_loss']:.4f} (after step {last['step']}), {last['eval_samples']} samples")
     if log.updates:
         histogram = ", ".join(f"{k}: {n}" for k, n in staleness_counts(log).items())
         summary = next((e for e in reversed(log.events) if e["kind"] == "async_summary"), None)

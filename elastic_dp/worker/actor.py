@@ -110,6 +110,17 @@ class WorkerActor:
         report, grads = program.gradient(step, sampler, bounds, list(pieces))
         return (report, *grads)
 
+    def evaluate(self, start: int, stop: int, fault: Fault | None = None) -> tuple[float, int]:
+        """The summed eval loss of samples ``start .. stop`` and their count (``Replica.evaluate``;
+        ``fault``: phase ``eval``)."""
+        self.faults.arm(fault)
+        self.replica.progress.enter("eval")
+        try:
+            return self.replica.evaluate(start, stop)
+        finally:
+            self.faults.disarm()
+            self.replica.progress.enter("idle")
+
     def heartbeat(self) -> Heartbeat:
         """Control thread: this worker answers, and how far its training thread has come."""
         return self.replica.progress.beat() if self.replica is not None else Heartbeat(0, "idle", 0.0, 0.0)

@@ -73,6 +73,7 @@ class Replica:
         torch.manual_seed(config.seed)
         self.model = task.model().to(device)
         self.dataset = task.dataset()
+        self.eval_dataset = task.eval_dataset() if config.eval_every and task.eval_dataset is not None else None
         self.optimizer = task.optimizer(self.model)
         self.rates = LearningRates(task, config, self.optimizer)
         """Each param group's learning rate at each step (``elastic_dp.schedules``)."""
@@ -80,7 +81,7 @@ class Replica:
         self.progress = Progress()
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(dataset_len=len(self.dataset),
+        return WorkerInfo(dataset_len=len(self.dataset), eval_len=len(self.eval_dataset or ()),
                           num_params=sum(p.numel() for p in self.model.parameters()),
                           num_trainable=sum(p.numel() for _, p in trainable(self.model, self.optimizer)),
                           ready_time=time.time())
@@ -136,6 +137,29 @@ class Replica:
         return self.model
 
     # -- compute ------------------------------------------------------------------------------
+    def evaluate(self, start: int, stop: int) -> tuple[float, int]:
+        """The task's loss summed over eval samples ``start .. stop`` (each micro-batch's mean
+        times its samples) and their count, in ``model.eval()`` mode without gradients."""
+        model = self.settled_model()
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16")
+        size = self.config.micro_batch or self.config.global_batch
+        total, samples = 0.0, 0
+        model.eval()
+        try:
+            with torch.no_grad():
+                for first in range(start, stop, size):
+                    chunk = range(first, min(first + size, stop))
+                    self.progress.tick()
+                    self.faults.at("eval")
+                    batch = to_device(self.task.collate([self.eval_dataset[j] for j in chunk]), self.device)
+                    with autocast:
+                        loss = self.task.loss(model, batch)
+                    total += float(loss) * len(chunk)
+                    samples += len(chunk)
+        finally:
+            model.train()
+        return total, samples
+
     def collate(self, indices: np.ndarray) -> Batches:
         """The micro-batches of a slice, in pinned memory on a GPU."""
         batches = []

@@ -153,6 +153,11 @@ class TrainingMode(Protocol):
         """The saves that ended since the last call (``SaveOutcome``: committed, with its
         location, or abandoned, with the reason); ``wait``: wait for the one in flight."""
 
+    def evaluate(self, step: int) -> tuple[float, int]:
+        """The mean of the task's loss over the eval set (``Task.eval_dataset``, its first
+        ``--eval-batches`` global batches) with the parameters after ``step`` committed
+        steps, and the samples it covered; the set is split over the members."""
+
     def finish(self) -> None:
         """Write the final weights (and the task's sample) once the last step committed."""
 

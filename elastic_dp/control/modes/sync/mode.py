@@ -17,6 +17,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+import numpy as np
+
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult
 from elastic_dp.control.modes.calls import Calls
 from elastic_dp.control.modes.context import (
@@ -33,8 +35,9 @@ from elastic_dp.control.modes.sync.group import Generations
 from elastic_dp.control.modes.sync.layouts import make_layout
 from elastic_dp.control.modes.sync.window import Committed, Window
 from elastic_dp.control.modes.watchdog import HangBounds
-from elastic_dp.data import ElasticSampler
+from elastic_dp.data import ElasticSampler, split
 from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
+from elastic_dp.errors import TaskError
 from elastic_dp.messages import StepResult
 from elastic_dp.observe.metrics import known_peak_tflops
 
@@ -208,6 +211,32 @@ class SyncMode:
 
     def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
         self.layout.restore(self.layout.rank_order(members), checkpoint)
+
+    def evaluate(self, step: int) -> tuple[float, int]:
+        """Each member evaluates its contiguous share of the eval samples; the loss is the
+        sum of their sample-weighted sums over the samples (exact whatever the split)."""
+        members = self.gens.members
+        total = self._eval_samples(members)
+        shares = split(np.arange(total), len(members))
+        faults = self.faults.take_phase(step - 1, len(members), ("eval",))
+        calls = {m.actor.evaluate.remote(int(shares[r][0]), int(shares[r][-1]) + 1, faults.get(r)): m
+                 for r, m in enumerate(members)}
+        try:
+            reports = self.gens.run(members, calls)
+        except MembersLost as lost:  # a survivor's fault did not fire: pending again, for the re-run
+            self.faults.put_back(f for r, f in faults.items() if members[r] not in lost.lost)
+            raise
+        loss_sum = sum(loss for loss, _ in reports.values())
+        samples = sum(n for _, n in reports.values())
+        return loss_sum / samples, samples
+
+    def _eval_samples(self, members: list[Any]) -> int:
+        """How many eval samples an evaluation covers (``--eval-batches`` global batches, or all)."""
+        length = members[0].info.eval_len
+        if not length:
+            raise TaskError("--eval-every evaluates Task.eval_dataset, and the dataset it built is empty")
+        batches = self.train.eval_batches
+        return length if batches is None else min(length, batches * self.train.global_batch)
 
     def save(self, store: CheckpointStore, step: int) -> None:
         """Start a checkpoint of the state after ``step`` committed steps: every rank
