@@ -41,7 +41,8 @@ def run_against_replay(tmp_path, workers, inject, *, steps=6, min_workers=None, 
 
 def test_kills_in_each_phase_reform_in_place_and_end_where_the_uninterrupted_run_ends(ray_cluster, tmp_path):
     """Rank 1 is killed in step 2's forward, in step 4's all-reduce and in step 6's optimizer
-    step, in one run (3 workers, at least 2: a replacement joins when it is ready)."""
+    step, in one run (3 workers, at least 2: a replacement joins when it is ready); no worker
+    process outlives the run."""
     inject = ["kill:step=2:rank=1:phase=forward", "kill:step=4:rank=1:phase=allreduce",
               "kill:step=6:rank=1:phase=optimizer"]
     summary, diff, events, metrics = run_against_replay(tmp_path, 3, inject, min_workers=2, steps=9)
@@ -55,8 +56,9 @@ def test_kills_in_each_phase_reform_in_place_and_end_where_the_uninterrupted_run
     # ending there anyway (a replacement admitted at that boundary)
     assert lost[2]["step"] == 7 and lost[2]["steps_rerun"] in (0, 1)
     assert [m["step"] for m in metrics] == list(range(9))
-    assert summary.samples == 9 * TINY_GPT_TASK.defaults.global_batch
+    assert summary.samples == 9 * TINY_GPT_TASK.defaults.global_batch == sum(m["samples"] for m in metrics)
     assert metrics[1]["generation"] == 0 and metrics[-1]["generation"] >= 3
+    assert _worker_processes_gone(), "worker actor processes outlived the run"
 
 
 def test_kill_while_saving_a_checkpoint(ray_cluster, tmp_path):
@@ -109,22 +111,6 @@ def test_join_takes_state_from_a_survivor_and_ends_at_the_same_parameters(ray_cl
     assert join["joined"] == 1 and join["world_size"] == 3 and join["lost"] == 0
     assert metrics[0]["world_size"] == 2 and metrics[-1]["world_size"] == 3
     assert summary.samples == 8 * TINY_GPT_TASK.defaults.global_batch
-
-
-def test_five_kills_and_joins_in_one_run(ray_cluster, tmp_path):
-    # Starts with 2 workers (4 minus the 2 held back for the joins). Every kill leaves a
-    # survivor even if no replacement is ready in time; replacements join when ready.
-    inject = ["kill:step=1:rank=0", "join:step=2", "kill:step=3:rank=1:phase=allreduce", "join:step=4",
-              "kill:step=5:rank=0:phase=optimizer"]
-    summary, diff, events, metrics = run_against_replay(tmp_path, 4, inject, min_workers=1, steps=8)
-    assert diff < TOL
-    changes = [e for e in events if e["kind"] == "membership_changed"]
-    assert sum(e["lost"] for e in changes) == 3 and sum(e.get("joined", 0) for e in changes) >= 2
-    assert len(changes) >= 5
-    assert [m["step"] for m in metrics] == list(range(8))
-    assert summary.samples == 8 * TINY_GPT_TASK.defaults.global_batch
-    assert sum(m["samples"] for m in metrics) == summary.samples
-    assert _worker_processes_gone(), "worker actor processes outlived the run"
 
 
 def _worker_processes_gone(timeout_s: float = 15.0) -> bool:
