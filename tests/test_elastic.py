@@ -16,6 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
+from elastic_dp.worker.sync import REPORT_INTERVAL_S
 from tests.procs import worker_pids
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
@@ -101,7 +102,11 @@ def test_hangs_are_found_by_the_deadline_and_the_workers_replaced(ray_cluster, t
     assert [(e["step"], e["lost_ranks"]) for e in changes] == [(1, [1]), (4, [1])]
     for change in changes:
         assert "deadline" in change["cause"]
-        assert 2.4 <= change["detect_s"] < 3.5  # found by the 2.5 s deadline, not later
+    # found by the 2.5 s deadline, not later. It runs from the last commit the coordinator
+    # heard of: the window's first step is reported at once (step 1), a later one may be
+    # waiting in its worker for the next report (at most REPORT_INTERVAL_S) when a peer hangs
+    assert 2.4 <= changes[0]["detect_s"] < 3.5
+    assert 2.5 - REPORT_INTERVAL_S <= changes[1]["detect_s"] < 3.5
 
 
 def test_join_takes_state_from_a_survivor_and_ends_at_the_same_parameters(ray_cluster, tmp_path):

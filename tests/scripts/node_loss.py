@@ -38,10 +38,13 @@ from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
 # reduction noise past the tolerance (measured: 2e-3 after 200 uninterrupted steps).
 # zero: the SGD task, paced by a sleep in its loss, for the same reason; once the node is
 # gone and the survivors trained a step as the new group, the rest runs unpaced (FAST).
+# Paced, the 60 steps last 18 s (micro-batches of 1: 0.3 s a step per micro-batch at
+# least): time for the second node's workers to start and join on a loaded machine (at
+# 0.05 s the run could end first when the suite's other process took the CPU).
 FAST = Path(tempfile.gettempdir()) / f"edp-node-loss-fast-{os.getpid()}"
 SCENARIOS = {
     "replicated": dict(task=TINY_GPT_TASK, steps=40, micro_batch=1, per_node=1, zero=0),
-    "zero": dict(task=paced_task(PacedLoss(seconds=0.05, until=str(FAST))), steps=60, micro_batch=1, per_node=2,
+    "zero": dict(task=paced_task(PacedLoss(seconds=0.3, until=str(FAST))), steps=60, micro_batch=1, per_node=2,
                  zero=2),
 }
 
