@@ -6,11 +6,13 @@ import os
 
 
 def worker_pids() -> list[int]:
-    """PIDs of the processes running an elastic_dp worker actor."""
+    """PIDs of the processes running an elastic_dp worker actor of this test process's Ray
+    cluster (its descendants: the suite's other process has a cluster of its own)."""
+    ours = set(descendants(os.getpid()))
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if b"WorkerActor" in open(f"/proc/{pid}/cmdline", "rb").read():
+            if int(pid) in ours and b"WorkerActor" in open(f"/proc/{pid}/cmdline", "rb").read():
                 found.append(int(pid))
         except OSError:
             pass

@@ -12,6 +12,7 @@ import torch
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer
 from elastic_dp.state.zero import shm
+from tests.procs import alive
 from tests.tasks import TINY_GPT_TASK
 from tests.test_elastic import run_against_replay
 
@@ -48,7 +49,10 @@ def test_kills_and_joins_under_zero_end_where_the_uninterrupted_run_ends(ray_clu
     assert failures[1]["restored_step"] == 5
     assert summary.steps == 7 and summary.samples == 7 * TINY_GPT_TASK.defaults.global_batch
     assert [m["step"] for m in metrics][-1] == 6
-    assert not [n for n in set(os.listdir(shm.DIRECTORY)) - named if n.startswith(shm.PREFIX)]
+    # left behind: a segment whose creator is dead (the suite's other process may have
+    # segments of live workers of its own)
+    assert not [n for n in set(os.listdir(shm.DIRECTORY)) - named
+                if n.startswith(shm.PREFIX) and not alive(int(n[len(shm.PREFIX):].split("-")[0]))]
 
 
 def test_snapshots_every_k_steps_roll_back_and_replay(ray_cluster, tmp_path):
