@@ -161,6 +161,8 @@ def test_a_wait_on_the_workers_calls_wakes_when_a_starting_worker_moves_on(ray_c
     waiting = Waiting({call: "worker-0"}, deadline_s=60.0, grace_s=1.0, abort=lambda members: None,
                       wake=lambda: [starting])
     began = time.monotonic()
-    assert waiting.ready() == [] and time.monotonic() - began < 10.0  # not the 20 s call, not the deadline
+    # not the 20 s call, nor the deadline: the 0.2 s task's worker may take seconds to start
+    # on a machine the suite's other process keeps busy (10.6 s seen)
+    assert waiting.ready() == [] and time.monotonic() - began < 18.0
     assert waiting.pending == {call: "worker-0"} and waiting.outcome.cause is None
     ray.cancel(call, force=True)
