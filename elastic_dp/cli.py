@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from elastic_dp.api import Trainer
 from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig
@@ -35,7 +36,8 @@ logger = logging.getLogger("elastic_dp.cli")
 # flag -> TrainConfig field; absent flags keep the job's defaults
 _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": int,
                 "warmup_steps": int, "lr_schedule": str, "decay_steps": int, "min_lr_ratio": float,
-                "decay_fraction": float, "eval_every": int, "eval_batches": int, "lr_reference_batch": int, "clip_grad_norm": float,
+                "decay_fraction": float, "eval_every": int, "eval_batches": int, "lr_reference_batch": int,
+                "clip_grad_norm": float,
                 "precision": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int,
                 "snapshot_every": int, "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str,
                 "max_staleness": int, "staleness_lr": str, "ps_shards": int, "ps_device": str}
@@ -186,7 +188,7 @@ def _tokenize(args: argparse.Namespace) -> int:
     for path in args.inputs:
         if not os.path.isfile(path):
             raise TaskError(f"{path} is not a file: pass text files to elastic-dp tokenize")
-    texts = (open(path, "rb").read() if args.tokenizer is None else open(path, encoding="utf-8").read()
+    texts = (Path(path).read_bytes() if args.tokenizer is None else Path(path).read_text(encoding="utf-8")
              for path in args.inputs)
     index = write_token_files(texts, args.out, tokenizer=tokenizer, dtype=args.dtype, file_tokens=args.file_tokens,
                               tokenizer_name=args.tokenizer or "bytes")

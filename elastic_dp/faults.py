@@ -37,6 +37,8 @@ from elastic_dp.errors import ConfigError
 STEP_PHASES = ("forward", "allreduce", "optimizer", "snapshot")
 SAVE_PHASES = ("checkpoint", "upload")
 PHASES = (*STEP_PHASES, *SAVE_PHASES, "eval", "reform", "shard")
+_CALL_OF = {"checkpoint": "checkpoint", "upload": "checkpoint", "reform": "reform", "eval": "eval"}
+"""The call a fault of a phase outside the step fires in (``FaultPlan._why``)."""
 KINDS = ("kill", "hang", "join", "slow")
 
 
@@ -230,11 +232,16 @@ class FaultPlan:
                 return fault
         return None
 
-    def take_step(self, step: int, world_size: int, phases: tuple[str, ...]) -> dict[int, Fault]:
-        """The faults of an attempt at ``step`` on ``world_size`` ranks: rank -> fault."""
-        self._sizes["step", step].add(world_size)
+    def _take_all(self, what: str, step: int, world_size: int, phases: tuple[str, ...]) -> dict[int, Fault]:
+        """The faults of ``world_size`` ranks at ``step`` in one of ``phases``: rank -> fault;
+        the world size is remembered under ``what`` (why one did not fire: ``_why``)."""
+        self._sizes[what, step].add(world_size)
         taken = {rank: self.take(step, rank, phases) for rank in range(world_size)}
         return {rank: f for rank, f in taken.items() if f is not None}
+
+    def take_step(self, step: int, world_size: int, phases: tuple[str, ...]) -> dict[int, Fault]:
+        """The faults of an attempt at ``step`` on ``world_size`` ranks: rank -> fault."""
+        return self._take_all("step", step, world_size, phases)
 
     def forget_step(self, step: int, world_size: int) -> None:
         """Step ``step`` was handed out to ``world_size`` ranks (granted) but never ran."""
@@ -244,22 +251,15 @@ class FaultPlan:
 
     def take_checkpoint(self, step: int, world_size: int) -> dict[int, Fault]:
         """The faults of the ranks that save the checkpoint after ``step``."""
-        self._sizes["checkpoint", step].add(world_size)
-        taken = {rank: self.take(step, rank, SAVE_PHASES) for rank in range(world_size)}
-        return {rank: f for rank, f in taken.items() if f is not None}
+        return self._take_all("checkpoint", step, world_size, SAVE_PHASES)
 
-    def take_phase(self, step: int, world_size: int, phases: tuple[str, ...]) -> dict[int, Fault]:
-        """The faults of the ranks of a call after ``step`` in one of ``phases`` (``eval``)."""
-        for phase in phases:
-            self._sizes[phase, step].add(world_size)
-        taken = {rank: self.take(step, rank, phases) for rank in range(world_size)}
-        return {rank: f for rank, f in taken.items() if f is not None}
+    def take_eval(self, step: int, world_size: int) -> dict[int, Fault]:
+        """The faults of the ranks that evaluate after ``step`` (``--eval-every``)."""
+        return self._take_all("eval", step, world_size, ("eval",))
 
     def take_reform(self, step: int, world_size: int) -> dict[int, Fault]:
         """The faults of the generation that re-forms after a failure in ``step``."""
-        self._sizes["reform", step].add(world_size)
-        taken = {rank: self.take(step, rank, ("reform",)) for rank in range(world_size)}
-        return {rank: f for rank, f in taken.items() if f is not None}
+        return self._take_all("reform", step, world_size, ("reform",))
 
     def put_back(self, faults: Iterable[Fault | None]) -> None:
         """Faults handed out that did not fire (their worker came back): pending again."""
@@ -283,8 +283,7 @@ class FaultPlan:
     def _why(self, f: Fault) -> str:
         if f.kind == "join":
             return f"the run never reached step {f.step}"
-        what = {"checkpoint": "checkpoint", "upload": "checkpoint", "reform": "reform", "eval": "eval"}.get(f.phase,
-                                                                                                      "step")
+        what = _CALL_OF.get(f.phase, "step")
         sizes = sorted(self._sizes.get((what, f.step), ()))
         if not sizes:
             return {"checkpoint": f"no checkpoint was saved after step {f.step} in this run",

@@ -56,8 +56,8 @@ def write_token_files(texts: Iterable[str | bytes], uri: str | os.PathLike, *,
     pending: list[np.ndarray] = []
     held = 0
 
-    def flush(arrays: list[np.ndarray]) -> None:
-        data = np.concatenate(arrays).astype(f"<{np.dtype(dtype).str[1:]}", copy=False)
+    def flush(ids: np.ndarray) -> None:
+        data = ids.astype(f"<{np.dtype(dtype).str[1:]}")
         name = f"part-{len(files):05d}.bin"
         storage.write(name, data.tobytes())
         files.append({"name": name, "tokens": int(data.size)})
@@ -69,12 +69,14 @@ def write_token_files(texts: Iterable[str | bytes], uri: str | os.PathLike, *,
                             f"outside {dtype}: write --dtype uint32")
         pending.append(ids)
         held += ids.size
-        while held >= file_tokens:
-            whole = np.concatenate(pending)
-            flush([whole[:file_tokens]])
-            pending, held = [whole[file_tokens:]], whole.size - file_tokens
+        if held >= file_tokens:  # whole files out of what is held, the rest kept for the next
+            whole, start = np.concatenate(pending), 0
+            while whole.size - start >= file_tokens:
+                flush(whole[start:start + file_tokens])
+                start += file_tokens
+            pending, held = [whole[start:]], whole.size - start
     if held:
-        flush(pending)
+        flush(np.concatenate(pending))
     index = {"format": 1, "dtype": dtype, "tokenizer": tokenizer_name, "files": files,
              "tokens": sum(f["tokens"] for f in files)}
     storage.write(INDEX, json.dumps(index, indent=1).encode())

@@ -119,10 +119,10 @@ def build_dataset() -> Dataset:
 EVAL_BYTES = 100_000
 
 
-def build_eval_dataset() -> ByteWindows:
+def build_eval_dataset(context: int = CONTEXT) -> ByteWindows:
     """Held out: the 100,000 bytes of the standard library's source after the training
     corpus (``--eval-every K`` evaluates on them)."""
-    return ByteWindows(corpus(CORPUS_BYTES + EVAL_BYTES)[CORPUS_BYTES:])
+    return ByteWindows(corpus(CORPUS_BYTES + EVAL_BYTES)[CORPUS_BYTES:], context)
 
 
 def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -104,7 +104,7 @@ def build_dataset(tokens: str | None, context: int) -> CausalWindows:
 
 def build_eval_dataset(context: int) -> CausalWindows:
     """Held out: the standard library's source after the training corpus (as ``jobs.gpt``)."""
-    return CausalWindows(gpt.ByteWindows(gpt.corpus(gpt.CORPUS_BYTES + gpt.EVAL_BYTES)[gpt.CORPUS_BYTES:], context))
+    return CausalWindows(gpt.build_eval_dataset(context))
 
 
 def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -141,24 +141,25 @@ class Replica:
         """The task's loss summed over eval samples ``start .. stop`` (each micro-batch's mean
         times its samples) and their count, in ``model.eval()`` mode without gradients."""
         model = self.settled_model()
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16")
-        size = self.config.micro_batch or self.config.global_batch
         total, samples = 0.0, 0
         model.eval()
         try:
             with torch.no_grad():
-                for first in range(start, stop, size):
-                    chunk = range(first, min(first + size, stop))
+                for chunk in micro_batches(np.arange(start, stop), self.config.micro_batch or self.config.global_batch):
                     self.progress.tick()
                     self.faults.at("eval")
-                    batch = to_device(self.task.collate([self.eval_dataset[j] for j in chunk]), self.device)
-                    with autocast:
+                    batch = to_device(self.task.collate([self.eval_dataset[int(j)] for j in chunk]), self.device)
+                    with self._autocast():
                         loss = self.task.loss(model, batch)
                     total += float(loss) * len(chunk)
                     samples += len(chunk)
         finally:
             model.train()
         return total, samples
+
+    def _autocast(self) -> torch.autocast:
+        """bf16 autocast with ``--precision bf16``, else a no-op."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16")
 
     def collate(self, indices: np.ndarray) -> Batches:
         """The micro-batches of a slice, in pinned memory on a GPU."""
@@ -173,8 +174,7 @@ class Replica:
         global batch (gradients are then sums over samples divided by it); ``vote``: the
         synchronous step's (the ballot hears of a non-finite loss, and the reduction starts
         in the last backward)."""
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                  enabled=self.config.precision == "bf16")
+        autocast = self._autocast()
         start = time.perf_counter()
         for i, (samples, host_batch) in enumerate(batches):
             self.progress.tick()

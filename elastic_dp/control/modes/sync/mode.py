@@ -218,7 +218,7 @@ class SyncMode:
         members = self.gens.members
         total = self._eval_samples(members)
         shares = split(np.arange(total), len(members))
-        faults = self.faults.take_phase(step - 1, len(members), ("eval",))
+        faults = self.faults.take_eval(step - 1, len(members))
         calls = {m.actor.evaluate.remote(int(shares[r][0]), int(shares[r][-1]) + 1, faults.get(r)): m
                  for r, m in enumerate(members)}
         try:
