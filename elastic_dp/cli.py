@@ -38,7 +38,7 @@ _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": i
                 "warmup_steps": int, "lr_schedule": str, "decay_steps": int, "min_lr_ratio": float,
                 "decay_fraction": float, "eval_every": int, "eval_batches": int, "lr_reference_batch": int,
                 "clip_grad_norm": float,
-                "precision": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int,
+                "precision": str, "batch_stats": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int,
                 "snapshot_every": int, "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str,
                 "max_staleness": int, "staleness_lr": str, "ps_shards": int, "ps_device": str}
 
@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="worker actors: N, or an elastic range MIN:MAX (default 2)")
     for name, kind in _TRAIN_FLAGS.items():
         extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2]},
+                 "batch_stats": {"choices": ["local", "global"]},
                  "on_nonfinite": {"choices": ["skip", "fail"]}, "mode": {"choices": ["sync", "async"]},
                  "staleness_lr": {"choices": ["none", "inverse"]},
                  "lr_schedule": {"choices": list(SCHEDULES)},

@@ -58,6 +58,13 @@ class TrainConfig:
     """Clip gradients to this global L2 norm before each update (``--clip-grad-norm``)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16`` runs forward/backward under bf16 autocast (``--precision``)."""
+    batch_stats: Literal["local", "global"] = "local"
+    """Batch-norm statistics in training (``--batch-stats``): ``local`` over each worker's
+    slice, as DDP (the trajectory then depends on the worker count, and the run says which
+    modules make it so); ``global`` over the step's global batch across the members, as
+    SyncBatchNorm, on gloo and NCCL alike (``elastic_dp.comm.batchnorm``), so that the run
+    does not depend on the worker count. Either way the replicas agree on the running
+    statistics after every step (``elastic_dp.state.buffers``)."""
     reduce_fp32: bool = True
     """Reduce gradients in fp32 even when parameters are bf16 (``--no-reduce-fp32``)."""
     bucket_mb: float = 25.0
@@ -146,6 +153,14 @@ class TrainConfig:
                  f"clip_grad_norm must be positive, got {self.clip_grad_norm} (--clip-grad-norm)")
         _require(self.precision in ("fp32", "bf16"),
                  f"precision must be 'fp32' or 'bf16', got {self.precision!r} (--precision)")
+        _require(self.batch_stats in ("local", "global"),
+                 f"batch_stats must be 'local' or 'global', got {self.batch_stats!r} (--batch-stats)")
+        _require(self.batch_stats == "local" or self.micro_batch is None,
+                 "--batch-stats global computes batch-norm statistics over the global batch in one forward per "
+                 "worker: drop --micro-batch, or use --batch-stats local")
+        _require(self.batch_stats == "local" or self.mode == "sync",
+                 "--batch-stats global normalises over a synchronous step's global batch; --mode async trains "
+                 "whole steps on one worker, whose statistics are the global batch's already: drop it")
         _require(self.bucket_mb > 0, f"bucket_mb must be positive, got {self.bucket_mb} (--bucket-mb)")
         _require(self.first_bucket_mb is None or self.first_bucket_mb > 0,
                  f"first_bucket_mb must be positive, got {self.first_bucket_mb} (--first-bucket-mb)")
@@ -359,7 +374,8 @@ def run_settings(job: str, train: TrainConfig) -> dict[str, object]:
             **({} if train.lr_schedule == "constant" else {
                 "lr_schedule": train.lr_schedule, "decay_steps": train.decay_end(), "min_lr_ratio": train.min_lr_ratio,
                 **({"decay_fraction": train.decay_fraction} if train.lr_schedule == "wsd" else {})}),
-            "clip_grad_norm": train.clip_grad_norm, "precision": train.precision}
+            "clip_grad_norm": train.clip_grad_norm, "precision": train.precision,
+            **({} if train.batch_stats == "local" else {"batch_stats": train.batch_stats})}
 
 
 def run_name(settings: dict[str, object]) -> str:

@@ -21,7 +21,7 @@ API_NAMES = {
     **{f"--{f.replace('_', '-')}": f"TrainConfig.{f}" for f in (
         "steps", "global_batch", "micro_batch", "seed", "warmup_steps", "lr_schedule", "decay_steps",
         "min_lr_ratio", "decay_fraction", "eval_every", "eval_batches", "lr_reference_batch", "clip_grad_norm",
-        "precision", "bucket_mb", "first_bucket_mb", "zero", "snapshot_every", "on_nonfinite",
+        "precision", "batch_stats", "bucket_mb", "first_bucket_mb", "zero", "snapshot_every", "on_nonfinite",
         "max_nonfinite_steps", "mode", "max_staleness", "staleness_lr", "ps_shards", "ps_device", "prefetch",
         "balance")},
     "--no-reduce-fp32": "TrainConfig(reduce_fp32=False)", "--no-prefetch": "TrainConfig(prefetch=False)",
@@ -44,7 +44,7 @@ API_NAMES = {
 checks it against the command's flags and the config classes' fields)."""
 
 _WORDS = ("constant", "cosine", "linear", "wsd", "sync", "async", "skip", "fail", "cpu", "cuda", "auto", "gloo", "nccl", "bf16", "fp32", "none",
-          "inverse", "latest", "never")
+          "inverse", "latest", "never", "local", "global")
 _FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)"
                    r"(?: (MIN:MAX|-?\d[\w.]*|'[^']*'|[A-Z][A-Z0-9_]*\b|(?:" + "|".join(_WORDS) + r")\b))?")
 

@@ -57,6 +57,11 @@ class WorkerInfo:
     """The GPU's name (``torch.cuda.get_device_name``); empty on a CPU."""
     eval_len: int = 0
     """Samples in the eval set it built (``Task.eval_dataset``; 0 without ``--eval-every``)."""
+    buffers: tuple[str, ...] = ()
+    """The model's buffers that steps save, restore and agree on (``state.buffers``)."""
+    batch_norm: tuple[str, ...] = ()
+    """The model's batch-norm modules (``comm.batchnorm``): with ``--batch-stats local`` they
+    make the run depend on the worker count."""
 
 
 @dataclass(frozen=True, slots=True)

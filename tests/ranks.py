@@ -13,13 +13,15 @@ from elastic_dp.comm.group import CollectiveGroup
 T = TypeVar("T")
 
 
-def run_ranks(world: int, fn: Callable[[CollectiveGroup], T], *, generation: int = 0) -> list[T]:
-    """Call ``fn(group)`` on ``world`` ranks at once; return the results in rank order."""
+def run_ranks(world: int, fn: Callable[[CollectiveGroup], T], *, generation: int = 0, side: bool = False) -> list[T]:
+    """Call ``fn(group)`` on ``world`` ranks at once; return the results in rank order
+    (``side``: the groups have their second process group, ``CollectiveGroup.side``)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
 
     def rank_main(rank: int) -> T:
         group = CollectiveGroup(backend="gloo", timeout_s=30)
+        group.side = side
         group.configure("127.0.0.1", store.port, generation=generation, rank=rank, world_size=world)
         try:
             return fn(group)

@@ -70,7 +70,8 @@ def replay_updates(task: Task, config: TrainConfig, initial: str, updates: list[
     gradient recomputed on the parameters of its ``base_version`` (the whole global batch
     of its ``step``, clipped by its own norm), applied in ``version`` order with the base
     learning rates times its ``lr_scale``; a later line with the same version replaces an
-    earlier one. Returns the final state dict."""
+    earlier one. The buffers (BatchNorm's statistics): each applied update adds what its
+    forward changed in the buffers of its ``base_version``. Returns the final state dict."""
     torch.manual_seed(config.seed)
     model, scratch = task.model(), task.model()
     model.load_state_dict(load_file(initial))
@@ -80,6 +81,8 @@ def replay_updates(task: Task, config: TrainConfig, initial: str, updates: list[
     sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
     by_version = {u["version"]: u for u in updates}  # the last line of a version counts
     history = {0: {k: v.clone() for k, v in model.state_dict().items()}}
+    buffers = {n: b for n, b in model.named_buffers() if n in history[0] and b.dtype != torch.bool}
+    scratch_buffers = dict(scratch.named_buffers())
     for version in range(1, max(by_version, default=0) + 1):
         u = by_version[version]
         scratch.load_state_dict(history[u["base_version"]])
@@ -96,5 +99,8 @@ def replay_updates(task: Task, config: TrainConfig, initial: str, updates: list[
             for group, lr in zip(optimizer.param_groups, base):
                 group["lr"] = lr * u["lr_scale"]
             optimizer.step()
+            with torch.no_grad():
+                for name, buffer in buffers.items():
+                    buffer.copy_(buffer + (scratch_buffers[name] - history[u["base_version"]][name]))
         history[version] = {k: v.clone() for k, v in model.state_dict().items()}
     return model.state_dict()

@@ -182,3 +182,50 @@ def vector_loss(model: nn.Module, batch) -> torch.Tensor:
 
 BAD_LOSS_TASK = Task(model=mlp, dataset=Regression, loss=vector_loss, optimizer=sgd_two_groups,
                      defaults=TrainConfig(steps=2, global_batch=8))
+
+
+class Images(Dataset):
+    """``n`` one-channel 6x6 images in 3 classes, the class shifting their brightness."""
+
+    def __init__(self, n: int = 120) -> None:
+        g = torch.Generator().manual_seed(99)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+        self.x = torch.randn(n, 1, 6, 6, generator=g) + self.y.view(-1, 1, 1, 1).float()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def small_cnn() -> nn.Module:
+    """A convolution, BatchNorm2d, and a classifier with BatchNorm1d: running statistics
+    of both kinds, and ``num_batches_tracked``."""
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def cross_entropy(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def sgd_momentum(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+CNN_TASK = Task(model=small_cnn, dataset=Images, loss=cross_entropy, optimizer=sgd_momentum,
+                defaults=TrainConfig(steps=10, global_batch=12, seed=5))
+
+# the first sample of step 2: its loss and the batch-norm statistics of its forward are NaN
+POISONED_IMAGE = int(ElasticSampler(120, global_batch=12, seed=5).batch(2)[0])
+
+
+class PoisonedImages(Images):
+    def __init__(self) -> None:
+        super().__init__()
+        self.x[POISONED_IMAGE] = float("nan")
+
+
+POISONED_CNN_TASK = dataclasses.replace(CNN_TASK, dataset=PoisonedImages)

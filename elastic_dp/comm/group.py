@@ -115,6 +115,12 @@ class CollectiveGroup:
         self.world_size = 0
         self._store: dist.Store | None = None
         self._pg: dist.ProcessGroup | None = None
+        self.side = False
+        """Also build a second process group, for collectives made inside a step's forward
+        and backward (``elastic_dp.comm.batchnorm``): on the main one they would interleave
+        with the gradient buckets differently on a rank whose forward failed. Read when a
+        generation's group is built."""
+        self._side_pg: dist.ProcessGroup | None = None
         self._sockets: list[int] = []  # the gloo group's own TCP sockets, for abort()
         self._aborted = -1  # every generation up to this one is aborted
         self._lock = threading.Lock()  # configure (training thread) against abort (control thread)
@@ -187,15 +193,20 @@ class CollectiveGroup:
         return self._store.get(key).decode()
 
     def _build(self, rank: int, world_size: int) -> None:
+        side_store = dist.PrefixStore("side/", self._store) if self.side else None
         if self.backend == "gloo":
             before = _socket_fds()
             self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, self.timeout)
+            if side_store is not None:
+                self._side_pg = dist.ProcessGroupGloo(side_store, rank, world_size, self.timeout)
             after = _socket_fds()
             self._sockets = [fd for fd, inode in after.items() if before.get(fd) != inode]
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
             self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
+            if side_store is not None:
+                self._side_pg = dist.ProcessGroupNCCL(side_store, rank, world_size, options)
 
     def _require(self) -> dist.ProcessGroup | None:
         if not self.configured:
@@ -217,6 +228,21 @@ class CollectiveGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self.all_reduce_async(tensor).wait()
+        return tensor
+
+    def side_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A SUM all-reduce of ``tensor`` in place on the second process group (``side``),
+        waited for."""
+        self._require()
+        if self.world_size == 1:
+            return tensor
+        if self._side_pg is None:
+            raise RuntimeError("the collective group was built without its side group (CollectiveGroup.side)")
+        if self._staging(tensor):
+            host = _host(tensor)
+            _Staged(self._side_pg.allreduce([host]), [(tensor, host)]).wait()
+        else:
+            self._side_pg.allreduce([tensor]).wait()
         return tensor
 
     def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor):
@@ -340,9 +366,11 @@ class CollectiveGroup:
             self._aborted = max(self._aborted, generation)
             if self._pg is None or generation < self.generation:
                 return
-            pg, sockets = self._pg, list(self._sockets)
+            pg, side, sockets = self._pg, self._side_pg, list(self._sockets)
         if self.backend == "nccl":
-            pg.abort()
+            for each in (pg, side):
+                if each is not None:
+                    each.abort()
             return
         for fd in sockets:
             try:
@@ -360,12 +388,15 @@ class CollectiveGroup:
 
     def destroy(self) -> None:
         """Release the group once no collective on it is running (after an abort, too)."""
-        if self._pg is not None and self.backend == "nccl":
-            self._pg.shutdown()
+        if self.backend == "nccl":
+            for each in (self._pg, self._side_pg):
+                if each is not None:
+                    each.shutdown()
         self._forget()  # for gloo, dropping the last reference closes its sockets and threads
 
     def _forget(self) -> None:
         self._pg = None
+        self._side_pg = None
         self._store = None
         self._sockets = []
         self.world_size = 0

@@ -20,7 +20,8 @@ The losses are scaled so that the SUM over the ranks is the global-batch gradien
 in the last bucket: each rank's ``Ballot`` (its error, a non-finite loss or local
 gradient, a request to stop) follows the bucket's buffer, or each rank's chunk of it in
 the scatter modes, so every rank receives the whole tally with that bucket, and no
-collective is spent on the vote alone.
+collective is spent on the vote alone. A ballot's payload (``Ballot.payload``) is
+all-reduced right after the last bucket is launched, and waited for with it.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class GradientReducer:
         self._sums = torch.zeros(len(self.buckets), dtype=torch.float32, device=device)
         """Per bucket, the sum of this rank's gradients (checked for NaN and infinity)."""
         self._tally = torch.zeros(Ballot.SIZE)
+        self._payload: tuple[object, torch.Tensor] | None = None  # (work, summed payload) of this step
         self._scatter_out: torch.Tensor | None = None  # scatter mode: the last chunk and the tally
         self._bucket_of: dict[int, int] = {}
         self._hooks = []
@@ -188,6 +190,9 @@ class GradientReducer:
             bucket.work = self.group.all_reduce_async(bucket.carrier)
         else:
             bucket.work = self.group.all_reduce_async(bucket.buffer)
+        if last and self.ballot.payload is not None:  # right behind the vote, on every rank alike
+            summed = self.ballot.payload.clone()
+            self._payload = (self.group.all_reduce_async(summed), summed)
 
     def finish(self) -> Vote:
         """Launch the buckets backward did not, wait for all; gradients are then global.
@@ -221,13 +226,19 @@ class GradientReducer:
         if not self.buckets:  # nothing to reduce: the vote is this rank's alone
             if self.before_vote is not None:
                 self.before_vote()
-            return self.ballot.alone()
-        return Vote.of(self._tally)
+            return self.ballot.alone() if self.group.world_size == 1 else self.ballot.cast(self.group)
+        payload = None
+        if self._payload is not None:
+            work, payload = self._payload
+            self._payload = None
+            work.wait()
+        return Vote.of(self._tally, payload)
 
     def disarm(self) -> None:
         """Forget a step that failed part-way; the next ``arm()`` starts clean."""
         self._armed = False
         self._scatter_out = None
+        self._payload = None
         if self.scatter_into is not None:
             for bucket in self.buckets:
                 bucket.buffer, bucket.views = None, []

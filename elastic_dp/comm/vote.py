@@ -7,11 +7,16 @@ the step carries it, and the SUM over the ranks is the ``Vote`` every rank acts 
 The synchronous mode's gradient reduction carries it in the last bucket
 (``elastic_dp.comm.reducer``), so no collective is spent on it; a mode whose step makes no
 gradient reduction casts it on its own (``Ballot.cast``).
+
+A ballot may carry a payload: a float64 tensor summed over the ranks with it (launched
+right after the vote's own collective and waited for with it), so that what the ranks must
+agree on after a committed step (the model's buffers, ``elastic_dp.state.buffers``) is
+known together with the tally, or not at all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +34,8 @@ class Vote:
     (every rank skips the update)."""
     stops: int = 0
     """Ranks asked to end their window after this step: every rank ends it here."""
+    payload: torch.Tensor | None = field(default=None, compare=False)
+    """The ballots' payloads summed over the ranks (None: the ballots carried none)."""
 
     @property
     def commits(self) -> bool:
@@ -44,10 +51,10 @@ class Vote:
         return self.stops > 0
 
     @classmethod
-    def of(cls, summed: torch.Tensor) -> "Vote":
+    def of(cls, summed: torch.Tensor, payload: torch.Tensor | None = None) -> "Vote":
         """The tally from a summed ballot tensor (``Ballot.SIZE`` elements)."""
         errors, nonfinite, stops = (int(round(v)) for v in summed.float().tolist())
-        return cls(errors=errors, nonfinite=nonfinite, stops=stops)
+        return cls(errors=errors, nonfinite=nonfinite, stops=stops, payload=payload)
 
 
 class Ballot:
@@ -58,9 +65,13 @@ class Ballot:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.tensor = torch.zeros(self.SIZE, dtype=torch.float32, device=device)
+        self.payload: torch.Tensor | None = None
+        """A float64 tensor (the same length on every rank) summed over the ranks with the
+        vote; set before the ballot leaves, cleared with it."""
 
     def clear(self) -> None:
         self.tensor.zero_()
+        self.payload = None
 
     def error(self) -> None:
         """This rank's step raised: it votes against the commit."""
@@ -77,10 +88,15 @@ class Ballot:
 
     def alone(self) -> Vote:
         """The tally of a step with no other rank, or no collective to carry the ballot."""
-        return Vote.of(self.tensor)
+        return Vote.of(self.tensor, self.payload)
 
     def cast(self, group: CollectiveGroup) -> Vote:
-        """Sum the ballots of ``group`` in a collective of their own."""
+        """Sum the ballots of ``group`` (and their payloads) in collectives of their own."""
         summed = self.tensor.clone()
-        group.all_reduce(summed)
-        return Vote.of(summed)
+        works = [group.all_reduce_async(summed)]
+        payload = None if self.payload is None else self.payload.clone()
+        if payload is not None:
+            works.append(group.all_reduce_async(payload))
+        for work in works:
+            work.wait()
+        return Vote.of(summed, payload)

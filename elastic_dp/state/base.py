@@ -11,10 +11,14 @@ from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer
 from elastic_dp.comm.vote import Ballot, Vote
 from elastic_dp.durable.checkpoint import Part, TrainingState, Wanted, cut_part
+from elastic_dp.state.buffers import ModelBuffers
 
 
 class Strategy(Protocol):
     """What the worker's step needs from a data-parallel strategy."""
+
+    buffers: ModelBuffers
+    """The model's buffers, which the step saves, restores and agrees on (``.buffers``)."""
 
     def zero_grad(self) -> None:
         """Zero the gradients before a step (or after one that did not commit)."""

@@ -9,6 +9,7 @@ from elastic_dp.comm.reducer import GradientReducer
 from elastic_dp.config import TrainConfig
 from elastic_dp.durable.checkpoint import TrainingState, Wanted, load_optimizer_state, optimizer_state
 from elastic_dp.state.base import BucketedGradients, WholeModel, broadcast_tensors, inside, nbytes
+from elastic_dp.state.buffers import ModelBuffers
 
 
 class Replicated(BucketedGradients, WholeModel):
@@ -20,6 +21,7 @@ class Replicated(BucketedGradients, WholeModel):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.optimizer = optimizer
+        self.buffers = ModelBuffers(model)
         self.reducer = GradientReducer(self.params, group,
                                        bucket_bytes=int(config.bucket_mb * 2**20),
                                        first_bucket_bytes=config.first_bucket_bytes(device.type),

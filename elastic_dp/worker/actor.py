@@ -101,13 +101,14 @@ class WorkerActor:
         self._program(SyncProgram, "grant").grants.extend(window, until, final, faults, sizes, stop)
 
     def async_gradient(self, step: int, sampler: dict[str, int], bounds: list[int], fault: Fault | None,
-                       slow: Fault | None, *pieces: torch.Tensor):
+                       slow: Fault | None, *pieces: torch.Tensor, buffers: dict[str, torch.Tensor] | None = None):
         """``--mode async``: the gradient of sampler step ``step`` on the pulled ``pieces``
-        (Ray resolved the shards' results); returns the report and one piece per shard."""
+        and ``buffers`` (Ray resolved the shards' results); returns the report and one
+        piece per shard."""
         program = self._program(AsyncProgram, "async_gradient")
         self.faults.arm(fault)
         self.faults.slow = slow
-        report, grads = program.gradient(step, sampler, bounds, list(pieces))
+        report, grads = program.gradient(step, sampler, bounds, list(pieces), buffers)
         return (report, *grads)
 
     def evaluate(self, start: int, stop: int, fault: Fault | None = None) -> tuple[float, int]:

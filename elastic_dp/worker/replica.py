@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from elastic_dp.comm.batchnorm import GlobalBatchStats, batch_norm_modules
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.config import TrainConfig
 from elastic_dp.data import micro_batches
@@ -78,13 +79,18 @@ class Replica:
         self.rates = LearningRates(task, config, self.optimizer)
         """Each param group's learning rate at each step (``elastic_dp.schedules``)."""
         self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device, self.faults)
+        self.batch_norm = batch_norm_modules(self.model)
+        self.batch_stats = (GlobalBatchStats(self.model, group)
+                            if self.batch_norm and config.batch_stats == "global" else None)
+        """``--batch-stats global``: the batch-norm modules normalise over the global batch."""
         self.progress = Progress()
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(dataset_len=len(self.dataset), eval_len=len(self.eval_dataset or ()),
                           num_params=sum(p.numel() for p in self.model.parameters()),
                           num_trainable=sum(p.numel() for _, p in trainable(self.model, self.optimizer)),
-                          ready_time=time.time())
+                          ready_time=time.time(), buffers=tuple(self.strategy.buffers.names),
+                          batch_norm=tuple(self.batch_norm))
 
     # -- state: the strategy owns it --------------------------------------------------------
     def broadcast_state(self, src: int) -> None:

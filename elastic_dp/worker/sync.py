@@ -45,6 +45,11 @@ class SyncProgram:
         self.prefetcher = Prefetcher(replica.collate)
         config = replica.config
         self.prefetch = config.prefetch if config.prefetch is not None else replica.device.type == "cuda"
+        self.buffers = replica.strategy.buffers
+        self.agree_buffers = bool(self.buffers) and config.batch_stats == "local"
+        """Whether the ballot carries the buffers (under ``--batch-stats global`` they are
+        equal on every rank already)."""
+        self._share = 0.0  # this step's share of the global batch: its weight in the buffers' mean
 
     def abort(self) -> None:
         """The group is being aborted: a window waiting for a grant ends."""
@@ -122,6 +127,10 @@ class SyncProgram:
         if not replica.model.training:
             replica.model.train()
         strategy.zero_grad()
+        self.buffers.save()  # the forward changes them before the vote is known
+        if replica.batch_stats is not None:
+            replica.batch_stats.begin_step()
+        self._share = len(indices) / replica.config.global_batch
         # as the last bucket leaves with the vote: a fault of phase allreduce fires, and a
         # request to end the window heard by then (during this step too) goes with the vote
         strategy.before_vote(self._before_vote)
@@ -134,11 +143,17 @@ class SyncProgram:
             replica.forward_backward(batches if batches is not None else replica.collate(indices), result)
         except Exception as exc:  # recorded; the vote below tells every rank
             local_error = exc
+        if replica.batch_stats is not None:  # the collectives of a forward that failed, or of none
+            try:
+                replica.batch_stats.complete_step()
+            except Exception as exc:
+                local_error = local_error or exc
         t1 = time.perf_counter()
         parameter_wait = strategy.take_parameter_wait_s()
         replica.progress.enter("reduce")
         vote = self._reduce_and_vote(step, result, local_error)
         if vote is None:
+            self.buffers.restore()
             return result  # the group failed: result.error says how
         result.stop = vote.stop
         t2 = time.perf_counter()
@@ -146,13 +161,17 @@ class SyncProgram:
         if local_error is not None or not vote.commits:
             result.error = portable(local_error, result.rank, step) if local_error else None
             strategy.zero_grad()
+            self.buffers.restore()
             return result
         try:
             if not vote.updates:  # a loss or gradient is not finite somewhere: every rank skips the update
                 result.nonfinite = True
                 strategy.zero_grad()
+                self.buffers.restore()
                 strategy.skip_update(step)
             else:
+                if vote.payload is not None:
+                    self.buffers.agree(vote.payload)
                 self._update(step, result)
             t3 = time.perf_counter()
             strategy.after_commit(step + 1)
@@ -169,9 +188,12 @@ class SyncProgram:
         return result
 
     def _before_vote(self) -> None:
+        ballot = self.replica.strategy.ballot
+        if self.agree_buffers:  # the last forward has run: the buffers are this step's
+            ballot.payload = self.buffers.payload(self._share)
         self.replica.faults.at("allreduce")
         if self.grants.stopping():  # asked to end the window: the vote tells every rank
-            self.replica.strategy.ballot.stop()
+            ballot.stop()
 
     def _reduce_and_vote(self, step: int, result: StepResult, local_error: BaseException | None) -> Vote | None:
         """Complete the gradient reduction, which carries the commit vote. None when the

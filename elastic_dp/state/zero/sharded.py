@@ -31,6 +31,7 @@ from elastic_dp.durable.checkpoint import TrainingState, Wanted
 from elastic_dp.errors import CollectiveError
 from elastic_dp.faults import FaultHook
 from elastic_dp.state.base import BucketedGradients, WholeModel, broadcast_tensors, inside, nbytes
+from elastic_dp.state.buffers import BufferHistory, ModelBuffers
 from elastic_dp.state.zero import format as zero_format
 from elastic_dp.state.zero.chunks import ChunkState, check_elementwise, cut, needed_sources, unpack
 from elastic_dp.state.zero.snapshots import SNAPSHOT_WAIT_S, Exchange, PeerSnapshots
@@ -54,6 +55,8 @@ class Sharded(BucketedGradients, WholeModel):
         self.base_groups = optimizer.param_groups
         self.generation: int | None = None  # of the layout below; None: not built yet
         self.snapshots = PeerSnapshots()
+        self.buffers = ModelBuffers(model)
+        self.history = BufferHistory(self.buffers)
         self._gathers: dict[int, Any] = {}  # bucket -> its parameter all-gather, in flight
         self.defer_gather: bool | None = None
         """Whether a step leaves its all-gather to the next forward (None: not learnt yet)."""
@@ -275,12 +278,17 @@ class Sharded(BucketedGradients, WholeModel):
         """At state step ``step`` (committed steps), when a snapshot is due: wait for the
         last one to arrive, copy the chunk and start sending it to the right neighbour."""
         if self.world_size == 1 or step % self.config.snapshot_every:
+            self.history.keep(step, self._steps_held())
             return
         self._receive_snapshot()
+        self.history.keep(step, self._steps_held() | {step})
         own = self.snapshots.keep_own(self.export("live", step))
         self.faults.at("snapshot")
         on_device = self.group.backend == "nccl" and self.masters  # NCCL sends from the GPU; gloo from the host
         self.snapshots.send(own, self.masters[0].device if on_device else None)
+
+    def _steps_held(self) -> set[int]:
+        return {self.live_step, *(s.step for s in self.snapshots.own), *(s.step for s in self.snapshots.peer)}
 
     def _receive_snapshot(self, timeout_s: float | None = None) -> None:
         """Wait for the peer snapshot in flight (up to ``timeout_s``) and keep it; a failed
@@ -322,10 +330,13 @@ class Sharded(BucketedGradients, WholeModel):
                         value = value.detach()
                         state.setdefault(key, []).append(value.clone() if value.dim() == 0 else value.to("cpu"))
             return ChunkState(step=step, world_size=self.world_size, rank=self.rank,
-                              master=[m.detach().to("cpu", torch.float32) for m in self.masters], state=state)
+                              master=[m.detach().to("cpu", torch.float32) for m in self.masters], state=state,
+                              buffers=self.history.of(step, self.live_step))
         snap = self.snapshots.find(kind, step)
         rank = self.rank if kind == "own" else (self.rank - 1) % self.world_size
-        return unpack(snap, self.chunks, self.world_size, rank)
+        shard = unpack(snap, self.chunks, self.world_size, rank)
+        shard.buffers = self.history.of(step, self.live_step)
+        return shard
 
     # -- resharding ----------------------------------------------------------------------
     def needed_sources(self, old_world_size: int) -> list[int]:
@@ -372,12 +383,14 @@ class Sharded(BucketedGradients, WholeModel):
             else:
                 self.optimizer.state.pop(master, None)
         self.live_step = shard.step
+        self.history.reset(shard.step, shard.buffers)
 
     @torch.no_grad()
     def reset_from_params(self, step: int) -> None:
         """Start from the model's parameters (equal on every rank) and empty optimizer state."""
         shard = ChunkState(step=step, world_size=self.world_size, rank=self.rank,
-                           master=[self._own_params(b).detach().float().cpu() for b in range(len(self.buckets))])
+                           master=[self._own_params(b).detach().float().cpu() for b in range(len(self.buckets))],
+                           buffers=self.history.current())
         self._set_live(shard)
         peer, left = None, (self.rank - 1) % self.world_size
         if self.world_size > 1:
@@ -423,4 +436,5 @@ class Sharded(BucketedGradients, WholeModel):
         saved at any world size and stage), after the model's parameters were loaded."""
         masters = [self.param_buffers[b][:bucket.numel].detach().float().cpu() for b, bucket in enumerate(self.buckets)]
         full = zero_format.whole_state(self.buckets, self.names, masters, tensors, step)
+        full.buffers = self.history.current()  # loaded with the model's state
         self.load_chunks(lambda _: full, 1, step)

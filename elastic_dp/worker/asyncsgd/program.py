@@ -30,12 +30,14 @@ class AsyncProgram:
     def abort(self) -> None:
         pass  # no window to end: a gradient is one call
 
-    def gradient(self, step: int, sampler: dict[str, int], bounds: list[int],
-                 pieces: list[np.ndarray]) -> tuple[dict, list[np.ndarray]]:
+    def gradient(self, step: int, sampler: dict[str, int], bounds: list[int], pieces: list[np.ndarray],
+                 buffers: dict[str, torch.Tensor] | None = None) -> tuple[dict, list[np.ndarray]]:
         """The gradient of sampler step ``step`` on the parameters ``pieces`` (the shards'
-        flat fp32 pieces of one version), clipped by its own norm, cut at ``bounds`` into
-        one flat piece per shard. Also a small report: loss, whether loss and gradient are
-        finite, the error of the task if it raised. The faults armed for it fire at their
+        flat fp32 pieces of one version) and the model's ``buffers`` of that version,
+        clipped by its own norm, cut at ``bounds`` into one flat piece per shard. Also a
+        small report: loss, whether loss and gradient are finite, the error of the task if
+        it raised, and what the forward changed in the buffers (``buffer_change``, which
+        the update adds to them when it is applied). The faults armed for it fire at their
         phases (``forward``); a slow one, set on the hook, slows it.
 
         Pieces travel as NumPy arrays, which Ray reads from its object store without a
@@ -53,11 +55,14 @@ class AsyncProgram:
             for p in params:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
+        tracked = replica.strategy.buffers
+        if buffers is not None and tracked:
+            tracked.load(buffers)
         if not replica.model.training:
             replica.model.train()
         replica.strategy.zero_grad()  # the gradients live in its buckets; no collective is used
         report = {"error": None, "finite": True, "loss_finite": True, "loss": None, "grad_norm": None,
-                  "compute_s": 0.0}
+                  "compute_s": 0.0, "buffer_change": None}
         result = StepResult(step=step, rank=0, generation=0, committed=False)
         start = time.perf_counter()
         replica.progress.enter("compute")  # the watchdog judges a stalled gradient by this phase
@@ -79,5 +84,7 @@ class AsyncProgram:
         report["finite"] = result.loss_finite and bool(torch.isfinite(flat_grad).all())
         report["loss"] = result.loss_sum / max(1, result.samples)
         report["compute_s"] = time.perf_counter() - start
+        if buffers is not None and tracked:
+            report["buffer_change"] = {k: v - buffers[k].to(v.dtype) for k, v in tracked.copy().items()}
         host = flat_grad.numpy()  # Ray writes each view's own bytes into its store, no more
         return report, [host[lo:hi] for lo, hi in zip(bounds, bounds[1:])]

@@ -16,6 +16,11 @@ so a worker always pulls one consistent model version. A ``snapshot`` submitted 
 copies the shard's state at exactly ``v``, the same version on every shard: the shard
 keeps it, and another actor (``Keeper``: the next shard, or a keeper of its own when
 there is one shard) keeps a copy in its memory, so that a lost shard can be rebuilt.
+
+Shard 0 also keeps the model's buffers (BatchNorm's running statistics): a worker starts
+its gradient from the buffers of the version it pulled, and an applied update adds the
+change its forward made to them (``apply``'s ``buffer_change``); a skipped, refused or
+lost update leaves no trace (docs/async.md).
 """
 
 from __future__ import annotations
@@ -111,7 +116,7 @@ class ParameterShard(Keeper):
         self.shapes = {name: (list(p.shape), p.dtype) for name, p in model.named_parameters()}
         self.buffers = {k: v.detach().clone() for k, v in model.state_dict().items()
                         if all(k not in keys for keys in self.aliases.values())}
-        """The model's other state (buffers): shard 0 writes it into checkpoints as built."""
+        """The model's other state (buffers): shard 0 keeps it, at the current version."""
         names = {id(p): n for n, p in model.named_parameters()}
         self.groups = optimizer_state(optimizer, names)[1]["param_groups"]
         """The task's param groups by parameter name, as a checkpoint records them."""
@@ -143,13 +148,18 @@ class ParameterShard(Keeper):
             return np.zeros(0, dtype=np.float32)
         return torch.cat([m.detach() for m in self.masters]).cpu().numpy()
 
+    def buffer_values(self) -> dict[str, torch.Tensor]:
+        """The model's buffers at the current version (shard 0's; empty elsewhere)."""
+        return self.buffers
+
     @torch.no_grad()
     def apply(self, version: int, grad: np.ndarray, lr_scale: float, skip: bool = False,
-              fault: Fault | None = None) -> int:
+              fault: Fault | None = None, buffer_change: dict[str, torch.Tensor] | None = None) -> int:
         """Apply update ``version`` (the next one): ``grad`` is this shard's piece of the
         gradient (a read-only NumPy array in Ray's object store); ``skip``: a non-finite
         gradient, the version passes with no change; ``fault``: ``--inject
-        kill:...:phase=shard``, fired first."""
+        kill:...:phase=shard``, fired first; ``buffer_change`` (shard 0): what the
+        update's forward changed in the buffers it started from, added to them."""
         self.faults.arm(fault)  # the coordinator hands a shard its fault with the update
         self.faults.at("shard")
         if version != self.version + 1:
@@ -164,6 +174,9 @@ class ParameterShard(Keeper):
             self.optimizer.step()
             for master in self.masters:
                 master.grad = None
+            if buffer_change:
+                self.buffers = {k: v + buffer_change[k].to(v.dtype) if k in buffer_change else v
+                                for k, v in self.buffers.items()}
         self.version = version
         return version
 
@@ -173,7 +186,8 @@ class ParameterShard(Keeper):
         (the coordinator hands it to this shard's keeper)."""
         snap = {"version": self.version, "masters": [m.detach().to("cpu", copy=True) for m in self.masters],
                 "state": [{k: v.detach().to("cpu", copy=True) for k, v in self.optimizer.state.get(m, {}).items()
-                           if isinstance(v, torch.Tensor)} for m in self.masters]}  # in host memory
+                           if isinstance(v, torch.Tensor)} for m in self.masters],  # in host memory
+                "buffers": self.buffers}  # replaced, never changed in place, by apply
         self.own = [s for s in self.own if s["version"] != self.version][-(SNAPSHOTS_KEPT - 1):] + [snap]
         return snap
 
@@ -194,6 +208,7 @@ class ParameterShard(Keeper):
             else:
                 self.optimizer.state.pop(master, None)
         self.version = snap["version"]
+        self.buffers = snap.get("buffers", self.buffers)
         self.own = [s for s in self.own if s["version"] <= self.version]
         self.trim(self.version)
         return self.version
@@ -232,6 +247,8 @@ class ParameterShard(Keeper):
 
         def wanted(key: str, start: int, numel: int) -> bool:
             kind, _, rest = key.partition("/")
+            if kind == "model" and rest in self.buffers:
+                return True
             name = rest if kind == "model" else rest.rpartition("/")[0]
             if kind not in ("model", "optim") or name not in names:
                 return False
@@ -252,6 +269,7 @@ class ParameterShard(Keeper):
                 self.optimizer.state[master] = fields
             else:
                 self.optimizer.state.pop(master, None)
+        self.buffers = {k: state.model[k].clone() if k in state.model else v for k, v in self.buffers.items()}
         self.version = checkpoint.step
         return self.version
 

@@ -109,6 +109,8 @@ class AsyncMode:
         self._saved: list[SaveOutcome] = []  # saves committed since settle_saves
         self._applies: dict[int, list[Any]] = {}  # shard -> its apply calls not yet seen to succeed
         self._lost_shards: set[int] = set()
+        self.has_buffers = False
+        """The model has buffers: shard 0 keeps them, and a lease pulls them with the parameters."""
         up = ray.is_initialized()
         self.keeper: Any = _new_keeper() if up and train.ps_shards == 1 else None
         """The snapshots' keeper of a lone shard."""
@@ -128,7 +130,7 @@ class AsyncMode:
         self.members = list(members)
         self.sampler_state = {"seed": self.train.seed, "global_batch": self.train.global_batch,
                               "dataset_len": dataset_length(members)}
-        numel = members[0].info.num_trainable
+        numel, self.has_buffers = members[0].info.num_trainable, bool(members[0].info.buffers)
         if self.train.ps_shards > numel:
             raise ConfigError(f"--ps-shards {self.train.ps_shards} is more than the model's {numel} trainable "
                               "parameters: use at most that many shards")
@@ -183,7 +185,8 @@ class AsyncMode:
     def _model_state(self) -> dict:
         """The model's state dict, assembled here from the shards' pieces."""
         parts = ray.get([s.model_part.remote() for s in self.shards])
-        template = ray.get(self.members[0].actor.model_state.remote())  # shapes, dtypes, buffers
+        template = ray.get(self.members[0].actor.model_state.remote())  # shapes, dtypes
+        template.update(ray.get(self.shards[0].buffer_values.remote()))  # the buffers of this version
         flat = {k: v.reshape(-1).clone() for k, v in template.items()}
         for part in parts:
             for key, start, values in part:
@@ -221,9 +224,10 @@ class AsyncMode:
         fault = self.faults.take_due(step, rank)
         slow = self.faults.slow.get(rank)
         pulls = [s.params.remote() for s in self.shards]
+        buffers = self.shards[0].buffer_values.remote() if self.has_buffers else None  # the same version
         refs = member.actor.async_gradient.options(num_returns=1 + len(self.shards)).remote(
             step, self.sampler_state, self.bounds, fault, slow if slow is not None and slow.slows(step) else None,
-            *pulls)
+            *pulls, buffers=buffers)
         self.jobs[member] = _Job(step, ledger.version, refs[0], list(refs[1:]), fault)
 
     def _collect(self, wake: list) -> None:
@@ -262,7 +266,7 @@ class AsyncMode:
         for i, (shard, piece) in enumerate(zip(self.shards, job.pieces)):
             fault = self.faults.take(update.version - 1, i, ("shard",))
             self._applies[i].append(shard.apply.remote(update.version, piece, update.lr_scale, not meta["finite"],
-                                                       fault))
+                                                       fault, meta["buffer_change"] if i == 0 else None))
         self._record(update, meta)
         self.guard.check_update(update.version, job.step, repr(member), meta["finite"], meta["loss_finite"])
         every = self.train.snapshot_every

@@ -89,6 +89,11 @@ class SyncMode:
         logger.info("%d workers; model has %d parameters; dataset has %d samples, %d steps per epoch",
                     len(members), members[0].info.num_params, self.sampler.dataset_len,
                     self.sampler.steps_per_epoch)
+        if members[0].info.batch_norm and self.train.batch_stats == "local":
+            names = members[0].info.batch_norm
+            logger.warning("--batch-stats local: the batch-norm modules %s normalise over each worker's slice, so "
+                           "the run depends on the worker count; --batch-stats global normalises over the global "
+                           "batch", ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
         start = time.perf_counter()
         self.gens.form(members)
         form_s = time.perf_counter() - start
