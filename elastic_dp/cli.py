@@ -183,14 +183,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from elastic_dp.tokens import byte_tokens, load_tokenizer, write_token_files
+    from elastic_dp.tokens import byte_tokens, load_tokenizer, text_pieces, write_token_files
 
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else byte_tokens
     for path in args.inputs:
         if not os.path.isfile(path):
             raise TaskError(f"{path} is not a file: pass text files to elastic-dp tokenize")
-    texts = (Path(path).read_bytes() if args.tokenizer is None else Path(path).read_text(encoding="utf-8")
-             for path in args.inputs)
+    texts = (piece for path in args.inputs for piece in text_pieces(path, binary=args.tokenizer is None))
     index = write_token_files(texts, args.out, tokenizer=tokenizer, dtype=args.dtype, file_tokens=args.file_tokens,
                               tokenizer_name=args.tokenizer or "bytes")
     print(f"wrote {index['tokens']} tokens in {len(index['files'])} files to {args.out}")

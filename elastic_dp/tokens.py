@@ -83,6 +83,32 @@ def write_token_files(texts: Iterable[str | bytes], uri: str | os.PathLike, *,
     return index
 
 
+PIECE_BYTES = 16 << 20
+"""``text_pieces`` reads a file this many bytes at a time (whole lines for a tokenizer of text)."""
+
+
+def text_pieces(path: str | os.PathLike, *, binary: bool, piece_bytes: int = PIECE_BYTES) -> Iterable[str | bytes]:
+    """A text file in pieces of about ``piece_bytes``, so that no file is held whole:
+    raw bytes for the byte-level tokenizer (which is the same however they are cut),
+    else UTF-8 text cut only after a line's end, so that a tokenizer never sees a word,
+    or a character, cut in two."""
+    if binary:
+        with open(path, "rb") as f:
+            while piece := f.read(piece_bytes):
+                yield piece
+        return
+    with open(path, encoding="utf-8") as f:
+        lines, held = [], 0
+        for line in f:
+            lines.append(line)
+            held += len(line)
+            if held >= piece_bytes:
+                yield "".join(lines)
+                lines, held = [], 0
+        if lines:
+            yield "".join(lines)
+
+
 def load_tokenizer(spec: str) -> Callable[[str], list[int]]:
     """``module:name``: an importable callable, text -> list of token ids."""
     import importlib

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, TaskError, Trainer
 from elastic_dp.cli import main
-from elastic_dp.tokens import TokenWindows, write_token_files
+from elastic_dp.tokens import TokenWindows, text_pieces, write_token_files
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import TINY_GPT_TASK
@@ -70,6 +70,17 @@ def test_the_tokenize_command_writes_a_corpus_from_text_files(tmp_path, capsys):
     assert len(TokenWindows(tmp_path / "c", 8)) == (500 - 1) // 8 + (400 - 1) // 8
     assert main(["tokenize", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "d")]) == 2
     assert "missing.txt is not a file" in capsys.readouterr().err
+
+
+def test_a_text_file_is_read_in_pieces_that_tokenize_as_the_whole(tmp_path):
+    """Bytes cut anywhere; text cut only after a line's end (a multi-byte character and
+    the words stay whole), whatever the piece size."""
+    text = "ünïcode line one\nsecond line, longer than the piece\nthird\n" * 20
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    pieces = list(text_pieces(tmp_path / "a.txt", binary=True, piece_bytes=7))
+    assert len(pieces) > 100 and max(map(len, pieces)) == 7 and b"".join(pieces) == text.encode()
+    lines = list(text_pieces(tmp_path / "a.txt", binary=False, piece_bytes=30))
+    assert len(lines) > 20 and "".join(lines) == text and all(p.endswith("\n") for p in lines)
 
 
 def _rss_kib() -> dict[str, int]:
