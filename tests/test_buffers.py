@@ -35,12 +35,14 @@ def _fit(tmp_path, config, workers: int, inject: list[str], checkpoint: Checkpoi
     return load_file(tmp_path / "final.safetensors"), changes
 
 
-def test_local_statistics_through_a_kill_and_a_join_count_each_step_once_and_agree(ray_cluster, tmp_path):
+def test_local_statistics_through_a_kill_and_a_join_count_each_step_once_and_agree(ray_cluster, tmp_path, caplog):
     """ZeRO-1, 3 workers, a worker killed in step 3 (whose forward the survivors had run)
-    and one joining at step 6."""
+    and one joining at step 6. The run says at start which modules make it depend on the
+    worker count."""
     config = dataclasses.replace(CNN_TASK.defaults, zero=1)
     final, changes = _fit(tmp_path, config, 3, ["kill:step=3:rank=1", "join:step=6"],
                           CheckpointConfig(dir=str(tmp_path / "ckpt"), every=10))
+    assert "--batch-stats local: the batch-norm modules 1, 5 normalise over each worker's slice" in caplog.text
     assert sum(e["lost"] for e in changes) == 1 and sum(e.get("joined", 0) for e in changes) == 1
     assert [int(final[k]) for k in BN_COUNTERS] == [10, 10]
     saved = CheckpointStore(str(tmp_path / "ckpt")).latest()
