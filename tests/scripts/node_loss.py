@@ -1,4 +1,4 @@
-"""Run in its own process by tests/test_node_loss.py: a two-node Ray cluster on this
+"""Run in its own process by benchmarks/scenarios/test_node_loss.py: a two-node Ray cluster on this
 machine (ray.cluster_utils.Cluster); the second node is removed while training runs.
 Prints one JSON line with what the test checks.
 

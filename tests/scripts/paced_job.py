@@ -1,4 +1,4 @@
-"""A Ray job entrypoint for tests/test_ray_job.py: the MLP task with SGD, each micro-batch
+"""A Ray job entrypoint for benchmarks/scenarios/test_ray_job.py: the MLP task with SGD, each micro-batch
 paced by a sleep so a run lasts long enough to be killed mid-way (no longer once the file
 named by the environment variable ``EDP_PACED_UNTIL`` exists).
 

@@ -1,6 +1,8 @@
 """Jobs submitted with the real ``ray job submit`` CLI to a Ray cluster that this module
 starts (``ray start --head --block``, its own temp dir and ports, token auth on) and stops
-itself: the main job, and a job whose driver is killed and which is submitted again."""
+itself: the main job, and a job whose driver is killed and which is submitted again. A
+long scenario (``python3 dev.py test benchmarks/scenarios``), out of the suite to keep it
+within its time."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from tests.tasks import PacedLoss, paced_task
 
 pytestmark = pytest.mark.ray  # it starts Ray in a subprocess
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TOL = 2e-5  # SGD on the MLP over 30 steps: float32 reduction order only (as in test_node_loss)
 
