@@ -36,14 +36,14 @@ def _fit(tmp_path, config, workers: int, inject: list[str], checkpoint: Checkpoi
 
 
 def test_local_statistics_through_a_kill_and_a_join_count_each_step_once_and_agree(ray_cluster, tmp_path, caplog):
-    """ZeRO-1, 3 workers, a worker killed in step 3 (whose forward the survivors had run)
+    """Stage 0, 3 workers, a worker killed in step 3 (whose forward the survivors had run)
     and one joining at step 6. The run says at start which modules make it depend on the
     worker count."""
-    config = dataclasses.replace(CNN_TASK.defaults, zero=1)
+    config = CNN_TASK.defaults
     final, changes = _fit(tmp_path, config, 3, ["kill:step=3:rank=1", "join:step=6"],
                           CheckpointConfig(dir=str(tmp_path / "ckpt"), every=10))
     assert "--batch-stats local: the batch-norm modules 1, 5 normalise over each worker's slice" in caplog.text
-    assert sum(e["lost"] for e in changes) == 1 and sum(e.get("joined", 0) for e in changes) == 1
+    assert sum(e["lost"] for e in changes) == 1 and sum(e.get("joined", 0) for e in changes) >= 1
     assert [int(final[k]) for k in BN_COUNTERS] == [10, 10]
     saved = CheckpointStore(str(tmp_path / "ckpt")).latest()
     assert saved.step == 10 and saved.world_size == changes[-1]["world_size"] >= 2
@@ -52,12 +52,16 @@ def test_local_statistics_through_a_kill_and_a_join_count_each_step_once_and_agr
     assert float((final["1.running_mean"] - initial["1.running_mean"]).abs().max()) > 1e-2
 
 
-@pytest.mark.parametrize(("workers", "zero", "inject"), [
-    (1, 0, []), (2, 0, []), (3, 2, ["kill:step=3:rank=1", "join:step=6"])])
-def test_global_statistics_end_on_the_replay_at_any_worker_count(ray_cluster, tmp_path, workers, zero, inject):
-    config = dataclasses.replace(CNN_TASK.defaults, batch_stats="global", zero=zero)
+@pytest.mark.parametrize(("workers", "inject"), [(1, []), (3, ["kill:step=3:rank=1", "join:step=6"])])
+def test_global_statistics_end_on_the_replay_at_any_worker_count(ray_cluster, tmp_path, workers, inject):
+    """ZeRO-2 (a rollback to peer snapshots after the kill): one worker, or three with a
+    kill and a join, so that the steps run at two or three worker counts (a worker that is
+    late to start joins at a step boundary)."""
+    config = dataclasses.replace(CNN_TASK.defaults, batch_stats="global", zero=2)
     final, changes = _fit(tmp_path, config, workers, inject)
     assert sum(e["lost"] for e in changes) == len(inject) // 2
+    sizes = {m["world_size"] for m in read_lines(tmp_path / "metrics.jsonl")}
+    assert sizes == {1} if workers == 1 else len(sizes) >= 2
     expected = replay(CNN_TASK, config, str(tmp_path / "initial.safetensors"))
     assert max_abs_diff(final, expected) < TOL
     assert [int(final[k]) for k in BN_COUNTERS] == [10, 10]

@@ -115,3 +115,17 @@ def test_a_kill_on_a_two_gpu_nccl_group_reforms_in_place(ray_cluster, tmp_path, 
     summary, diff = _run(tmp_path, cluster, inject=["kill:step=2:rank=1:phase=allreduce"], zero=zero)
     assert diff < TOL
     assert summary.steps == 6
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_global_batch_statistics_on_the_gpu_end_where_the_gpu_replay_ends(ray_cluster, tmp_path, gpus):
+    """--batch-stats global on CUDA tensors, through a kill: two workers sharing one GPU
+    (gloo, staged through the host), or one GPU each (NCCL; needs two)."""
+    if gpus > torch.cuda.device_count():
+        pytest.skip(f"an NCCL group of 2 ranks needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    from tests.tasks import CNN_TASK
+
+    cluster = ClusterConfig(workers=2, min_workers=1, device="cuda", gpus_per_worker=1.0 if gpus == 2 else 0.5)
+    summary, diff = _run(tmp_path, cluster, task=CNN_TASK, inject=["kill:step=3:rank=1"], batch_stats="global")
+    assert diff < 1e-5  # SGD, as tests/test_buffers.py
+    assert summary.steps == 6

@@ -161,10 +161,13 @@ def test_below_min_waits_for_capacity_then_fails_clearly(ray_cluster, tmp_path):
 
 def test_all_workers_lost_restarts_from_the_latest_checkpoint(ray_cluster, tmp_path):
     # synchronous saves: a background save of step 2 is lost with the workers if they die
-    # (in step 3) before their uploads finish, and the run would have no checkpoint
+    # (in step 3) before their uploads finish, and the run would have no checkpoint. Both
+    # die after step 3's vote, which each has then received: a kill in the forward let one
+    # die while the other, aborted before its own forward, re-formed with a replacement.
     ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2, asynchronous=False)
-    summary, diff, events, metrics = run_against_replay(tmp_path / "out", 2,
-                                                        ["kill:step=3:rank=0", "kill:step=3:rank=1"], checkpoint=ckpt)
+    summary, diff, events, metrics = run_against_replay(
+        tmp_path / "out", 2, ["kill:step=3:rank=0:phase=optimizer", "kill:step=3:rank=1:phase=optimizer"],
+        checkpoint=ckpt)
     assert diff < TOL
     restored = [e for e in events if e["kind"] == "restored_from_checkpoint"]
     # steps 2 and 3 are trained again; whether step 2 was reported before both workers died

@@ -78,7 +78,7 @@ def _checkpoints(fs, run_prefix: str) -> dict[str, list[str]]:
     return {d: sorted(names) for d, names in sorted(found.items())}
 
 
-def test_saved_by_every_rank_to_s3_and_resumed_at_another_worker_count(ray_cluster, s3, tmp_path):
+def test_saved_by_every_rank_to_s3_resumed_at_another_worker_count_and_a_corrupted_object_refused(ray_cluster, s3, tmp_path):
     uri, fs, _ = s3
     # Run at 3 workers with ZeRO-1, saving after steps 2 and 4, stopping at 4.
     _fit(3, tmp_path / "first", steps=4, storage=uri, every=2, zero=1)
@@ -110,6 +110,18 @@ def test_saved_by_every_rank_to_s3_and_resumed_at_another_worker_count(ray_clust
                            str(tmp_path / "first" / "initial.safetensors"))
     assert max_abs_diff(uninterrupted, load_file(second_out / "final.safetensors")) < TOL
 
+    # A corrupted object is refused, naming it, and nothing is written; without its manifest
+    # the damaged checkpoint does not exist: the run continues from the one before.
+    older, newer = list(_checkpoints(fs, run_prefix))[-2:]
+    _flip_last_byte(fs, f"{run_prefix}/{newer}/optim-00001.safetensors")
+    with pytest.raises(CheckpointError, match=r"optim-00001\.safetensors does not match its sha256"):
+        _fit(2, tmp_path / "refused", steps=8, storage=uri)
+    assert not (tmp_path / "refused").exists()
+    fs.delete_file(f"{run_prefix}/{newer}/manifest.json")
+    _fit(2, tmp_path / "third", steps=8, storage=uri)
+    decision = next(e for e in _events(tmp_path / "third") if e["kind"] == "resume_decision")
+    assert decision["resumed"] and older in decision["checkpoint"]
+
 
 def _flip_last_byte(fs, path: str) -> None:
     with fs.open_input_stream(path) as f:
@@ -117,24 +129,6 @@ def _flip_last_byte(fs, path: str) -> None:
     data[-1] ^= 0xFF
     with fs.open_output_stream(path) as f:
         f.write(bytes(data))
-
-
-def test_a_corrupted_object_is_refused_and_a_missing_manifest_ignored(ray_cluster, s3, tmp_path):
-    uri, fs, _ = s3
-    uri = uri.replace("/runs?", "/damaged?")
-    _fit(2, tmp_path / "first", steps=4, storage=uri, every=2)
-    run_prefix = next(e for e in _events(tmp_path / "first") if e["kind"] == "resume_decision")["storage"]
-    run_prefix = run_prefix.removeprefix("s3://")
-    older, newer = _checkpoints(fs, run_prefix)
-    _flip_last_byte(fs, f"{run_prefix}/{newer}/optim-00001.safetensors")
-    with pytest.raises(CheckpointError, match=r"optim-00001\.safetensors does not match its sha256"):
-        _fit(2, tmp_path / "refused", steps=6, storage=uri)
-    assert not (tmp_path / "refused").exists()  # nothing written
-    # Without its manifest the damaged checkpoint does not exist: the run continues from the older.
-    fs.delete_file(f"{run_prefix}/{newer}/manifest.json")
-    _fit(2, tmp_path / "second", steps=6, storage=uri)
-    decision = next(e for e in _events(tmp_path / "second") if e["kind"] == "resume_decision")
-    assert decision["resumed"] and decision["step"] == 2 and older in decision["checkpoint"]
 
 
 def test_an_unreachable_endpoint_is_reported_within_seconds(s3):
