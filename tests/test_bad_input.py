@@ -81,9 +81,15 @@ def test_resume_without_checkpoint(ray_cluster, tmp_path):
         CheckpointConfig(resume=True)
 
 
-def test_resume_from_corrupted_checkpoint(ray_cluster, tmp_path):
+def test_resume_with_another_global_batch_or_from_a_corrupted_checkpoint_is_refused(ray_cluster, tmp_path):
+    """One checkpoint, refused twice: resumed with another global batch, then with a flipped
+    byte in a file; neither attempt writes anything."""
     ckpt = tmp_path / "ckpt"
     _trainer(workers=1, train={"steps": 2}, checkpoint={"dir": str(ckpt)}).fit()
+    with pytest.raises(CheckpointError, match=r"global_batch=10.*TrainConfig\.global_batch=10"):
+        _trainer(train={"steps": 4, "global_batch": 12}, checkpoint={"dir": str(ckpt), "resume": True},
+                 out=tmp_path / "other-batch").fit()
+    assert not (tmp_path / "other-batch").exists()
     model_file = next(ckpt.glob("step-00000002-*")) / "model-00000.safetensors"
     data = bytearray(model_file.read_bytes())
     data[-3] ^= 0xFF
@@ -114,13 +120,6 @@ def test_resume_auto_refuses_a_checkpoint_of_its_name_saved_with_other_settings(
         CheckpointConfig(dir="a", storage="b")
     with pytest.raises(ConfigError, match="resume must be never, latest or auto"):
         CheckpointConfig(storage="b", resume="sometimes")
-
-
-def test_resume_with_another_global_batch(ray_cluster, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    _trainer(workers=1, train={"steps": 1}, checkpoint={"dir": str(ckpt)}).fit()
-    with pytest.raises(CheckpointError, match=r"global_batch=10.*TrainConfig\.global_batch=10"):
-        _trainer(train={"steps": 2, "global_batch": 12}, checkpoint={"dir": str(ckpt), "resume": True}).fit()
 
 
 def test_loss_that_is_not_a_scalar(ray_cluster, tmp_path):
