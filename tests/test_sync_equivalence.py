@@ -30,10 +30,11 @@ def _run(task, workers, out, **train):
     return config, summary
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, 3])
 def test_n_workers_match_single_process_reference(ray_cluster, tmp_path, workers):
     # global batch 10 over 3 workers gives uneven slices (4, 3, 3), each split into
-    # micro-batches of 2; bucket_mb tiny so the model spans several buckets.
+    # micro-batches of 2; bucket_mb tiny so the model spans several buckets. (2 workers:
+    # the linear scaling rule's run below, and tests/test_ddp_reference.py.)
     config, summary = _run(MLP_TASK, workers, tmp_path, bucket_mb=0.0005)
     final = load_file(tmp_path / "final.safetensors")
     initial = load_file(tmp_path / "initial.safetensors")
