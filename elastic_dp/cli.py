@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from elastic_dp.api import Trainer
 from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig
