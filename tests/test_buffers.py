@@ -70,7 +70,8 @@ def test_global_statistics_end_on_the_replay_at_any_worker_count(ray_cluster, tm
 
 def test_async_updates_add_their_forward_s_change_and_a_skipped_or_lost_one_leaves_none(ray_cluster, tmp_path):
     """``--mode async``, 2 workers, staleness up to 2: step 2's sample is NaN, so its
-    forward made the running statistics NaN and its update is skipped; a worker is killed
+    forward made the running statistics NaN and its update is skipped as a no-op (and
+    said: the ``nonfinite_step`` event); a worker is killed
     in step 5. The buffers are shard 0's: each applied update adds what its forward changed
     in the buffers of the version it pulled, so the run ends on the replay of
     updates.jsonl, running statistics included, and they count the 9 applied updates."""
@@ -79,8 +80,10 @@ def test_async_updates_add_their_forward_s_change_and_a_skipped_or_lost_one_leav
     assert sum(e["lost"] for e in changes) == 1
     updates = {u["version"]: u for u in read_lines(tmp_path / "updates.jsonl")}
     assert sorted(updates) == list(range(1, 11))
-    skipped = [m["step"] for m in read_lines(tmp_path / "metrics.jsonl") if m.get("nonfinite")]
-    assert skipped == [updates[v]["version"] - 1 for v in updates if updates[v]["step"] == 2]
+    (version,) = [v for v, u in updates.items() if u["step"] == 2]
+    assert [m["step"] for m in read_lines(tmp_path / "metrics.jsonl") if m.get("nonfinite")] == [version - 1]
+    (skipped,) = [e for e in read_lines(tmp_path / "events.jsonl") if e["kind"] == "nonfinite_step"]
+    assert (skipped["update"], skipped["sampler_step"], skipped["action"]) == (version, 2, "skipped")
     assert [int(final[k]) for k in BN_COUNTERS] == [9, 9]
     assert all(bool(v.isfinite().all()) for v in final.values())
     expected = replay_updates(POISONED_CNN_TASK, config, str(tmp_path / "initial.safetensors"), list(updates.values()))

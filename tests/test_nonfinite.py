@@ -80,18 +80,6 @@ def test_on_nonfinite_fail_ends_the_run_naming_the_step_and_the_rank(ray_cluster
     assert not (tmp_path / "final.safetensors").exists()
 
 
-def test_async_skips_a_nan_update_as_a_no_op_and_ends_on_the_replay(ray_cluster, tmp_path):
-    """With staleness 0 the asynchronous mode is the synchronous replay, update by update:
-    the update of step 3 (version 4) is passed with no change, as the replay skips it."""
-    config = dataclasses.replace(POISONED_TASK.defaults, mode="async", max_staleness=0)
-    Trainer(POISONED_TASK, train=config, cluster=ClusterConfig(workers=1), out_dir=str(tmp_path), progress=False).fit()
-    final = load_file(tmp_path / "final.safetensors")
-    assert max_abs_diff(final, replay(POISONED_TASK, config,
-                                      str(tmp_path / "initial.safetensors"))) < TOL
-    (skipped,) = [e for e in read_lines(tmp_path / "events.jsonl") if e["kind"] == "nonfinite_step"]
-    assert (skipped["update"], skipped["sampler_step"], skipped["action"]) == (4, 3, "skipped")
-
-
 def test_async_on_nonfinite_fail_ends_the_run_naming_the_update_the_worker_and_the_setting(ray_cluster, tmp_path):
     config = dataclasses.replace(POISONED_TASK.defaults, mode="async", max_staleness=0, on_nonfinite="fail")
     with pytest.raises(NonFiniteError, match=r"update 4 \(the gradient of sampler step 3 by worker-\d+\): the loss "

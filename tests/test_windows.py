@@ -57,7 +57,7 @@ def _touch_once(path, events, happened) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0])  # under ZeRO-2: tests/test_zero_elastic.py's kills and joins
 def test_a_kill_and_the_replacements_join_mid_window_end_on_the_replay(ray_cluster, tmp_path, zero):
     """One window runs from step 0 to the end: the kill (step 5) and the join of the
     replacement, at whatever step it is ready, both land inside a window. Rank 1 dies in
