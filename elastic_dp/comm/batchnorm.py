@@ -22,6 +22,8 @@ into micro-batches (``TrainConfig.batch_stats`` refuses ``micro_batch``).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -44,6 +46,8 @@ class GlobalBatchStats:
         self.width = 2 * max(m.num_features for m in self.modules) + 1
         """Elements of every collective: the widest module's mean and variance, and a count."""
         self.forwards = self.backwards = 0
+        self.device = next(itertools.chain(model.parameters(), model.buffers()), torch.zeros(0)).device
+        """Where the model is (built and moved before this): the collectives' tensors."""
         self.anchor = torch.zeros(0, requires_grad=True)
         """In every module's graph, so that its backward runs (and collects) on every rank alike."""
         for module in self.modules:
@@ -62,11 +66,10 @@ class GlobalBatchStats:
                             f"{self.forwards} times in one step; under --batch-stats global each runs once per "
                             "forward: call each once, or use --batch-stats local")
         try:
-            device = next(iter(self.modules[0].buffers()), self.anchor).device
             for _ in range(expected - self.forwards):
-                self.group.side_all_reduce(torch.zeros(self.group.world_size, self.width, device=device))
+                self.group.side_all_reduce(torch.zeros(self.group.world_size, self.width, device=self.device))
             for _ in range(expected - self.backwards):
-                self.group.side_all_reduce(torch.zeros(self.width, device=device))
+                self.group.side_all_reduce(torch.zeros(self.width, device=self.device))
         except Exception:  # the group failed: the step's reduction says so
             pass
         self.forwards = self.backwards = expected
