@@ -190,9 +190,8 @@ class GradientReducer:
             bucket.work = self.group.all_reduce_async(bucket.carrier)
         else:
             bucket.work = self.group.all_reduce_async(bucket.buffer)
-        if last and self.ballot.payload is not None:  # right behind the vote, on every rank alike
-            summed = self.ballot.payload.clone()
-            self._payload = (self.group.all_reduce_async(summed), summed)
+        if last:  # right behind the vote, on every rank alike
+            self._payload = self.ballot.send_payload(self.group)
 
     def finish(self) -> Vote:
         """Launch the buckets backward did not, wait for all; gradients are then global.

@@ -90,13 +90,19 @@ class Ballot:
         """The tally of a step with no other rank, or no collective to carry the ballot."""
         return Vote.of(self.tensor, self.payload)
 
+    def send_payload(self, group: CollectiveGroup) -> tuple[object, torch.Tensor] | None:
+        """Start summing a copy of the payload over ``group``: (the handle, the sum once
+        waited for); None when there is no payload."""
+        if self.payload is None:
+            return None
+        summed = self.payload.clone()
+        return group.all_reduce_async(summed), summed
+
     def cast(self, group: CollectiveGroup) -> Vote:
         """Sum the ballots of ``group`` (and their payloads) in collectives of their own."""
         summed = self.tensor.clone()
-        works = [group.all_reduce_async(summed)]
-        payload = None if self.payload is None else self.payload.clone()
-        if payload is not None:
-            works.append(group.all_reduce_async(payload))
-        for work in works:
-            work.wait()
-        return Vote.of(summed, payload)
+        work, sent = group.all_reduce_async(summed), self.send_payload(group)
+        work.wait()
+        if sent is not None:
+            sent[0].wait()
+        return Vote.of(summed, None if sent is None else sent[1])

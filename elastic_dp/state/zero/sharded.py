@@ -277,11 +277,10 @@ class Sharded(BucketedGradients, WholeModel):
     def after_commit(self, step: int) -> None:
         """At state step ``step`` (committed steps), when a snapshot is due: wait for the
         last one to arrive, copy the chunk and start sending it to the right neighbour."""
+        self.history.keep(step, self._steps_held())  # the live step is ``step`` now
         if self.world_size == 1 or step % self.config.snapshot_every:
-            self.history.keep(step, self._steps_held())
             return
         self._receive_snapshot()
-        self.history.keep(step, self._steps_held() | {step})
         own = self.snapshots.keep_own(self.export("live", step))
         self.faults.at("snapshot")
         on_device = self.group.backend == "nccl" and self.masters  # NCCL sends from the GPU; gloo from the host
