@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="below MIN workers, seconds to wait for capacity before failing")
     train.add_argument("--abort-grace", type=float, default=10.0,
                        help="seconds a worker may take to leave an aborted step before it counts as hung")
+    train.add_argument("--leave-grace", type=float, default=25.0,
+                       help="a worker sent SIGTERM leaves at the next step boundary; seconds it waits to be let "
+                            "go before it exits on its own")
     train.add_argument("--prefetch", dest="prefetch", action="store_true", default=None,
                        help="collate the next step's batch on a background thread (default: on a GPU only)")
     train.add_argument("--no-prefetch", dest="prefetch", action="store_false")
@@ -161,7 +164,8 @@ def _train(args: argparse.Namespace) -> int:
                             placement_timeout_s=args.placement_timeout, step_timeout_s=args.step_timeout,
                             collective_timeout_s=args.collective_timeout, min_wait_timeout_s=args.min_wait_timeout,
                             abort_grace_s=args.abort_grace, heartbeat_timeout_s=args.heartbeat_timeout,
-                            stall_floor_s=args.stall_floor, stall_factor=args.stall_factor)
+                            stall_floor_s=args.stall_floor, stall_factor=args.stall_factor,
+                            leave_grace_s=args.leave_grace)
     checkpoint = CheckpointConfig(dir=args.checkpoint_dir, storage=args.storage, every=args.checkpoint_every,
                                   resume=args.resume, keep=args.checkpoint_keep,
                                   asynchronous=args.async_checkpoints)

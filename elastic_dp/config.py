@@ -260,6 +260,10 @@ class ClusterConfig:
     abort_grace_s: float = 10.0
     """After a failure signal, how long a worker still in the step may take to return
     once its group is aborted; one that does not is hung and is replaced (``--abort-grace``)."""
+    leave_grace_s: float = 25.0
+    """A worker sent SIGTERM asks to leave at the next step boundary and exits on its own
+    after this long if it was not let go by then (``--leave-grace``; a container runtime
+    kills after its own grace period, Kubernetes' default is 30 s)."""
 
     def __post_init__(self) -> None:
         _require(self.workers > 0, f"workers must be positive, got {self.workers} (--workers)")
@@ -282,7 +286,7 @@ class ClusterConfig:
         for name, flag in (("placement_timeout_s", "--placement-timeout"), ("step_timeout_s", "--step-timeout"),
                            ("collective_timeout_s", "--collective-timeout"), ("abort_grace_s", "--abort-grace"),
                            ("heartbeat_timeout_s", "--heartbeat-timeout"), ("stall_floor_s", "--stall-floor"),
-                           ("stall_factor", "--stall-factor")):
+                           ("stall_factor", "--stall-factor"), ("leave_grace_s", "--leave-grace")):
             _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)} ({flag})")
 
     def backend_for(self, device: str) -> str:

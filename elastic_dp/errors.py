@@ -32,6 +32,7 @@ API_NAMES = {
     "--stall-floor": "ClusterConfig.stall_floor_s", "--stall-factor": "ClusterConfig.stall_factor",
     "--collective-timeout": "ClusterConfig.collective_timeout_s",
     "--min-wait-timeout": "ClusterConfig.min_wait_timeout_s", "--abort-grace": "ClusterConfig.abort_grace_s",
+    "--leave-grace": "ClusterConfig.leave_grace_s",
     "--checkpoint-dir": "CheckpointConfig.dir", "--storage": "CheckpointConfig.storage",
     "--checkpoint-every": "CheckpointConfig.every", "--checkpoint-keep": "CheckpointConfig.keep",
     "--sync-checkpoints": "CheckpointConfig(asynchronous=False)", "--resume": "CheckpointConfig.resume",

@@ -65,6 +65,26 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaveNotice:
+    """Word that a worker is going to leave: its node is draining, it was sent SIGTERM,
+    or the user released it. The coordinator lets it go at a step boundary before
+    ``deadline`` (``control.membership.notices``)."""
+
+    source: str
+    """``drain``, ``signal`` or ``release``."""
+    cause: str
+    """In words, naming the node, the process or the request."""
+    deadline: float | None = None
+    """Unix seconds by which the worker is gone; None: no deadline (the next boundary)."""
+
+    def describe(self, now: float) -> str:
+        """The cause with the time left."""
+        if self.deadline is None:
+            return f"{self.cause} (no deadline)"
+        return f"{self.cause} (deadline in {self.deadline - now:.1f} s)"
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat:
     """A worker's answer to a heartbeat, from its control thread."""
 

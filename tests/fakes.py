@@ -34,6 +34,7 @@ class FakePool:
     def __init__(self, capacity: int) -> None:
         self.capacity, self.pending, self.alive, self.stopped, self.requested = capacity, [], [], [], []
         self.slots_go_with_workers = False  # a stopped worker's slot is gone too (a lost node)
+        self.notices: dict = {}  # member -> LeaveNotice, reported by leave_notices
         self._ids = itertools.count()
 
     def start(self, count: int) -> None:
@@ -68,6 +69,9 @@ class FakePool:
 
     def request_capacity(self, count: int) -> None:
         self.requested.append(count)
+
+    def leave_notices(self, members) -> dict:
+        return {m: n for m, n in self.notices.items() if m in members}
 
     def placement_error(self, wanted, timeout_s, ready):
         raise AssertionError("the fake pool places everyone")

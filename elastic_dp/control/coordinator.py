@@ -39,6 +39,12 @@ from elastic_dp.observe.metrics import RunRecorder, RunSummary
 
 logger = logging.getLogger(__name__)
 
+LEAVE_MARGIN_S = 2.0
+"""A planned leave waits for the step in flight to commit unless its deadline is nearer than
+this: then the step is aborted (and re-run over the rest) so that the leavers are stopped
+before their node goes. It covers the abort, and the re-formation of a leave that came
+just before it."""
+
 
 class RunState(enum.Enum):
     STARTING = "starting"
@@ -101,6 +107,9 @@ class Coordinator:
         self.decision: MembershipDecision | None = None
         self._recovery_started = 0.0
         self._checkpoint_exists = False
+        self._forced: dict[Any, Any] = {}
+        """Members stopped before their leave deadline (member -> (``LeaveNotice``, when)): their
+        loss is that leave."""
         self._handlers: dict[RunState, Callable[[], Transition]] = {
             RunState.STARTING: self._starting, RunState.RUNNING: self._running, RunState.SAVING: self._saving,
             RunState.EVALUATING: self._evaluating,
@@ -228,8 +237,24 @@ class Coordinator:
         return min(limit, join) if join is not None else limit
 
     def _keep_going(self) -> bool:
-        """Between two steps of a window: no worker is waiting to join."""
-        return self.membership.at_step_boundary().action is Action.CONTINUE
+        """Between two steps of a window (and at each wake-up in one): no worker is waiting
+        to join or to leave. A leave whose deadline is too near for the window to reach its
+        next boundary is forced now (``_force_out``)."""
+        decision = self.membership.at_step_boundary()
+        self._force_out()
+        return decision.action is Action.CONTINUE
+
+    def _force_out(self) -> None:
+        """Members whose leave deadline is under ``LEAVE_MARGIN_S`` away are stopped now:
+        the step in flight fails over them and is re-run on the same samples, before their
+        node goes (``_lost`` names the notice as the cause)."""
+        for member, notice in self.membership.overdue(LEAVE_MARGIN_S).items():
+            if member not in self._forced:
+                now = time.time()
+                logger.warning("%r: %s: too near for a step boundary, aborting the step in flight", member,
+                               notice.describe(now))
+                self._forced[member] = (notice, now)
+                self.membership.force_out(member)
 
     def _evaluating(self) -> Transition:
         """Evaluate with the parameters after ``step`` committed steps. A loss of workers
@@ -262,15 +287,23 @@ class Coordinator:
     def _resizing(self) -> Transition:
         start = time.monotonic()
         members = list(self.decision.members)
-        current = set(self.membership.members)  # a list's `in` made this N^2 at 1,024 members
-        joined = [m for m in members if m not in current]
+        current = list(self.membership.members)
+        before, after = set(current), set(members)  # a list's `in` made this N^2 at 1,024 members
+        joined = [m for m in members if m not in before]
+        left = [m for m in current if m not in after]
         self.mode.resize(members)
         self.membership.admit(members)
+        self.membership.release(left)  # let go after the state they held moved to the new generation
+        extra: dict[str, Any] = {}
+        if joined:
+            extra["ready_to_join_s"] = round(time.time() - min(m.ready_time for m in joined), 4)
+        if left:
+            extra.update(left=len(left), left_ranks=[current.index(m) for m in left], leave="at_boundary",
+                         restored_step=self.step)
         self.recorder.event("membership_changed", step=self.step, cause=self.decision.reason,
                             generation=self.mode.generation,
                             world_size=len(members), joined=len(joined), lost=0,
-                            reform_s=round(time.monotonic() - start, 4), steps_rerun=0,
-                            ready_to_join_s=round(time.time() - min(m.ready_time for m in joined), 4))
+                            reform_s=round(time.monotonic() - start, 4), steps_rerun=0, **extra)
         return Transition(RunState.RUNNING, f"generation {self.mode.generation} formed over {len(members)}")
 
     def _recovering(self) -> Transition:
@@ -342,11 +375,19 @@ class Coordinator:
         else:
             if lost.step is not None:  # a window committed the steps before this one
                 self.step = lost.step
+            cause, leave = lost.cause, None
+            forced = [self._forced[m] for m in lost.lost if m in self._forced]
+            if forced:
+                notice, at = forced[0]
+                cause = f"{notice.describe(at)}: too near for a step boundary; the step in flight was aborted"
+                leave = {"leave": "aborted", "stopped_before_deadline_s": round(notice.deadline - at, 4)}
             self.failure = Failure(step=self.step, in_flight=self.state is RunState.RUNNING,
                                    survivors=lost.survivors, lost=lost.lost, lost_ranks=lost.lost_ranks,
-                                   cause=lost.cause, detect_s=lost.detect_s, during=self.state.value)
+                                   cause=cause, detect_s=lost.detect_s, during=self.state.value, leave=leave)
             self._recovery_started = time.monotonic()
         self.membership.lose(lost.lost)
+        for member in lost.lost:
+            self._forced.pop(member, None)
         self._checkpoint_exists = self.store is not None and self.store.latest() is not None
         logger.warning("gen %d step %d (%s): %s; lost ranks %s", self.mode.generation, self.step,
                        self.state.value, lost.cause, lost.lost_ranks)
@@ -378,4 +419,5 @@ class Coordinator:
                             generation=self.mode.generation, world_size=len(self.decision.members),
                             lost=len(f.lost), lost_ranks=f.lost_ranks, detect_s=round(f.detect_s, 4),
                             reform_s=round(time.monotonic() - self._recovery_started, 4),
-                            steps_rerun=f.step + f.in_flight - result.step, attempts=f.attempts)
+                            steps_rerun=f.step + f.in_flight - result.step, attempts=f.attempts,
+                            **(f.leave or {}))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import numpy as np
 import ray
@@ -24,12 +25,13 @@ from elastic_dp.durable.storage import Storage
 from elastic_dp.errors import WorkerError
 from elastic_dp.faults import SAVE_PHASES, Fault, FaultHook
 from elastic_dp.malloc import keep_freed_memory
-from elastic_dp.messages import Heartbeat, StepResult, WindowPlan, WorkerInfo
+from elastic_dp.messages import Heartbeat, LeaveNotice, StepResult, WindowPlan, WorkerInfo
 from elastic_dp.state.base import Resharding
 from elastic_dp.state.zero.chunks import ChunkState
 from elastic_dp.task import Task
 from elastic_dp.threads import set_os_name
 from elastic_dp.worker.asyncsgd.program import AsyncProgram
+from elastic_dp.worker.leave import SigtermLeave, announce
 from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram
 
@@ -42,7 +44,8 @@ PROGRAMS = {"sync": SyncProgram, "async": AsyncProgram}
 class WorkerActor:
     """One model replica on one GPU (NCCL; gloo where workers share a GPU) or one CPU slot (gloo)."""
 
-    def __init__(self, *, device: str, backend: str, num_threads: int, collective_timeout_s: float) -> None:
+    def __init__(self, *, device: str, backend: str, num_threads: int, collective_timeout_s: float,
+                 leave_grace_s: float = 25.0) -> None:
         torch.set_num_threads(num_threads)
         keep_freed_memory()  # each step reuses the last one's memory (elastic_dp.malloc)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
@@ -54,11 +57,23 @@ class WorkerActor:
         self.program: SyncProgram | AsyncProgram | None = None
         self._staged: dict[str, tuple[Part, Fault | None]] = {}
         """Checkpoint parts copied at a step boundary, waiting for their upload."""
+        self.sigterm = SigtermLeave(leave_grace_s, self._leaving)
+        """SIGTERM (a container runtime's first word) asks the coordinator to let this worker go."""
+
+    def _leaving(self, notice: LeaveNotice) -> None:
+        """The leave thread, after a SIGTERM: tell the coordinator (through the GCS) and end
+        the window in flight after its step."""
+        announce("actor", ray.get_runtime_context().get_actor_id(), notice)
+        if isinstance(self.program, SyncProgram):
+            self.program.grants.leave()
+        logger.warning("%s: leaving at the next step boundary", notice.describe(time.time()))
 
     def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
         """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
         self.replica = Replica(task, config, self.device, self.group, self.faults)
         self.program = PROGRAMS[config.mode](self.replica)
+        if self.sigterm.notice is not None and isinstance(self.program, SyncProgram):  # signalled while building
+            self.program.grants.leave()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         return dataclasses.replace(self.replica.info(), node_id=ray.get_runtime_context().get_node_id(),
                                    device_name=name)

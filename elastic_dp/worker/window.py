@@ -43,6 +43,7 @@ class Grants:
         self._cv = threading.Condition()
         self._window, self._until, self._final, self._cancelled = -1, 0, True, False
         self._stop = False
+        self._leaving = False  # this worker is going (SIGTERM): every window stops after its first step
         self._faults: dict[int, Fault] = {}
         self._sizes: list[tuple[int, tuple[int, ...] | None]] = []  # (from step, slice sizes), in order
         self._early: list[tuple] = []  # grants before their window
@@ -79,9 +80,16 @@ class Grants:
                     self._sizes.append(sizes)
 
     def stopping(self) -> bool:
-        """The coordinator asked this window to end early: the next vote to leave carries it."""
+        """The coordinator asked this window to end early, or this worker is leaving: the
+        next vote to leave carries it."""
         with self._cv:
-            return self._stop
+            return self._stop or self._leaving
+
+    def leave(self) -> None:
+        """This worker was told to go (``worker.leave``): end every window at the next
+        step boundary, so that the coordinator can let it go there."""
+        with self._cv:
+            self._leaving = True
 
     def sizes(self, step: int) -> tuple[int, ...] | None:
         """The slice sizes of ``step`` (None: equal slices)."""

@@ -49,6 +49,9 @@ class Pool(Protocol):
     def placement_error(self, wanted: int, timeout_s: float, ready: int) -> PlacementError:
         """The error for ``wanted`` workers not placed within ``timeout_s``."""
 
+    def leave_notices(self, members: list) -> dict:
+        """The ``LeaveNotice``s that concern ``members`` now (their node drains, SIGTERM, a release)."""
+
 
 class Membership:
     """The members of the current generation, the ready joiners, and the pool behind them.
@@ -59,17 +62,19 @@ class Membership:
 
     def __init__(self, pool: Pool, *, min_workers: int, max_workers: int, held_back: int = 0,
                  wait_timeout_s: float = 300.0, placement_timeout_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.pool = pool
         self.min_workers, self.max_workers = min_workers, max_workers
         self.target = max(min_workers, max_workers - held_back)
         self.wait_timeout_s, self.placement_timeout_s = wait_timeout_s, placement_timeout_s
-        self.clock = clock
+        self.clock, self.wall = clock, wall  # the wall clock times the notices' deadlines
         self.members: list = []
         """The current generation, in rank order."""
         self.joiners: list = []
         """Ready workers not in the current generation."""
         self._waiting_since: float | None = None
+        self.leaving: dict = {}
+        """Members and joiners with a leave notice (``LeaveNotice``), until they are gone."""
 
     @property
     def policy(self) -> ElasticPolicy:
@@ -97,9 +102,39 @@ class Membership:
         self.joiners += self.pool.wait_ready(count, self.placement_timeout_s)
 
     def at_step_boundary(self) -> MembershipDecision:
-        """Between steps: CONTINUE, or REFORM to admit the joiners that are ready."""
+        """Between steps: CONTINUE, or REFORM to let members with a leave notice go and to
+        admit the joiners that are ready (a joiner with a notice is stopped instead)."""
         self.joiners += self.pool.poll()
-        return self.policy.at_step_boundary(self.members, self.joiners)
+        self.leaving.update(self.pool.leave_notices([*self.members, *self.joiners]))
+        going = [j for j in self.joiners if j in self.leaving]
+        if going:
+            logger.info("%s: leaving before joining (%s)", going, self.leaving[going[0]].cause)
+            self.lose(going)
+            self._replace()
+        now = self.wall()
+        return self.policy.at_step_boundary(self.members, self.joiners,
+                                            {m: n.describe(now) for m, n in self.leaving.items() if m in self.members})
+
+    def overdue(self, margin_s: float) -> dict:
+        """Members whose leave deadline is less than ``margin_s`` away: no step boundary
+        can wait for them (member -> notice)."""
+        now = self.wall()
+        return {m: n for m, n in self.leaving.items()
+                if m in self.members and n.deadline is not None and n.deadline - now < margin_s}
+
+    def force_out(self, member: Hashable) -> None:
+        """Stop ``member`` now, ahead of its leave deadline; it stays a member until the
+        call it is in fails over it (``lose``)."""
+        self.pool.stop(member)
+
+    def release(self, left: Sequence[Hashable]) -> None:
+        """Members that left at a step boundary (the new generation formed without them):
+        stop them, and ask for workers to take their places."""
+        self.lose(left)
+        self._replace()
+
+    def _replace(self) -> None:
+        self.pool.start(self.policy.wanted(len(self.members), len(self.pool.pending) + len(self.joiners)))
 
     def arrivals(self) -> list:
         """Object refs done when a starting worker has moved on (``WorkerPool.progress_refs``):
@@ -112,6 +147,8 @@ class Membership:
             self.pool.stop(member)
         self.members = [m for m in self.members if m not in lost]
         self.joiners = [j for j in self.joiners if j not in lost]
+        for member in lost:
+            self.leaving.pop(member, None)
 
     def after_failure(self, survivors: Sequence[Hashable], *, has_checkpoint: bool) -> MembershipDecision:
         """Members failed; ``survivors`` (rank order) are the rest of the group that was

@@ -70,12 +70,27 @@ class ElasticPolicy:
             return self._wait_or_fail(0, len(joiners), waited_s)
         return self._reform(survivors, joiners, waited_s)
 
-    def at_step_boundary(self, members: Sequence[Hashable], joiners: Sequence[Hashable]) -> MembershipDecision:
-        """Between steps: admit ready joiners while below ``max_workers``."""
-        room = self.max_workers - len(members)
+    def at_step_boundary(self, members: Sequence[Hashable], joiners: Sequence[Hashable],
+                         leaving: dict[Hashable, str] | None = None) -> MembershipDecision:
+        """Between steps: let the ``leaving`` members go (member -> why) and admit ready
+        joiners while below ``max_workers``. A leave that would take the group below
+        ``min_workers`` waits (CONTINUE, saying so) until joiners make up for it: the
+        failure path takes over if the workers go first."""
+        leaving = {m: why for m, why in (leaving or {}).items() if m in members}
+        staying = [m for m in members if m not in leaving]
+        room = self.max_workers - len(staying)
+        admitted = tuple(joiners[:max(0, room)])
+        if leaving:
+            if len(staying) + len(admitted) < max(1, self.min_workers):
+                return MembershipDecision(Action.CONTINUE, tuple(members), reason=(
+                    f"{len(leaving)} worker(s) are to leave, and the {len(staying) + len(admitted)} left would be "
+                    f"below the minimum of {self.min_workers}: they stay until joiners come or they are gone"))
+            why = "; ".join(dict.fromkeys(leaving.values()))
+            joining = f", {len(admitted)} joining" if admitted else ""
+            return MembershipDecision(Action.REFORM, (*staying, *admitted),
+                                      reason=f"{len(leaving)} worker(s) leaving{joining}: {why}")
         if not joiners or room <= 0:
             return MembershipDecision(Action.CONTINUE, tuple(members))
-        admitted = tuple(joiners[:room])
         return MembershipDecision(Action.REFORM, (*members, *admitted),
                                   reason=f"{len(admitted)} worker(s) joining")
 

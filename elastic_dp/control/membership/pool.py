@@ -22,9 +22,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from elastic_dp.config import ClusterConfig, TrainConfig
 from elastic_dp.control.placement import resolve_device, worker_bundle
 from elastic_dp.errors import PlacementError
-from elastic_dp.messages import WorkerInfo
+from elastic_dp.messages import LeaveNotice, WorkerInfo
 from elastic_dp.task import Task
 from elastic_dp.worker.actor import remote_worker_class
+from elastic_dp.worker.leave import forget_notices, notice_key, read_notices
+
+NOTICE_POLL_S = 0.2
+"""How often the pool asks the GCS for leave notices (Ray's drains, and ``worker.leave``'s):
+two small RPCs, at most this often, from the coordinator's step boundaries and wake-ups."""
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,8 @@ class WorkerPool:
         self._device: str | None = None  # resolved on the first start, when Ray is up
         self._ids = itertools.count()
         self._cls = remote_worker_class()
+        self._next_notice_read = 0.0
+        self._written: dict[str, LeaveNotice] = {}  # the notices in the GCS at the last read
         self.pending: list[Member] = []   # placement or setup not finished
         self.all: list[Member] = []
 
@@ -91,7 +98,8 @@ class WorkerPool:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=member.group,
                                                                          placement_group_bundle_index=0),
                 ).remote(device=self.device, backend=self.cluster.backend_for(self.device), num_threads=1,
-                         collective_timeout_s=self.cluster.collective_timeout_s)
+                         collective_timeout_s=self.cluster.collective_timeout_s,
+                         leave_grace_s=self.cluster.leave_grace_s)
                 member.setup_ref = member.actor.setup.remote(self.task, self.train)
             done, _ = ray.wait([member.setup_ref], timeout=0)
             if done:
@@ -120,6 +128,32 @@ class WorkerPool:
                 return ready
             time.sleep(0.05)
 
+    def leave_notices(self, members: list[Member]) -> dict[Member, LeaveNotice]:
+        """The notices that concern ``members`` now (read at most every ``NOTICE_POLL_S``;
+        between reads, none): Ray drains their node, or a notice in the GCS names the
+        worker or its node (a SIGTERM, ``elastic-dp release``)."""
+        now = time.monotonic()
+        if now < self._next_notice_read:
+            return {}
+        self._next_notice_read = now + NOTICE_POLL_S
+        try:
+            draining = ray._private.state.state.get_draining_nodes()  # {node id: deadline in ms, 0: none}
+            written = self._written = read_notices()
+        except Exception as exc:  # an older or unusual cluster: no notices, the failure path remains
+            logger.warning("could not read leave notices: %s", exc)
+            return {}
+        notices = {}
+        for m in members:
+            node = m.info.node_id if m.info is not None else None
+            actor = m.actor._actor_id.hex() if m.actor is not None else None
+            if node in draining:
+                deadline = draining[node] / 1000 or None
+                notices[m] = LeaveNotice("drain", f"drain of node {node[:12]} by Ray", deadline)
+            for key in (notice_key("actor", actor), notice_key("node", node)):
+                if key in written:
+                    notices[m] = written[key]
+        return notices
+
     def placed_but_starting(self) -> int:
         return sum(1 for m in self.pending if m.actor is not None)
 
@@ -130,6 +164,9 @@ class WorkerPool:
         member.stopped = True
         if member.actor is not None:
             ray.kill(member.actor, no_restart=True)
+            key = notice_key("actor", member.actor._actor_id.hex())
+            if key in self._written:  # its own notice is done with (a node's stays: it names a node)
+                forget_notices([key])
         remove_placement_group(member.group)
         if member in self.pending:
             self.pending.remove(member)

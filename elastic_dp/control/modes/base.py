@@ -67,6 +67,10 @@ class Failure:
     """Failures in this recovery (2 or more: workers were lost while re-forming)."""
     waited: bool = False
     """Whether the run has waited below MIN in this recovery."""
+    leave: dict[str, Any] | None = None
+    """The lost members were stopped before their leave deadline (the leave could not wait
+    for a step boundary): the event's ``leave: aborted`` and how long before the deadline
+    they were stopped; None: they failed."""
 
 
 class Recovery(enum.Enum):

@@ -46,13 +46,15 @@ class Waiting:
     aborted (``abort``) and the deadline becomes the grace period. ``gather`` waits for
     one result per member; a window of steps (``modes.sync.window``) for a stream each.
     ``detect`` measures the first signal (default: seconds since the wait began).
-    ``wake()``: refs that end a wait early too (none of them is returned as ready)."""
+    ``wake()``: refs that end a wait early too (none of them is returned as ready);
+    ``poll_s``: the longest one wait lasts (None: until the deadline or the next heartbeat)."""
 
     def __init__(self, pending: dict[object, Any], *, deadline_s: float, grace_s: float,
                  abort: Callable[[list[Any]], None], watchdog: Watchdog | None = None, what: str = "call",
                  detect: Callable[[], float] | None = None, wake: Callable[[], list] = list,
-                 transport: Transport = RAY) -> None:
+                 transport: Transport = RAY, poll_s: float | None = None) -> None:
         self.pending, self.outcome = dict(pending), CallOutcome()
+        self.poll_s = poll_s
         self.transport = transport
         self.wake = wake
         self.deadline_s, self.grace_s, self.abort, self.watchdog, self.what = deadline_s, grace_s, abort, watchdog, what
@@ -78,6 +80,8 @@ class Waiting:
         """Wait until the next heartbeat round or a ready call; the ready ones (maybe none),
         or None when the grace period after an abort is over."""
         wait_s = max(0.0, self.deadline - time.monotonic())
+        if self.poll_s is not None:
+            wait_s = min(wait_s, self.poll_s)
         watchdog = self.watchdog
         refs = list(self.pending) + self.wake()
         # every call ready now, in one look (a wait costs as much as it has refs: taking one

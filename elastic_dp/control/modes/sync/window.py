@@ -37,6 +37,10 @@ run out; the grant is extended when less than half of it remains. Between
 ``MIN_LOOKAHEAD`` and ``MAX_LOOKAHEAD`` steps. A long grant does not delay a join: the
 window is stopped through the vote, at most one step after the request reaches a worker."""
 MIN_LOOKAHEAD, MAX_LOOKAHEAD = 8, 4096
+NOTICE_WAKE_S = 0.25
+"""The window asks ``keep_going`` at least this often (a leave notice is read from the GCS
+then, ``control.membership.pool.NOTICE_POLL_S``): a notice that comes while the step
+before the last bucket computes is carried by that step's vote."""
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +111,8 @@ class Window:
     def _stop_if_asked(self) -> None:
         """When ``keep_going`` says no: ask every member to stop after its next step (the
         vote makes them agree on which), and grant nothing more."""
-        if self.stopping or self.keep_going():
+        go = self.keep_going()  # asked once stopping too: a leave whose deadline nears is forced there
+        if self.stopping or go:
             return
         self.stopping = self.final = True
         for m in self.members:
@@ -144,7 +149,7 @@ class Window:
         waiting = Waiting(streams, deadline_s=calls.deadline_s, grace_s=calls.grace_s, abort=abort,
                           watchdog=Watchdog(calls.bounds, calls.typical_step_s, transport=calls.transport),
                           what="step", detect=time.time, wake=lambda: [] if self.stopping else self.wake(),
-                          transport=calls.transport)
+                          transport=calls.transport, poll_s=NOTICE_WAKE_S)
         while waiting.pending:
             ready = waiting.ready()
             if ready is None:

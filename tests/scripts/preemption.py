@@ -1,0 +1,141 @@
+"""Run in its own process by the preemption tests: a two-node Ray cluster on this machine
+(``ray.cluster_utils.Cluster``); mid-run a notice comes, the way it comes on a real
+cluster, and the node (or the worker) goes at its deadline. Prints one JSON line with
+what the tests check.
+
+    python -m tests.scripts.preemption OUT SCENARIO
+
+Scenarios (``SCENARIOS``): ``drain0`` and ``drain2`` drain the second node through Ray's
+drain API (``ray drain-node``'s call, reason PREEMPTION) with a deadline, at stage 0 (one
+worker per node) and at ZeRO-2 (the second node holds ranks 0 and 2 of three: a chunk and
+its peer snapshot); ``drain_async`` the same in ``--mode async``; ``sigterm`` sends SIGTERM
+to the second node's worker process; ``short`` drains with a deadline shorter than one
+step. The node is removed at the deadline (if Ray has not ended it already: a drained
+node whose workers are gone exits on its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+from safetensors.torch import load_file
+
+from elastic_dp import ClusterConfig, Trainer
+from tests.reference import max_abs_diff, replay, replay_updates
+from tests.tasks import PacedLoss, paced_task
+
+FAST = Path(tempfile.gettempdir()) / f"edp-preemption-fast-{os.getpid()}"
+"""Once it exists the paced loss stops sleeping: the notice is over, the rest runs fast."""
+
+SCENARIOS = {
+    "drain0": dict(head=1, second=1, zero=0, mode="sync", pace=0.15, deadline=8, notice="drain"),
+    "drain2": dict(head=1, second=2, zero=2, mode="sync", pace=0.15, deadline=8, notice="drain"),
+    "drain_async": dict(head=1, second=1, zero=0, mode="async", pace=0.15, deadline=8, notice="drain"),
+    "sigterm": dict(head=1, second=1, zero=0, mode="sync", pace=0.15, deadline=None, notice="sigterm"),
+    "short": dict(head=1, second=1, zero=0, mode="sync", pace=1.0, deadline=1, notice="drain", after=2),
+}
+STEPS = 30
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(path: Path, ok, timeout_s: float = 120.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while not ok(_lines(path)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _lines(path)
+
+
+def _drain(node_id: str, deadline_s: float) -> None:
+    """What ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``
+    calls (ray/scripts/scripts.py), and autoscaler v2 before it takes a node."""
+    from ray.core.generated import autoscaler_pb2
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    accepted, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                   "preemption test", int(time.time() * 1000 + deadline_s * 1000))
+    assert accepted, why
+
+
+def _worker_pids(node_id: str) -> list[int]:
+    """The pids of the live worker actors on ``node_id``, from the GCS's actor table."""
+    return [a["Pid"] for a in ray._private.state.actors().values()
+            if a["ActorClassName"] == "WorkerActor" and a["State"] == "ALIVE" and a["Address"]["NodeID"] == node_id]
+
+
+def main(out: Path, scenario: str) -> None:
+    s = SCENARIOS[scenario]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": s["head"], "include_dashboard": False})
+    second = cluster.add_node(num_cpus=s["second"])
+    ray.init(address=cluster.address, log_to_driver=False)
+    task = paced_task(PacedLoss(seconds=s["pace"], until=str(FAST)))
+    config = dataclasses.replace(task.defaults, steps=STEPS, zero=s["zero"], mode=s["mode"])
+    workers = s["head"] + s["second"]
+    errors, facts = [], {}
+
+    def train():
+        try:
+            Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=1, leave_grace_s=20),
+                    out_dir=str(out), progress=False).fit()
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    thread = threading.Thread(target=train)  # nodes are added and removed from the main thread only
+    thread.start()
+    try:
+        metrics, events = out / "metrics.jsonl", out / "events.jsonl"
+        _wait_for(metrics, lambda ms: len(ms) >= s.get("after", 4) and ms[-1]["world_size"] == workers)
+        facts["notice_after_steps"] = len(_lines(metrics))
+        facts["notice_at"] = time.time()
+        if s["notice"] == "drain":
+            _drain(second.node_id, s["deadline"])
+        else:
+            pids = _worker_pids(second.node_id)
+            assert len(pids) == 1, pids
+            os.kill(pids[0], signal.SIGTERM)
+        changed = _wait_for(events, lambda es: any(e["kind"] == "membership_changed" for e in es), timeout_s=60)
+        facts["changed_at"] = time.time()
+        facts["workers_left_on_node"] = len(_worker_pids(second.node_id))
+        FAST.touch()
+        if s["deadline"] is not None:  # the node goes at its deadline, as a preempted one would
+            time.sleep(max(0.0, facts["notice_at"] + s["deadline"] - time.time()))
+        facts["node_alive_at_deadline"] = any(n["NodeID"] == second.node_id and n["Alive"] for n in ray.nodes())
+        try:
+            cluster.remove_node(second, allow_graceful=False)
+        except Exception as exc:  # Ray ended the drained node itself once it was idle
+            facts["remove_error"] = repr(exc)
+        facts["changes_seen"] = len([e for e in changed if e["kind"] == "membership_changed"])
+        thread.join()
+    finally:
+        FAST.touch()
+        thread.join()
+        ray.shutdown()
+        cluster.shutdown()
+        FAST.unlink(missing_ok=True)
+    if errors:
+        raise errors[0]
+    unpaced = dataclasses.replace(task, loss=PacedLoss())
+    if s["mode"] == "async":
+        expected = replay_updates(unpaced, config, str(out / "initial.safetensors"), _lines(out / "updates.jsonl"))
+    else:
+        expected = replay(unpaced, config, str(out / "initial.safetensors"))
+    print(json.dumps({"diff": max_abs_diff(load_file(out / "final.safetensors"), expected), **facts,
+                      "events": _lines(out / "events.jsonl"),
+                      "steps": [m["step"] for m in _lines(out / "metrics.jsonl")],
+                      "world_sizes": [m["world_size"] for m in _lines(out / "metrics.jsonl")],
+                      "at": [m.get("time") for m in _lines(out / "metrics.jsonl")]}))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
