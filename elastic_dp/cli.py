@@ -6,6 +6,7 @@
         [--out DIR] [--zero 0|1|2 --snapshot-every K]
         [--on-nonfinite skip|fail --max-nonfinite-steps N]
     elastic-dp report RUN_DIR [--out DIR]
+    elastic-dp release (--node NODE_ID | --actor ACTOR_ID)... [--address ADDR] [--deadline S]
     elastic-dp tokenize TEXT... --out DIR|URI [--tokenizer MODULE:NAME] [--dtype uint16|uint32]
     elastic-dp plan --params 7.5e9 --workers 64 --zero 1 [--gpu-memory 80GB]
         [--precision bf16|fp32] [--optimizer adam|adamw|sgd-momentum|sgd] [--json]
@@ -25,7 +26,7 @@ import sys
 
 from elastic_dp.api import Trainer
 from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig
-from elastic_dp.errors import SURFACE, ElasticDPError, TaskError
+from elastic_dp.errors import SURFACE, ConfigError, ElasticDPError, TaskError
 from elastic_dp.observe.plan import MemoryPlan, parse_size, render
 from elastic_dp.schedules import SCHEDULES
 from elastic_dp.task import load_task
@@ -141,6 +142,18 @@ def _parser() -> argparse.ArgumentParser:
                           help="token id type (uint32 for vocabularies over 65,536)")
     tokenize.add_argument("--file-tokens", type=int, default=1 << 26, help="tokens per file (default 2^26)")
 
+    release = sub.add_parser("release", help="ask running runs to let workers go at their next step boundary "
+                                             "(maintenance: a planned leave, as for a drain)")
+    release.add_argument("--node", action="append", default=[], metavar="NODE_ID",
+                         help="every worker on this Ray node (hex id, `ray list nodes`); repeatable")
+    release.add_argument("--actor", action="append", default=[], metavar="ACTOR_ID",
+                         help="this worker actor (hex id, `ray list actors --filter class_name=WorkerActor`); "
+                              "repeatable")
+    release.add_argument("--address", default=None, help="the Ray cluster (default: RAY_ADDRESS, else auto)")
+    release.add_argument("--deadline", type=float, default=None, metavar="S",
+                         help="seconds until the workers must be gone (default: none, the next step boundary)")
+    release.add_argument("--reason", default="maintenance", help="recorded in the run's membership_changed event")
+
     plan = sub.add_parser("plan", help="per-worker memory and communication for a model size and ZeRO stage")
     plan.add_argument("--params", required=True, help="parameter count, e.g. 7.5e9 or 125M")
     plan.add_argument("--workers", type=int, required=True, help="data-parallel workers")
@@ -199,6 +212,34 @@ def _tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _release(args: argparse.Namespace) -> int:
+    import time
+
+    import ray
+
+    from elastic_dp.api import check_reachable
+    from elastic_dp.messages import LeaveNotice
+    from elastic_dp.worker.leave import announce
+
+    if not args.node and not args.actor:
+        raise ConfigError("elastic-dp release needs the workers to let go: --node NODE_ID or --actor ACTOR_ID")
+    if args.deadline is not None and args.deadline <= 0:
+        raise ConfigError(f"--deadline must be positive seconds, got {args.deadline}")
+    address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
+    check_reachable(address, "--address" if args.address else "RAY_ADDRESS")
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        deadline = None if args.deadline is None else time.time() + args.deadline
+        for kind, ids in (("node", args.node), ("actor", args.actor)):
+            for ident in ids:
+                announce(kind, ident, LeaveNotice("release", f"released by the user ({args.reason}): {kind} "
+                                                             f"{ident[:12]}", deadline))
+                print(f"asked for the workers of {kind} {ident} to be let go")
+    finally:
+        ray.shutdown()
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from elastic_dp.observe.report import write_report  # matplotlib only when a report is drawn
     out = write_report(args.run_dir, args.out)
@@ -211,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     surface = SURFACE.set("cli")  # errors name this command's flags, not the API's fields
     try:
-        return {"plan": _plan, "report": _report, "tokenize": _tokenize, "train": _train}[args.command](args)
+        return {"plan": _plan, "release": _release, "report": _report, "tokenize": _tokenize,
+                "train": _train}[args.command](args)
     except ElasticDPError as exc:
         print(f"elastic-dp: error: {exc}", file=sys.stderr)
         return 2

@@ -76,6 +76,9 @@ class LeaveNotice:
     """In words, naming the node, the process or the request."""
     deadline: float | None = None
     """Unix seconds by which the worker is gone; None: no deadline (the next boundary)."""
+    issued: float | None = None
+    """When a notice in the GCS was written (Unix seconds): a release concerns the workers
+    that were ready by then, not their replacements placed on the same node later."""
 
     def describe(self, now: float) -> str:
         """The cause with the time left."""

@@ -136,3 +136,14 @@ def test_off_the_main_thread_sigterm_is_left_alone():
 @pytest.mark.parametrize("deadline,expected", [(None, "x (no deadline)"), (110.0, "x (deadline in 10.0 s)")])
 def test_a_notice_describes_its_deadline(deadline, expected):
     assert LeaveNotice("drain", "x", deadline).describe(100.0) == expected
+
+
+@pytest.mark.parametrize("args, expected", [
+    ([], "needs the workers to let go: --node NODE_ID or --actor ACTOR_ID"),
+    (["--node", "ab12", "--deadline", "0"], "--deadline must be positive seconds, got 0.0"),
+    (["--node", "ab12", "--address", "127.0.0.1:1"], "no Ray cluster answers at 127.0.0.1:1"),
+])
+def test_elastic_dp_release_refuses_what_it_cannot_do_before_connecting(args, expected, capsys):
+    from elastic_dp import cli
+    assert cli.main(["release", *args]) == 2
+    assert expected in capsys.readouterr().err

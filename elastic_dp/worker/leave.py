@@ -1,8 +1,9 @@
 """Leave notices that travel through the Ray cluster's key-value store (the GCS).
 
 Two kinds of notice are written there: a worker sent SIGTERM announces itself
-(``SigtermLeave``), and ``elastic-dp release`` asks for a run's workers on a node, or for
-given worker actors, to be let go. The coordinator's pool reads them with Ray's own drain
+(``SigtermLeave``), and ``elastic-dp release`` asks for the workers on a node, or for
+given worker actors, to be let go (the workers ready when it was written: a replacement
+placed there later stays). The coordinator's pool reads them with Ray's own drain
 notices (``control.membership.pool.WorkerPool.leave_notices``) and lets the workers go at
 a step boundary. Keys are ``leave:actor:<actor id>`` and ``leave:node:<node id>`` in the
 ``elastic_dp`` namespace; the value is the notice as JSON.
@@ -34,7 +35,8 @@ def notice_key(kind: str, ident: str) -> str:
 def announce(kind: str, ident: str, notice: LeaveNotice) -> None:
     """Write ``notice`` about the ``actor`` or ``node`` ``ident`` (this process must be connected to Ray)."""
     from ray.experimental import internal_kv
-    value = json.dumps({"source": notice.source, "cause": notice.cause, "deadline": notice.deadline})
+    value = json.dumps({"source": notice.source, "cause": notice.cause, "deadline": notice.deadline,
+                        "issued": time.time()})
     internal_kv._internal_kv_put(notice_key(kind, ident), value, overwrite=True, namespace=NAMESPACE)
 
 
@@ -49,7 +51,7 @@ def read_notices() -> dict[str, LeaveNotice]:
             continue
         fields = json.loads(value)
         notices[key.decode() if isinstance(key, bytes) else key] = LeaveNotice(
-            fields["source"], fields["cause"], fields.get("deadline"))
+            fields["source"], fields["cause"], fields.get("deadline"), fields.get("issued"))
     return notices
 
 

@@ -9,7 +9,8 @@ Scenarios (``SCENARIOS``): ``drain0`` and ``drain2`` drain the second node throu
 drain API (``ray drain-node``'s call, reason PREEMPTION) with a deadline, at stage 0 (one
 worker per node) and at ZeRO-2 (the second node holds ranks 0 and 2 of three: a chunk and
 its peer snapshot); ``drain_async`` the same in ``--mode async``; ``sigterm`` sends SIGTERM
-to the second node's worker process; ``short`` drains with a deadline shorter than one
+to the second node's worker process; ``release`` runs ``elastic-dp release --node`` for
+the second node (no deadline), as for maintenance; ``short`` drains with a deadline shorter than one
 step. The node is removed at the deadline (if Ray has not ended it already: a drained
 node whose workers are gone exits on its own).
 """
@@ -20,6 +21,7 @@ import dataclasses
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -32,6 +34,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, Trainer
 from tests.reference import max_abs_diff, replay, replay_updates
+from tests.scripts.node_loss import _autoscaler_request
 from tests.tasks import PacedLoss, paced_task
 
 FAST = Path(tempfile.gettempdir()) / f"edp-preemption-fast-{os.getpid()}"
@@ -42,9 +45,10 @@ SCENARIOS = {
     "drain2": dict(head=1, second=2, zero=2, mode="sync", pace=0.15, deadline=8, notice="drain"),
     "drain_async": dict(head=1, second=1, zero=0, mode="async", pace=0.15, deadline=8, notice="drain"),
     "sigterm": dict(head=1, second=1, zero=0, mode="sync", pace=0.15, deadline=None, notice="sigterm"),
+    "release": dict(head=1, second=1, zero=0, mode="sync", pace=0.15, deadline=None, notice="release"),
     "short": dict(head=1, second=1, zero=0, mode="sync", pace=1.0, deadline=1, notice="drain", after=2),
 }
-STEPS = 30
+STEPS = 20
 
 
 def _lines(path: Path) -> list[dict]:
@@ -100,15 +104,21 @@ def main(out: Path, scenario: str) -> None:
         facts["notice_at"] = time.time()
         if s["notice"] == "drain":
             _drain(second.node_id, s["deadline"])
+        elif s["notice"] == "release":  # the maintenance command, from its own process
+            subprocess.run([sys.executable, "-m", "elastic_dp.cli", "release", "--address", cluster.address,
+                            "--node", second.node_id, "--reason", "test"], check=True, timeout=60)
         else:
             pids = _worker_pids(second.node_id)
             assert len(pids) == 1, pids
             os.kill(pids[0], signal.SIGTERM)
         changed = _wait_for(events, lambda es: any(e["kind"] == "membership_changed" for e in es), timeout_s=60)
         facts["changed_at"] = time.time()
-        facts["workers_left_on_node"] = len(_worker_pids(second.node_id))
+        facts["requested"] = _autoscaler_request()  # as the run goes on without the leavers
         FAST.touch()
         if s["deadline"] is not None:  # the node goes at its deadline, as a preempted one would
+            time.sleep(max(0.0, facts["notice_at"] + s["deadline"] - 0.5 - time.time()))
+        facts["workers_on_node_before_deadline"] = len(_worker_pids(second.node_id))  # no replacement there
+        if s["deadline"] is not None:
             time.sleep(max(0.0, facts["notice_at"] + s["deadline"] - time.time()))
         facts["node_alive_at_deadline"] = any(n["NodeID"] == second.node_id and n["Alive"] for n in ray.nodes())
         try:

@@ -142,16 +142,18 @@ class WorkerPool:
         except Exception as exc:  # an older or unusual cluster: no notices, the failure path remains
             logger.warning("could not read leave notices: %s", exc)
             return {}
-        notices = {}
+        notices, now_s = {}, time.time()
         for m in members:
             node = m.info.node_id if m.info is not None else None
             actor = m.actor._actor_id.hex() if m.actor is not None else None
             if node in draining:
                 deadline = draining[node] / 1000 or None
                 notices[m] = LeaveNotice("drain", f"drain of node {node[:12]} by Ray", deadline)
-            for key in (notice_key("actor", actor), notice_key("node", node)):
-                if key in written:
-                    notices[m] = written[key]
+            released = written.get(notice_key("node", node))  # for the workers ready by then
+            if released is not None and m.info is not None and m.info.ready_time <= (released.issued or now_s):
+                notices[m] = released
+            if notice_key("actor", actor) in written:  # this very worker's
+                notices[m] = written[notice_key("actor", actor)]
         return notices
 
     def placed_but_starting(self) -> int:

@@ -127,6 +127,8 @@ class TrainingMode(Protocol):
 
     generation: int
     """The current generation (reported in events)."""
+    members: list[Any]
+    """The current generation's members, in rank order."""
 
     def start(self, members: Sequence[Any], resume: Any | None) -> int:
         """Start ``members`` from the checkpoint ``resume`` or from rank 0's fresh model;

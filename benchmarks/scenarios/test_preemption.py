@@ -1,0 +1,44 @@
+"""Planned leaves on a two-node Ray cluster, the scenarios out of the suite (its time):
+the stage-0 drain, the async mode's, ``elastic-dp release``, and a deadline shorter than one step (the step in
+flight is aborted before the deadline and re-run on the same samples). Run with
+``python3 dev.py test benchmarks/scenarios``; tests/test_preemption_ray.py holds the ZeRO-2
+drain and SIGTERM."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_preemption_ray import TOL, check_planned_leave, run_scenario
+
+pytestmark = pytest.mark.ray
+
+
+def test_a_drain_at_stage_0_lets_the_node_s_worker_go(tmp_path):
+    report = run_scenario(tmp_path / "out", "drain0")
+    check_planned_leave(report, left=1, cause="drain of node")
+
+
+def test_a_drain_in_async_mode_lets_the_worker_finish_its_gradient_and_go(tmp_path):
+    """Checked on the async replay contract (updates.jsonl): no update lost or applied twice."""
+    report = run_scenario(tmp_path / "out", "drain_async")
+    check_planned_leave(report, left=1, cause="drain of node")
+    summary = next(e for e in report["events"] if e["kind"] == "async_summary")
+    assert summary["updates"] == 20
+
+
+def test_elastic_dp_release_lets_the_node_s_workers_go_at_the_next_boundary(tmp_path):
+    """The maintenance command, run as a user would from another process (no deadline)."""
+    report = run_scenario(tmp_path / "out", "release")
+    change = check_planned_leave(report, left=1, cause="released by the user (test): node",
+                                 draining=False)  # a release is of the workers there: a replacement may come
+    assert "(no deadline)" in change["cause"]
+
+
+def test_a_deadline_shorter_than_the_step_aborts_it_in_time_and_reruns_it(tmp_path):
+    report = run_scenario(tmp_path / "out", "short")
+    (change,) = report["changes"]
+    assert change["leave"] == "aborted" and change["steps_rerun"] == 1 and change["lost"] == 1
+    assert 0 < change["stopped_before_deadline_s"] <= 1.0  # the deadline was 1 s: stopped at once
+    assert "too near for a step boundary" in change["cause"]
+    assert report["diff"] < TOL
+    assert sorted(report["steps"]) == list(range(20))

@@ -1,0 +1,70 @@
+"""Planned leaves on a two-node Ray cluster on this machine (``tests.scripts.preemption``,
+each in its own process): the notice comes the way it comes on a real cluster — Ray's
+drain API with a deadline, or SIGTERM to the worker process from outside the program —
+and the node goes at its deadline. The run lets the workers go at the next step
+boundary while they are alive: nothing re-run, nothing restored, no replacement placed
+on the draining node, and it ends on the plain replay. The stage-0 drain, the async mode
+and the deadline shorter than a step are in benchmarks/scenarios/test_preemption.py
+(the suite's time); tests/test_preemption.py covers their control-plane logic."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray  # it starts Ray in a subprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 2e-5  # as in test_sync_equivalence: float32 reduction order over 20 SGD steps
+
+
+def run_scenario(out: Path, scenario: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "tests.scripts.preemption", str(out), scenario],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    changes = [e for e in report["events"] if e["kind"] == "membership_changed"]
+    assert changes, f"no membership change after the notice (after step {report['notice_after_steps']})"
+    return report | {"changes": changes}
+
+
+def check_planned_leave(report: dict, left: int, cause: str, draining: bool = True) -> dict:
+    """One change, a leave at a step boundary before the deadline; nothing lost, re-run or
+    restored; the node's removal afterwards changed nothing; the replay's parameters;
+    ``draining``: no replacement was placed on the node (Ray places nothing on a draining one)."""
+    (change,) = report["changes"]  # and none when the node went afterwards
+    assert change["leave"] == "at_boundary" and change["left"] == left and change["lost"] == 0
+    assert change["steps_rerun"] == 0 and change["restored_step"] == change["step"]
+    assert cause in change["cause"]
+    assert not any(e["kind"] in ("restored_from_checkpoint", "reform_interrupted") for e in report["events"])
+    assert report["diff"] < TOL
+    assert sorted(report["steps"]) == list(range(20))  # each step once
+    if draining:
+        assert report["workers_on_node_before_deadline"] == 0  # let go, and no replacement placed there
+    return change
+
+
+def test_a_drain_under_zero2_lets_a_chunk_and_its_snapshot_go_from_their_holders(tmp_path):
+    """The drained node holds ranks 0 and 2 of 3 (2's peer snapshot is on 0): only the
+    leavers' own export keeps the chunk; a rollback to snapshots could not."""
+    report = run_scenario(tmp_path / "out", "drain2")
+    change = check_planned_leave(report, left=2, cause="drain of node")
+    assert sorted(change["left_ranks"]) == [0, 2]  # cyclic neighbours: a chunk and its snapshot
+    assert "deadline in" in change["cause"]
+    assert change["time"] < report["notice_at"] + 8  # before the deadline
+    first_after = min(t for t, w in zip(report["at"], report["world_sizes"]) if w == 1)
+    step_s = sorted(b - a for a, b in zip(report["at"], report["at"][1:5]))[1]  # a paced step, before the notice
+    assert first_after - report["notice_at"] < 2 * step_s + 0.5  # the step in flight, then the new group's first
+    assert report["requested"] == [{"CPU": 1}] * 3  # the autoscaler is still asked for MAX
+
+
+def test_sigterm_to_a_worker_process_lets_it_go_at_the_next_boundary(tmp_path):
+    report = run_scenario(tmp_path / "out", "sigterm")
+    change = check_planned_leave(report, left=1, cause="SIGTERM to worker process", draining=False)
+    assert change["time"] < report["notice_at"] + 20  # within its --leave-grace
