@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "elastic_dp"
 PREFIX = "leave:"
+NOTICE_POLL_S = 0.2
+"""How often the driver asks the GCS for notices (Ray's drains, and these): two small RPCs,
+at most this often, from the coordinator's step boundaries and wake-ups."""
 
 
 def notice_key(kind: str, ident: str) -> str:

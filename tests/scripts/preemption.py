@@ -78,11 +78,32 @@ def _worker_pids(node_id: str) -> list[int]:
             if a["ActorClassName"] == "WorkerActor" and a["State"] == "ALIVE" and a["Address"]["NodeID"] == node_id]
 
 
+def _first_shard_on(node_id: str) -> None:
+    """The run's first parameter-server shard is placed on ``node_id`` (Ray would put it
+    beside the driver); the ones after it where Ray likes."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from elastic_dp.control.modes.asyncsgd import mode
+    from elastic_dp.worker.asyncsgd.shard import ParameterShard
+    default, placed = mode._new_shard, []
+
+    def new_shard(device: str = "cpu"):
+        if placed:
+            return default(device)
+        placed.append(node_id)
+        return ray.remote(num_cpus=0, max_restarts=0)(ParameterShard).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+
+    mode._new_shard = new_shard
+
+
 def main(out: Path, scenario: str) -> None:
     s = SCENARIOS[scenario]
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": s["head"], "include_dashboard": False})
     second = cluster.add_node(num_cpus=s["second"])
     ray.init(address=cluster.address, log_to_driver=False)
+    if s["mode"] == "async":
+        _first_shard_on(second.node_id)
     task = paced_task(PacedLoss(seconds=s["pace"], until=str(FAST)))
     config = dataclasses.replace(task.defaults, steps=STEPS, zero=s["zero"], mode=s["mode"])
     workers = s["head"] + s["second"]
@@ -111,7 +132,8 @@ def main(out: Path, scenario: str) -> None:
             pids = _worker_pids(second.node_id)
             assert len(pids) == 1, pids
             os.kill(pids[0], signal.SIGTERM)
-        changed = _wait_for(events, lambda es: any(e["kind"] == "membership_changed" for e in es), timeout_s=60)
+        changed = _wait_for(events, lambda es: any(e["kind"] == "membership_changed" for e in es)
+                            and (s["mode"] != "async" or any(e["kind"] == "ps_shard_moved" for e in es)), timeout_s=60)
         facts["changed_at"] = time.time()
         facts["requested"] = _autoscaler_request()  # as the run goes on without the leavers
         FAST.touch()

@@ -25,11 +25,7 @@ from elastic_dp.errors import PlacementError
 from elastic_dp.messages import LeaveNotice, WorkerInfo
 from elastic_dp.task import Task
 from elastic_dp.worker.actor import remote_worker_class
-from elastic_dp.worker.leave import forget_notices, notice_key, read_notices
-
-NOTICE_POLL_S = 0.2
-"""How often the pool asks the GCS for leave notices (Ray's drains, and ``worker.leave``'s):
-two small RPCs, at most this often, from the coordinator's step boundaries and wake-ups."""
+from elastic_dp.worker.leave import NOTICE_POLL_S, forget_notices, notice_key, read_notices
 
 logger = logging.getLogger(__name__)
 

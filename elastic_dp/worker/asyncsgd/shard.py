@@ -84,6 +84,11 @@ class Keeper:
     def export(self, index: int, version: int) -> State:
         return next(s for s in self.kept[index] if s["version"] == version)
 
+    def node(self) -> str:
+        """The Ray node this actor runs on (a draining one's shards move, ``AsyncMode``)."""
+        import ray
+        return ray.get_runtime_context().get_node_id()
+
     def trim(self, version: int) -> None:
         """Forget the copies of versions after ``version``: the model went back to it, and
         a later version will be another (a roll-back, or a checkpoint restored)."""

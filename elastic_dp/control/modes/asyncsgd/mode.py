@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import ray
 
+from elastic_dp.control.modes.asyncsgd.drains import DrainWatch
 from elastic_dp.control.modes.asyncsgd.ledger import Ledger, Update, snapshot_plan
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
 from elastic_dp.control.modes.context import (
@@ -117,6 +118,8 @@ class AsyncMode:
         self._spawned = [_new_shard(train.ps_device) for _ in range(min(train.ps_shards, SPAWN_AHEAD))] if up else []
         """Shard processes started at once: they import torch while the workers are placed."""
         self._last_update = time.perf_counter()
+        self.drains = DrainWatch()
+        """Which shards are on a draining node: they move at the next quiescent point."""
         self.watchdog = Watchdog(HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s,
                                             stall_floor_s=cluster.stall_floor_s, stall_factor=cluster.stall_factor),
                                  typical_step_s=None, alone=True)
@@ -205,14 +208,18 @@ class AsyncMode:
         limit = step + 1 if limit is None else limit
         ledger = self.ledger
         while True:
-            leasing = keep_going()
+            starting = self.drains.successors(self._holders(), self._successor)  # built while training goes on
+            moving = bool(self.drains.started) and not starting  # ready to take over: quiesce and move
+            leasing = keep_going() and not moving
             for member in self.members:
                 if member not in self.jobs and ledger.may_lease(limit, new=leasing):
                     self._lease(member)
             if not self.jobs:
                 self._check_shards(wait_s=10.0)  # every update applied on every shard, or a shard lost
+                if moving:
+                    self._move()
                 return ledger.version
-            self._collect(wake() if leasing else [])
+            self._collect([*wake(), *starting] if leasing else [])
 
     def _lease(self, member: Any, step: int | None = None) -> None:
         """Give ``member`` a step (its own again after a refused update: ``step``), and start
@@ -348,6 +355,38 @@ class AsyncMode:
                             steps_leased_again=sorted(undone))
         return RecoveryResult(Recovery.COMMITTED if version == failure.step else Recovery.ROLLED_BACK, version,
                               details={"restored_version": version, "lost_shards": lost})
+
+    # -- a shard on a draining node: handed over at a quiescent point -------------------------
+    def _holders(self) -> dict[int | str, Any]:
+        """The actors that hold parameter-server state: shards by index, the lone shard's keeper."""
+        return {**dict(enumerate(self.shards)), **({"keeper": self.keeper} if self.keeper else {})}
+
+    def _successor(self, key: int | str) -> tuple[Any, Any]:
+        """A new actor to take over ``key``'s state, and the ref of its setup."""
+        if key == "keeper":
+            return (new := _new_keeper()), new.held.remote()
+        new = _new_shard(self.train.ps_device)
+        return new, new.setup.remote(self.task, self.train, self.bounds[key], self.bounds[key + 1])
+
+    def _move(self) -> None:
+        """Each holder on a draining node hands its state to its successor (which Ray placed
+        on another node): a shard its parameters and optimizer state at the current version,
+        and the snapshots it keeps for the shard before it; a keeper its copies. Quiescent:
+        no update is out, so none is lost or applied twice."""
+        version = self.ledger.version
+        for key, (new, built) in self.drains.started.items():
+            old = self._holder(key)
+            ray.get(built)
+            restored = [] if key == "keeper" else [new.restore.remote(old.snapshot.remote())]  # at ``version``
+            kept = ray.get(old.held.remote())
+            ray.get([*restored, *(new.keep.remote(i, old.export.remote(i, v)) for i, vs in kept.items() for v in vs)])
+            if key == "keeper":
+                self.keeper = new
+            else:
+                self.shards[key], self._applies[key] = new, []
+            ray.kill(old)
+            self.recorder.event("ps_shard_moved", shard=key, version=version, cause="its node is draining")
+        self.drains.moved()
 
     def _replace_lost(self) -> None:
         """A new actor for each lost shard (it builds the initial state; restore follows)."""

@@ -39,7 +39,7 @@ window is stopped through the vote, at most one step after the request reaches a
 MIN_LOOKAHEAD, MAX_LOOKAHEAD = 8, 4096
 NOTICE_WAKE_S = 0.25
 """The window asks ``keep_going`` at least this often (a leave notice is read from the GCS
-then, ``control.membership.pool.NOTICE_POLL_S``): a notice that comes while the step
+then, ``worker.leave.NOTICE_POLL_S``): a notice that comes while the step
 before the last bucket computes is carried by that step's vote."""
 
 logger = logging.getLogger(__name__)
