@@ -1,8 +1,25 @@
-"""Worker actor processes on this machine, seen from outside the program (/proc)."""
+"""Worker actor processes on this machine, seen from outside the program (/proc); scenario
+scripts run in processes of their own."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_scenario_script(module: str, *args: str, timeout_s: float = 240) -> dict:
+    """Run ``python -m module args...`` from the repository (a Ray cluster of its own: no
+    ``RAY_ADDRESS`` passed on) and return the JSON of its last line of output."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def worker_pids() -> list[int]:

@@ -9,26 +9,18 @@ and the deadline shorter than a step are in benchmarks/scenarios/test_preemption
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.ray  # it starts Ray in a subprocess
+from tests.procs import run_scenario_script
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.ray  # it starts Ray in a subprocess
 TOL = 2e-5  # as in test_sync_equivalence: float32 reduction order over 20 SGD steps
 
 
 def run_scenario(out: Path, scenario: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "tests.scripts.preemption", str(out), scenario],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_scenario_script("tests.scripts.preemption", str(out), scenario)
     changes = [e for e in report["events"] if e["kind"] == "membership_changed"]
     assert changes, f"no membership change after the notice (after step {report['notice_after_steps']})"
     return report | {"changes": changes}

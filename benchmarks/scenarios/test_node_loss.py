@@ -6,27 +6,19 @@ its peer snapshot on the surviving node: no checkpoint is restored. A long scena
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.procs import run_scenario_script
+
 pytestmark = pytest.mark.ray  # it starts Ray in a subprocess
 
-
-ROOT = Path(__file__).resolve().parents[2]
 TOL = 2e-5  # as in test_sync_equivalence
 
 
 def _run(out: Path, scenario: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "tests.scripts.node_loss", str(out), scenario],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_scenario_script("tests.scripts.node_loss", str(out), scenario, timeout_s=200)
     changes = [e for e in report["events"] if e["kind"] == "membership_changed"]
     assert changes, f"no membership change; the node was removed after step {report['removed_after_steps']}"
     return report | {"change": changes[0]}
