@@ -68,7 +68,8 @@ class WorkerInfo:
 class LeaveNotice:
     """Word that a worker is going to leave: its node is draining, it was sent SIGTERM,
     or the user released it. The coordinator lets it go at a step boundary before
-    ``deadline`` (``control.membership.notices``)."""
+    ``deadline`` (``control.membership.pool.WorkerPool.leave_notices`` reads them,
+    ``Membership.at_step_boundary`` acts on them)."""
 
     source: str
     """``drain``, ``signal`` or ``release``."""

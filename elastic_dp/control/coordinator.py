@@ -290,7 +290,8 @@ class Coordinator:
         ranked = list(self.mode.members)  # the generation in rank order (membership's is the policy's)
         before, after = set(ranked), set(members)  # a list's `in` made this N^2 at 1,024 members
         joined = [m for m in members if m not in before]
-        left = [m for m in ranked if m not in after]
+        left_ranks = [r for r, m in enumerate(ranked) if m not in after]
+        left = [ranked[r] for r in left_ranks]
         self.mode.resize(members)
         self.membership.admit(members)
         self.membership.release(left)  # let go after the state they held moved to the new generation
@@ -298,9 +299,7 @@ class Coordinator:
         if joined:
             extra["ready_to_join_s"] = round(time.time() - min(m.ready_time for m in joined), 4)
         if left:
-            extra.update(left=len(left), left_ranks=[r for r, m in enumerate(ranked) if m not in after],
-                         leave="at_boundary",
-                         restored_step=self.step)
+            extra.update(left=len(left), left_ranks=left_ranks, leave="at_boundary", restored_step=self.step)
         self.recorder.event("membership_changed", step=self.step, cause=self.decision.reason,
                             generation=self.mode.generation,
                             world_size=len(members), joined=len(joined), lost=0,

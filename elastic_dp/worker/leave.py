@@ -58,6 +58,13 @@ def read_notices() -> dict[str, LeaveNotice]:
     return notices
 
 
+def draining_nodes() -> dict[str, float | None]:
+    """The nodes Ray is draining, with their deadlines (Unix seconds; None: no deadline),
+    from ``ray._private.state.state.get_draining_nodes()`` (what Ray Train v2's watcher reads)."""
+    import ray
+    return {node: ms / 1000 or None for node, ms in ray._private.state.state.get_draining_nodes().items()}
+
+
 def forget_notices(keys: list[str]) -> None:
     """Delete notices that were acted on (the workers they named are gone)."""
     from ray.experimental import internal_kv

@@ -21,8 +21,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import ray
@@ -31,6 +29,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
 from tests.reference import max_abs_diff, replay
+from tests.scripts.scenario import autoscaler_request, lines, training, wait_for
 from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
 
 # replicated: micro-batches of 1 make each step ~10x slower, so the node (removed after
@@ -49,24 +48,6 @@ SCENARIOS = {
 }
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _wait_for(path: Path, ok, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok(_lines(path)) and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def _autoscaler_request() -> list[dict] | None:
-    """The standing resource request of this cluster's autoscaler (None: never made)."""
-    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
-    from ray.experimental.internal_kv import _internal_kv_get
-    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
-    return json.loads(raw) if raw else None
-
-
 def main(out: Path, scenario: str) -> None:
     s = SCENARIOS[scenario]
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": s["per_node"], "include_dashboard": False})
@@ -75,42 +56,29 @@ def main(out: Path, scenario: str) -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     task = s["task"]
     config = dataclasses.replace(task.defaults, steps=s["steps"], micro_batch=s["micro_batch"], zero=s["zero"])
-    removed_at, errors, requests = [], [], {}
+    removed_at, requests = [], {}
 
-    def train():
-        try:  # a checkpoint to fall back to, so that a fallback would show (and not fail the run)
-            Trainer(task, train=config, cluster=ClusterConfig(workers=2 * s["per_node"], min_workers=s["per_node"]),
-                    checkpoint=CheckpointConfig(dir=str(out / "ckpt"), every=4), out_dir=str(out),
-                    progress=False).fit()
-        except BaseException as exc:  # re-raised below
-            errors.append(exc)
+    def fit():  # a checkpoint to fall back to, so that a fallback would show (and not fail the run)
+        Trainer(task, train=config, cluster=ClusterConfig(workers=2 * s["per_node"], min_workers=s["per_node"]),
+                checkpoint=CheckpointConfig(dir=str(out / "ckpt"), every=4), out_dir=str(out), progress=False).fit()
 
-    thread = threading.Thread(target=train)  # nodes are added and removed from the main thread only
-    thread.start()
-    try:
+    with training(fit, cluster, FAST) as thread:
         metrics = out / "metrics.jsonl"
         if late:  # the second node's workers join the running group, then it goes
-            _wait_for(metrics, lambda ms: len(ms) >= 2)
-            requests["running"] = _autoscaler_request()
+            wait_for(metrics, lambda ms: len(ms) >= 2)
+            requests["running"] = autoscaler_request()
             second = cluster.add_node(num_cpus=s["per_node"])
-            _wait_for(metrics, lambda ms: sum(m["world_size"] == 2 * s["per_node"] for m in ms) >= 3)
+            wait_for(metrics, lambda ms: sum(m["world_size"] == 2 * s["per_node"] for m in ms) >= 3)
         else:
-            _wait_for(metrics, lambda ms: len(ms) >= 5)
-        removed_at.append(len(_lines(metrics)))
+            wait_for(metrics, lambda ms: len(ms) >= 5)
+        removed_at.append(len(lines(metrics)))
         cluster.remove_node(second, allow_graceful=False)
         if late:  # the loss is handled once a step of 2 workers follows the 4-worker ones
-            _wait_for(metrics, lambda ms: ms and ms[-1]["world_size"] == s["per_node"]
-                      and any(m["world_size"] == 2 * s["per_node"] for m in ms))
+            wait_for(metrics, lambda ms: ms and ms[-1]["world_size"] == s["per_node"]
+                     and any(m["world_size"] == 2 * s["per_node"] for m in ms))
             FAST.touch()
         thread.join()
-        requests["ended"] = _autoscaler_request()
-    finally:
-        thread.join()
-        ray.shutdown()
-        cluster.shutdown()
-        FAST.unlink(missing_ok=True)
-    if errors:
-        raise errors[0]
+        requests["ended"] = autoscaler_request()
     unpaced = dataclasses.replace(task, loss=PacedLoss()) if scenario == "zero" else task
     expected = replay(unpaced, config, str(out / "initial.safetensors"))
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]

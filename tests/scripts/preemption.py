@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, Trainer
 from tests.reference import max_abs_diff, replay, replay_updates
-from tests.scripts.node_loss import _autoscaler_request
+from tests.scripts.scenario import autoscaler_request, lines, training, wait_for
 from tests.tasks import PacedLoss, paced_task
 
 FAST = Path(tempfile.gettempdir()) / f"edp-preemption-fast-{os.getpid()}"
@@ -49,17 +48,6 @@ SCENARIOS = {
     "short": dict(head=1, second=1, zero=0, mode="sync", pace=1.0, deadline=1, notice="drain", after=2),
 }
 STEPS = 20
-
-
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _wait_for(path: Path, ok, timeout_s: float = 120.0) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while not ok(_lines(path)) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return _lines(path)
 
 
 def _drain(node_id: str, deadline_s: float) -> None:
@@ -107,21 +95,16 @@ def main(out: Path, scenario: str) -> None:
     task = paced_task(PacedLoss(seconds=s["pace"], until=str(FAST)))
     config = dataclasses.replace(task.defaults, steps=STEPS, zero=s["zero"], mode=s["mode"])
     workers = s["head"] + s["second"]
-    errors, facts = [], {}
+    facts = {}
 
-    def train():
-        try:
-            Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=1, leave_grace_s=20),
-                    out_dir=str(out), progress=False).fit()
-        except BaseException as exc:  # re-raised below
-            errors.append(exc)
+    def fit():
+        Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=1, leave_grace_s=20),
+                out_dir=str(out), progress=False).fit()
 
-    thread = threading.Thread(target=train)  # nodes are added and removed from the main thread only
-    thread.start()
-    try:
+    with training(fit, cluster, FAST):
         metrics, events = out / "metrics.jsonl", out / "events.jsonl"
-        _wait_for(metrics, lambda ms: len(ms) >= s.get("after", 4) and ms[-1]["world_size"] == workers)
-        facts["notice_after_steps"] = len(_lines(metrics))
+        wait_for(metrics, lambda ms: len(ms) >= s.get("after", 4) and ms[-1]["world_size"] == workers)
+        facts["notice_after_steps"] = len(lines(metrics))
         facts["notice_at"] = time.time()
         if s["notice"] == "drain":
             _drain(second.node_id, s["deadline"])
@@ -132,10 +115,10 @@ def main(out: Path, scenario: str) -> None:
             pids = _worker_pids(second.node_id)
             assert len(pids) == 1, pids
             os.kill(pids[0], signal.SIGTERM)
-        changed = _wait_for(events, lambda es: any(e["kind"] == "membership_changed" for e in es)
+        changed = wait_for(events, lambda es: any(e["kind"] == "membership_changed" for e in es)
                             and (s["mode"] != "async" or any(e["kind"] == "ps_shard_moved" for e in es)), timeout_s=60)
         facts["changed_at"] = time.time()
-        facts["requested"] = _autoscaler_request()  # as the run goes on without the leavers
+        facts["requested"] = autoscaler_request()  # as the run goes on without the leavers
         FAST.touch()
         if s["deadline"] is not None:  # the node goes at its deadline, as a preempted one would
             time.sleep(max(0.0, facts["notice_at"] + s["deadline"] - 0.5 - time.time()))
@@ -148,25 +131,16 @@ def main(out: Path, scenario: str) -> None:
         except Exception as exc:  # Ray ended the drained node itself once it was idle
             facts["remove_error"] = repr(exc)
         facts["changes_seen"] = len([e for e in changed if e["kind"] == "membership_changed"])
-        thread.join()
-    finally:
-        FAST.touch()
-        thread.join()
-        ray.shutdown()
-        cluster.shutdown()
-        FAST.unlink(missing_ok=True)
-    if errors:
-        raise errors[0]
     unpaced = dataclasses.replace(task, loss=PacedLoss())
     if s["mode"] == "async":
-        expected = replay_updates(unpaced, config, str(out / "initial.safetensors"), _lines(out / "updates.jsonl"))
+        expected = replay_updates(unpaced, config, str(out / "initial.safetensors"), lines(out / "updates.jsonl"))
     else:
         expected = replay(unpaced, config, str(out / "initial.safetensors"))
     print(json.dumps({"diff": max_abs_diff(load_file(out / "final.safetensors"), expected), **facts,
-                      "events": _lines(out / "events.jsonl"),
-                      "steps": [m["step"] for m in _lines(out / "metrics.jsonl")],
-                      "world_sizes": [m["world_size"] for m in _lines(out / "metrics.jsonl")],
-                      "at": [m.get("time") for m in _lines(out / "metrics.jsonl")]}))
+                      "events": lines(out / "events.jsonl"),
+                      "steps": [m["step"] for m in lines(out / "metrics.jsonl")],
+                      "world_sizes": [m["world_size"] for m in lines(out / "metrics.jsonl")],
+                      "at": [m.get("time") for m in lines(out / "metrics.jsonl")]}))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from elastic_dp.errors import PlacementError
 from elastic_dp.messages import LeaveNotice, WorkerInfo
 from elastic_dp.task import Task
 from elastic_dp.worker.actor import remote_worker_class
-from elastic_dp.worker.leave import NOTICE_POLL_S, forget_notices, notice_key, read_notices
+from elastic_dp.worker.leave import NOTICE_POLL_S, draining_nodes, forget_notices, notice_key, read_notices
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,8 @@ class WorkerPool:
             return {}
         self._next_notice_read = now + NOTICE_POLL_S
         try:
-            draining = ray._private.state.state.get_draining_nodes()  # {node id: deadline in ms, 0: none}
-            written = self._written = read_notices()
+            draining, written = draining_nodes(), read_notices()
+            self._written = written
         except Exception as exc:  # an older or unusual cluster: no notices, the failure path remains
             logger.warning("could not read leave notices: %s", exc)
             return {}
@@ -143,13 +143,13 @@ class WorkerPool:
             node = m.info.node_id if m.info is not None else None
             actor = m.actor._actor_id.hex() if m.actor is not None else None
             if node in draining:
-                deadline = draining[node] / 1000 or None
-                notices[m] = LeaveNotice("drain", f"drain of node {node[:12]} by Ray", deadline)
+                notices[m] = LeaveNotice("drain", f"drain of node {node[:12]} by Ray", draining[node])
             released = written.get(notice_key("node", node))  # for the workers ready by then
             if released is not None and m.info is not None and m.info.ready_time <= (released.issued or now_s):
                 notices[m] = released
-            if notice_key("actor", actor) in written:  # this very worker's
-                notices[m] = written[notice_key("actor", actor)]
+            own = written.get(notice_key("actor", actor))  # this very worker's
+            if own is not None:
+                notices[m] = own
         return notices
 
     def placed_but_starting(self) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Hashable
 
 import ray
 
-from elastic_dp.worker.leave import NOTICE_POLL_S
+from elastic_dp.worker.leave import NOTICE_POLL_S, draining_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class DrainWatch:
     ``NOTICE_POLL_S`` (between reads, the last answer)."""
 
     def __init__(self) -> None:
-        self._nodes: dict[Any, str] = {}  # actor -> its node, asked once per actor
+        self._nodes: dict[Any, str] = {}  # actor -> its node, asked once per actor, once a node drains
         self._moving: list[Hashable] = []
         self._next_read = 0.0
         self.started: dict[Hashable, tuple[Any, Any]] = {}
@@ -38,10 +38,13 @@ class DrainWatch:
             return self._moving
         self._next_read = now + NOTICE_POLL_S
         try:
-            draining = ray._private.state.state.get_draining_nodes()
+            draining = draining_nodes()
         except Exception as exc:  # an older or unusual cluster: a lost shard is rebuilt from its keeper
             logger.debug("could not read the draining nodes: %s", exc)
             return []
+        if not draining:  # the common case: no holder's node is asked for
+            self._moving = []
+            return self._moving
         unknown = [actor for actor in holders.values() if actor not in self._nodes]
         self._nodes.update(zip(unknown, ray.get([actor.node.remote() for actor in unknown])))
         self._moving = [key for key, actor in holders.items() if self._nodes[actor] in draining]
