@@ -1,11 +1,11 @@
 """Planned leaves on a two-node Ray cluster on this machine (``tests.scripts.preemption``,
 each in its own process): the notice comes the way it comes on a real cluster — Ray's
-drain API with a deadline, or SIGTERM to the worker process from outside the program —
-and the node goes at its deadline. The run lets the workers go at the next step
+drain API with a deadline — and the node goes at its deadline. The run lets the workers go at the next step
 boundary while they are alive: nothing re-run, nothing restored, no replacement placed
-on the draining node, and it ends on the plain replay. The stage-0 drain, the async mode
-and the deadline shorter than a step are in benchmarks/scenarios/test_preemption.py
-(the suite's time); tests/test_preemption.py covers their control-plane logic."""
+on the draining node, and it ends on the plain replay. SIGTERM, the stage-0 drain, the
+async mode, ``elastic-dp release`` and the deadline shorter than a step are in
+benchmarks/scenarios/test_preemption.py (the suite's time); tests/test_preemption.py covers
+their control-plane logic and the SIGTERM handler."""
 
 from __future__ import annotations
 
@@ -54,9 +54,3 @@ def test_a_drain_under_zero2_lets_a_chunk_and_its_snapshot_go_from_their_holders
     step_s = sorted(b - a for a, b in zip(report["at"], report["at"][1:5]))[1]  # a paced step, before the notice
     assert first_after - report["notice_at"] < 2 * step_s + 0.5  # the step in flight, then the new group's first
     assert report["requested"] == [{"CPU": 1}] * 3  # the autoscaler is still asked for MAX
-
-
-def test_sigterm_to_a_worker_process_lets_it_go_at_the_next_boundary(tmp_path):
-    report = run_scenario(tmp_path / "out", "sigterm")
-    change = check_planned_leave(report, left=1, cause="SIGTERM to worker process", draining=False)
-    assert change["time"] < report["notice_at"] + 20  # within its --leave-grace

@@ -1,8 +1,9 @@
 """Planned leaves on a two-node Ray cluster, the scenarios out of the suite (its time):
-the stage-0 drain, the async mode's, ``elastic-dp release``, and a deadline shorter than one step (the step in
-flight is aborted before the deadline and re-run on the same samples). Run with
+SIGTERM to a worker process sent from outside the program, the stage-0 drain, the async
+mode's, ``elastic-dp release``, and a deadline shorter than one step (the step in flight
+is aborted before the deadline and re-run on the same samples). Run with
 ``python3 dev.py test benchmarks/scenarios``; tests/test_preemption_ray.py holds the ZeRO-2
-drain and SIGTERM."""
+drain."""
 
 from __future__ import annotations
 
@@ -48,3 +49,9 @@ def test_a_deadline_shorter_than_the_step_aborts_it_in_time_and_reruns_it(tmp_pa
     assert "too near for a step boundary" in change["cause"]
     assert report["diff"] < TOL
     assert sorted(report["steps"]) == list(range(20))
+
+
+def test_sigterm_to_a_worker_process_lets_it_go_at_the_next_boundary(tmp_path):
+    report = run_scenario(tmp_path / "out", "sigterm")
+    change = check_planned_leave(report, left=1, cause="SIGTERM to worker process", draining=False)
+    assert change["time"] < report["notice_at"] + 20  # within its --leave-grace
