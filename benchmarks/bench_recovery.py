@@ -105,7 +105,7 @@ def bench_ray_train(args: argparse.Namespace, work: Path) -> dict:
                              failure_config=FailureConfig(max_failures=2),
                              checkpoint_config=RTCheckpointConfig(num_to_keep=2)))
     trainer.fit()
-    entries = [(int(s), float(t)) for s, t in (line.split() for line in log.read_text().splitlines())]
+    entries = [(int(s), float(t)) for s, t, _ in (line.split() for line in log.read_text().splitlines())]
     return _recovery(entries, args.crash_step)
 
 

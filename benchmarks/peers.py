@@ -162,15 +162,47 @@ def ray_train_loop(config: dict) -> None:
     """The GPT job as a Ray Train v2 ``TorchTrainer`` loop: DDP, a checkpoint every
     ``config["every"]`` steps, resume from the latest one after a restart, and one
     SIGKILL of rank 1 at the start of ``config["crash_step"]`` (marker file: once per run).
-    Rank 0 logs ``step time`` per committed step to ``config["log"]``."""
-    import os
+    Rank 0 logs ``step time world_size`` per committed step to ``config["log"]``."""
     import signal
+
+    def crash(step: int, rank: int) -> None:
+        if step == config["crash_step"] and rank == 1 and not os.path.exists(config["marker"]):
+            with open(config["marker"], "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _ray_train_gpt(config, before_step=crash)
+
+
+def ray_train_preemption_loop(config: dict) -> None:
+    """The same job with Ray Train v2's documented preemption handling (2.60,
+    ``ray.train.get_preemption_info``'s docstring): every rank asks after each step, and
+    at the first notice rank 0 reports a just-in-time checkpoint and training goes on;
+    when the node goes (or the deadline passes) the controller restarts the workers from
+    the latest checkpoint."""
+    import ray.train
+
+    saved = []
+
+    def after_step(step: int, save) -> None:
+        if ray.train.get_preemption_info() is not None and not saved:
+            save(step)
+            saved.append(step)
+            with open(config["log"] + ".jit", "a") as f:
+                f.write(f"{step} {time.time()}\n")
+
+    _ray_train_gpt(config, after_step=after_step)
+
+
+def _ray_train_gpt(config: dict, before_step=None, after_step=None) -> None:
+    """The body of the Ray Train loops: the GPT job under DDP from the latest checkpoint,
+    a checkpoint every ``config["every"]`` steps, ``before_step(step, rank)`` and
+    ``after_step(step, save)`` (``save(step)`` reports a checkpoint after ``step``) around
+    each step."""
     import tempfile
 
     import ray.train
     import ray.train.torch
-
-    from elastic_dp import ElasticSampler, split
 
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
@@ -188,11 +220,18 @@ def ray_train_loop(config: dict) -> None:
         start = state["step"]
     ddp = ray.train.torch.prepare_model(model)
     sampler = ElasticSampler(len(dataset), global_batch=TASK.defaults.global_batch, seed=TASK.defaults.seed)
+
+    def save(step: int) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "step": step + 1}, os.path.join(d, "state.pt"))
+            ray.train.report({"step": step},
+                             checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+
     for step in range(start, config["steps"]):
-        if step == config["crash_step"] and rank == 1 and not os.path.exists(config["marker"]):
-            with open(config["marker"], "w") as f:
-                f.write(str(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+        if before_step is not None:
+            before_step(step, rank)
         indices = split(sampler.batch(step), world)[rank]
         optimizer.zero_grad()
         TASK.loss(ddp, TASK.collate([dataset[int(i)] for i in indices])).backward()
@@ -200,14 +239,11 @@ def ray_train_loop(config: dict) -> None:
         optimizer.step()
         if rank == 0:
             with open(config["log"], "a") as f:
-                f.write(f"{step} {time.time()}\n")
+                f.write(f"{step} {time.time()} {world}\n")
         if (step + 1) % config["every"] == 0:
-            with tempfile.TemporaryDirectory() as d:
-                if rank == 0:
-                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                "step": step + 1}, os.path.join(d, "state.pt"))
-                ray.train.report({"step": step},
-                                 checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+            save(step)
+        elif after_step is not None:
+            after_step(step, save)
 
 
 class BlockOnce:

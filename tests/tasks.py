@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import threading
 import time
 
@@ -229,3 +230,35 @@ class PoisonedImages(Images):
 
 
 POISONED_CNN_TASK = dataclasses.replace(CNN_TASK, dataset=PoisonedImages)
+
+
+class _KillsAt(Dataset):
+    def __init__(self, inner: Dataset, index: int, marker: str) -> None:
+        self.inner, self.index, self.marker = inner, index, marker
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        if i == self.index:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass  # another process died of it already
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class KillsAt:
+    """``dataset``'s, except that the first process to fetch sample ``index`` SIGKILLs
+    itself (creating ``marker`` first; later fetches are plain): a worker lost while it
+    computes whichever step holds the sample, whatever its rank."""
+
+    dataset: object
+    index: int
+    marker: str
+
+    def __call__(self) -> Dataset:
+        return _KillsAt(self.dataset(), self.index, self.marker)

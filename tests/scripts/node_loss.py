@@ -23,13 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import ray
-from ray.cluster_utils import Cluster
 from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
 from tests.reference import max_abs_diff, replay
-from tests.scripts.scenario import autoscaler_request, lines, training, wait_for
+from tests.scripts.scenario import autoscaler_request, lines, local_cluster, training, wait_for
 from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
 
 # replicated: micro-batches of 1 make each step ~10x slower, so the node (removed after
@@ -50,10 +48,9 @@ SCENARIOS = {
 
 def main(out: Path, scenario: str) -> None:
     s = SCENARIOS[scenario]
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": s["per_node"], "include_dashboard": False})
+    cluster = local_cluster(s["per_node"])
     late = scenario == "zero"
     second = None if late else cluster.add_node(num_cpus=s["per_node"])
-    ray.init(address=cluster.address, log_to_driver=False)
     task = s["task"]
     config = dataclasses.replace(task.defaults, steps=s["steps"], micro_batch=s["micro_batch"], zero=s["zero"])
     removed_at, requests = [], {}

@@ -28,12 +28,11 @@ import time
 from pathlib import Path
 
 import ray
-from ray.cluster_utils import Cluster
 from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, Trainer
 from tests.reference import max_abs_diff, replay, replay_updates
-from tests.scripts.scenario import autoscaler_request, lines, training, wait_for
+from tests.scripts.scenario import autoscaler_request, drain_node, lines, local_cluster, training, wait_for
 from tests.tasks import PacedLoss, paced_task
 
 FAST = Path(tempfile.gettempdir()) / f"edp-preemption-fast-{os.getpid()}"
@@ -48,16 +47,6 @@ SCENARIOS = {
     "short": dict(head=1, second=1, zero=0, mode="sync", pace=1.0, deadline=1, notice="drain", after=2),
 }
 STEPS = 20
-
-
-def _drain(node_id: str, deadline_s: float) -> None:
-    """What ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``
-    calls (ray/scripts/scripts.py), and autoscaler v2 before it takes a node."""
-    from ray.core.generated import autoscaler_pb2
-    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
-    accepted, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                                   "preemption test", int(time.time() * 1000 + deadline_s * 1000))
-    assert accepted, why
 
 
 def _worker_pids(node_id: str) -> list[int]:
@@ -87,9 +76,8 @@ def _first_shard_on(node_id: str) -> None:
 
 def main(out: Path, scenario: str) -> None:
     s = SCENARIOS[scenario]
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": s["head"], "include_dashboard": False})
+    cluster = local_cluster(s["head"])
     second = cluster.add_node(num_cpus=s["second"])
-    ray.init(address=cluster.address, log_to_driver=False)
     if s["mode"] == "async":
         _first_shard_on(second.node_id)
     task = paced_task(PacedLoss(seconds=s["pace"], until=str(FAST)))
@@ -107,7 +95,7 @@ def main(out: Path, scenario: str) -> None:
         facts["notice_after_steps"] = len(lines(metrics))
         facts["notice_at"] = time.time()
         if s["notice"] == "drain":
-            _drain(second.node_id, s["deadline"])
+            drain_node(second.node_id, s["deadline"])
         elif s["notice"] == "release":  # the maintenance command, from its own process
             subprocess.run([sys.executable, "-m", "elastic_dp.cli", "release", "--address", cluster.address,
                             "--node", second.node_id, "--reason", "test"], check=True, timeout=60)

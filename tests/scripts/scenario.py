@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import ray
+from ray.cluster_utils import Cluster
 
 from tests.records import read_lines
 
@@ -30,6 +33,17 @@ def wait_for(path: Path, ok: Callable[[list[dict]], bool], timeout_s: float = 12
     return lines(path)
 
 
+def drain_node(node_id: str, deadline_s: float, reason: str = "preemption test") -> None:
+    """Drain ``node_id`` for preemption with a deadline ``deadline_s`` from now: what
+    ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``
+    calls (ray/scripts/scripts.py), and autoscaler v2 before it takes a node."""
+    from ray.core.generated import autoscaler_pb2
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    accepted, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                   reason, int(time.time() * 1000 + deadline_s * 1000))
+    assert accepted, why
+
+
 def autoscaler_request() -> list[dict] | None:
     """The standing resource request of this cluster's autoscaler (None: never made)."""
     from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
@@ -38,11 +52,21 @@ def autoscaler_request() -> list[dict] | None:
     return json.loads(raw) if raw else None
 
 
+def local_cluster(head_cpus: int) -> Cluster:
+    """A ``ray.cluster_utils.Cluster`` whose head has ``head_cpus`` CPU slots, in a temp
+    dir of its own (``training`` removes it), with this driver connected."""
+    temp_dir = tempfile.mkdtemp(prefix="edp-ray-", dir="/tmp")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False,
+                                                            "temp_dir": temp_dir})
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
 @contextlib.contextmanager
 def training(fit: Callable[[], object], cluster, fast: Path) -> Iterator[threading.Thread]:
     """Run ``fit`` on a thread for the body of the ``with``; then (however the body ended)
-    let the run finish unpaced (``fast``), end Ray and ``cluster``, and raise the run's
-    own error if it had one."""
+    let the run finish unpaced (``fast``), end Ray and ``cluster`` (and remove its temp
+    dir), and raise the run's own error if it had one."""
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -59,7 +83,9 @@ def training(fit: Callable[[], object], cluster, fast: Path) -> Iterator[threadi
         fast.touch()
         thread.join()
         ray.shutdown()
+        temp_dir = cluster.head_node.get_temp_dir_path()
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
         fast.unlink(missing_ok=True)
     if errors:
         raise errors[0]

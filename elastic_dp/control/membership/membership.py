@@ -105,7 +105,10 @@ class Membership:
         """Between steps: CONTINUE, or REFORM to let members with a leave notice go and to
         admit the joiners that are ready (a joiner with a notice is stopped instead)."""
         self.joiners += self.pool.poll()
-        self.leaving.update(self.pool.leave_notices([*self.members, *self.joiners]))
+        for member, notice in self.pool.leave_notices([*self.members, *self.joiners]).items():
+            if member not in self.leaving:
+                logger.info("%r: leave notice: %s", member, notice.describe(self.wall()))
+            self.leaving[member] = notice
         going = [j for j in self.joiners if j in self.leaving]
         if going:
             logger.info("%s: leaving before joining (%s)", going, self.leaving[going[0]].cause)
