@@ -3,7 +3,7 @@
     elastic-dp train JOB --workers N --steps S [--global-batch B] [--micro-batch M]
         [--seed X] [--device auto|cpu|cuda] [--checkpoint-dir DIR --checkpoint-every K]
         [--storage URI] [--resume [latest|auto|never]] [--run-name NAME]
-        [--out DIR] [--zero 0|1|2 --snapshot-every K]
+        [--out DIR] [--zero 0|1|2|3 --snapshot-every K]
         [--on-nonfinite skip|fail --max-nonfinite-steps N]
     elastic-dp report RUN_DIR [--out DIR]
     elastic-dp release (--node NODE_ID | --actor ACTOR_ID)... [--address ADDR] [--deadline S]
@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--workers", type=_worker_range, default=(2, 2), metavar="N|MIN:MAX",
                        help="worker actors: N, or an elastic range MIN:MAX (default 2)")
     for name, kind in _TRAIN_FLAGS.items():
-        extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2]},
+        extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2, 3]},
                  "batch_stats": {"choices": ["local", "global"]},
                  "on_nonfinite": {"choices": ["skip", "fail"]}, "mode": {"choices": ["sync", "async"]},
                  "staleness_lr": {"choices": ["none", "inverse"]},
@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                            help=f"override the job's {name}", **extra)
     train.add_argument("--no-reduce-fp32", dest="reduce_fp32", action="store_false", default=None,
                        help="reduce bf16 gradients in bf16 instead of fp32")
+    train.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                       default=None, help="--zero 3: keep each unit's gathered parameters from its forward to its backward")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     train.add_argument("--gpus-per-worker", type=float, default=1.0,
                        help="with cuda, each worker's share of a GPU in (0, 1]; below 1 workers share GPUs over gloo")
@@ -168,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     task = load_task(args.job)
-    overrides = {name: getattr(args, name) for name in [*_TRAIN_FLAGS, "reduce_fp32", "prefetch", "balance"]
+    overrides = {name: getattr(args, name) for name in [*_TRAIN_FLAGS, "reduce_fp32", "reshard_after_forward", "prefetch", "balance"]
                  if getattr(args, name) is not None}
     train = dataclasses.replace(task.defaults, **overrides)
     low, high = args.workers

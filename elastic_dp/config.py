@@ -79,7 +79,13 @@ class TrainConfig:
     than the overlap gave (docs/sync.md)."""
     zero: int = 0
     """ZeRO stage (``--zero``): 0 replicates everything; 1 shards the optimizer state (and
-    the fp32 master weights of bf16/fp16 parameters); 2 also shards the gradients."""
+    the fp32 master weights of bf16/fp16 parameters); 2 also shards the gradients; 3 also
+    the parameters, gathered unit by unit for the forward and the backward (docs/zero.md)."""
+    reshard_after_forward: bool = True
+    """ZeRO stage 3: free each unit's gathered parameters after its forward and gather them
+    again for its backward; False (``--no-reshard-after-forward``) keeps them from the
+    forward to the backward: one all-gather a unit less per step, for the memory of the
+    whole model's parameters at the end of the forward."""
     snapshot_every: int = 1
     """With ZeRO, every how many committed steps each worker copies its chunk to its
     neighbour's host memory (``--snapshot-every``). A worker lost k steps after the
@@ -164,7 +170,15 @@ class TrainConfig:
         _require(self.bucket_mb > 0, f"bucket_mb must be positive, got {self.bucket_mb} (--bucket-mb)")
         _require(self.first_bucket_mb is None or self.first_bucket_mb > 0,
                  f"first_bucket_mb must be positive, got {self.first_bucket_mb} (--first-bucket-mb)")
-        _require(self.zero in (0, 1, 2), f"zero must be stage 0, 1 or 2, got {self.zero!r} (--zero)")
+        _require(self.zero in (0, 1, 2, 3), f"zero must be stage 0, 1, 2 or 3, got {self.zero!r} (--zero)")
+        _require(self.zero != 3 or self.micro_batch is None or self.micro_batch >= self.global_batch,
+                 f"--zero 3 does not accumulate micro-batches yet (each rank would need the same number of them): "
+                 f"set --micro-batch to the global batch {self.global_batch} or more, or use --zero 2")
+        _require(self.zero != 3 or not self.eval_every,
+                 "--zero 3 does not evaluate yet: each rank's share of the eval samples would need the same number "
+                 "of forwards (drop --eval-every, or use --zero 2)")
+        _require(self.reshard_after_forward or self.zero == 3,
+                 "--no-reshard-after-forward is a ZeRO stage 3 setting: add --zero 3 or drop it")
         _require(self.mode in ("sync", "async"), f"mode must be sync or async, got {self.mode!r} (--mode)")
         _require(self.max_staleness >= 0,
                  f"max_staleness must be >= 0, got {self.max_staleness} (--max-staleness)")

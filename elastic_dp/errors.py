@@ -25,6 +25,7 @@ API_NAMES = {
         "max_nonfinite_steps", "mode", "max_staleness", "staleness_lr", "ps_shards", "ps_device", "prefetch",
         "balance")},
     "--no-reduce-fp32": "TrainConfig(reduce_fp32=False)", "--no-prefetch": "TrainConfig(prefetch=False)",
+    "--no-reshard-after-forward": "TrainConfig(reshard_after_forward=False)",
     "--workers": "ClusterConfig.workers", "--device": "ClusterConfig.device",
     "--gpus-per-worker": "ClusterConfig.gpus_per_worker", "--backend": "ClusterConfig.backend",
     "--address": "ClusterConfig.address", "--placement-timeout": "ClusterConfig.placement_timeout_s",

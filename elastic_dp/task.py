@@ -50,6 +50,10 @@ class Task:
     per committed step (never twice for a re-run one), its state in checkpoints and in a
     joiner's state; used instead of ``TrainConfig.lr_schedule`` (``elastic_dp.schedules``).
     It may set the learning rate only, from the step alone (no ``ReduceLROnPlateau``)."""
+    shard_units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None
+    """Optional, ``--zero 3``: the modules whose parameters are gathered together for their
+    forward and backward (default: the children of the model's ``nn.ModuleList``s, its
+    repeated blocks); the parameters outside them form the root unit (docs/zero.md)."""
     collate: Callable[[list], Any] = default_collate
     """Turns a list of samples into a batch (default: torch's ``default_collate``)."""
     defaults: TrainConfig = field(default_factory=TrainConfig)

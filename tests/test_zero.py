@@ -293,7 +293,7 @@ def test_non_elementwise_optimizer_is_refused_with_zero():
     Replica(task, TrainConfig(zero=0), CPU, group=None)  # fine without sharding
 
 
-@pytest.mark.parametrize("stage", [3, -1, "1"])
+@pytest.mark.parametrize("stage", [4, -1, "1"])
 def test_unknown_stage_is_refused(stage):
     with pytest.raises(ConfigError, match=r"TrainConfig\.zero"):
         TrainConfig(zero=stage)

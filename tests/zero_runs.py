@@ -20,16 +20,20 @@ def initial_weights(task: Task, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in task.model().state_dict().items()}
 
 
-def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *, start=None, before_exit=None):
+def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *, start=None, before_exit=None,
+          after_build=None):
     """Run ``steps`` on ``world`` thread ranks from ``initial`` weights (or a whole
     TrainingState ``start``); return rank 0's final weights and every rank's training state.
-    ``before_exit(replica)`` runs on each rank after its steps, while its group still exists."""
+    ``before_exit(replica)`` runs on each rank after its steps, while its group still exists;
+    ``after_build(replica)`` before them."""
     dataset_len = len(task.dataset())
     sampler = ElasticSampler(dataset_len, global_batch=config.global_batch, seed=config.seed)
 
     def rank_fn(group):
         replica = Replica(task, config, CPU, group)
         program = SyncProgram(replica)
+        if after_build is not None:
+            after_build(replica)
         if start is not None:
             replica.load_state(start)
         else:

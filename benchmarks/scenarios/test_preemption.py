@@ -1,6 +1,6 @@
 """Planned leaves on a two-node Ray cluster, the scenarios out of the suite (its time):
 SIGTERM to a worker process sent from outside the program, the stage-0 drain, the async
-mode's, ``elastic-dp release``, and a deadline shorter than one step (the step in flight
+mode's, the ZeRO-3 one, ``elastic-dp release``, and a deadline shorter than one step (the step in flight
 is aborted before the deadline and re-run on the same samples). Run with
 ``python3 dev.py test benchmarks/scenarios``; tests/test_preemption_ray.py holds the ZeRO-2
 drain."""
@@ -17,6 +17,14 @@ pytestmark = pytest.mark.ray
 def test_a_drain_at_stage_0_lets_the_node_s_worker_go(tmp_path):
     report = run_scenario(tmp_path / "out", "drain0")
     check_planned_leave(report, left=1, cause="drain of node")
+
+
+def test_a_drain_under_zero3_lets_the_leavers_export_their_parameter_chunks(tmp_path):
+    """ZeRO-3, ranks 0 and 2 of 3 on the drained node: their chunks of the parameters
+    themselves (no rank holds them whole between steps) leave with their own export."""
+    report = run_scenario(tmp_path / "out", "drain3")
+    change = check_planned_leave(report, left=2, cause="drain of node")
+    assert sorted(change["left_ranks"]) == [0, 2]
 
 
 def test_a_drain_in_async_mode_lets_the_worker_finish_its_gradient_and_moves_the_shard(tmp_path):

@@ -64,10 +64,13 @@ class GradientReducer:
     def __init__(self, params: list[torch.nn.Parameter], group: CollectiveGroup, *,
                  bucket_bytes: int, reduce_fp32: bool, first_bucket_bytes: int | None = None,
                  group_of: dict[int, int] | None = None, pad_to: int = 1,
-                 scatter_into: list[torch.Tensor] | None = None, scatter_in_place: bool = False) -> None:
+                 scatter_into: list[torch.Tensor] | None = None, scatter_in_place: bool = False,
+                 buckets: list[Bucket] | None = None) -> None:
         self.group = group
-        self.buckets = make_buckets([p for p in params if p.requires_grad], bucket_bytes, reduce_fp32,
-                                    first_bucket_bytes=first_bucket_bytes, group_of=group_of, pad_to=pad_to)
+        self.buckets = buckets if buckets is not None else make_buckets(
+            [p for p in params if p.requires_grad], bucket_bytes, reduce_fp32, first_bucket_bytes=first_bucket_bytes,
+            group_of=group_of, pad_to=pad_to)
+        """The buckets, in launch order (``buckets``: the caller's, such as ZeRO-3's units)."""
         self.scatter_into = scatter_into
         if scatter_into is not None and scatter_in_place:
             raise ValueError("scatter_into and scatter_in_place exclude each other")

@@ -41,6 +41,11 @@ class Strategy(Protocol):
     def abandon(self) -> None:
         """Forget a step that failed part-way."""
 
+    def after_local_error(self) -> None:
+        """This rank's forward or backward raised: keep the step's collectives in lockstep
+        with the peers, so that every rank hears of it in the vote (ZeRO-3, which cannot,
+        aborts the group and raises ``CollectiveError``)."""
+
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the global gradient norm to ``max_norm``; return the norm before clipping."""
 
@@ -196,6 +201,10 @@ class BucketedGradients:
 
     def abandon(self) -> None:
         self.reducer.disarm()
+
+    def after_local_error(self) -> None:
+        self.reducer.ballot.error()
+        self.reducer.arm()  # every bucket is launched by the reduction, zeros where no gradient came
 
 
 def nbytes(tensors) -> int:

@@ -152,8 +152,11 @@ class WorkerActor:
         return self.replica.model_state()
 
     def write_weights(self, storage: Storage, name: str) -> None:
-        """Write the model's state dict as the safetensors file ``name`` of ``storage``."""
-        save_tensors(storage, name, self.replica.strategy.weights())
+        """Write the model's state dict as the safetensors file ``name`` of ``storage`` (at
+        ZeRO stage 3 every rank takes part in gathering it; rank 0 writes it)."""
+        weights = self.replica.strategy.weights()
+        if self.group.rank == 0:
+            save_tensors(storage, name, weights)
 
     # -- checkpoints: every rank writes its own part --------------------------------------
     def stage_checkpoint(self, directory: str, step: int, sampler: dict[str, int],
@@ -228,7 +231,13 @@ class WorkerActor:
     def sample(self) -> str | None:
         """The task's sample of what the model does now (None when the task has none)."""
         task = self.replica.task
-        return task.sample(self.replica.settled_model()) if task.sample is not None else None
+        if task.sample is None:
+            return None
+        if self.replica.config.zero != 3:
+            return task.sample(self.replica.settled_model())
+        with torch.random.fork_rng():  # every rank runs the same forwards, which gather the units
+            torch.manual_seed(self.replica.config.seed)
+            return task.sample(self.replica.settled_model())
 
 
 def remote_worker_class():

@@ -78,7 +78,8 @@ class Replica:
         self.optimizer = task.optimizer(self.model)
         self.rates = LearningRates(task, config, self.optimizer)
         """Each param group's learning rate at each step (``elastic_dp.schedules``)."""
-        self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device, self.faults)
+        self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device, self.faults,
+                                                task.shard_units)
         self.batch_norm = batch_norm_modules(self.model)
         self.batch_stats = (GlobalBatchStats(self.model, group)
                             if self.batch_norm and config.batch_stats == "global" else None)

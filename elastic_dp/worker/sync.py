@@ -201,8 +201,7 @@ class SyncProgram:
         strategy = self.replica.strategy
         try:
             if local_error is not None:
-                strategy.ballot.error()
-                strategy.before_last_backward()  # keep collectives in lockstep
+                strategy.after_local_error()  # the peers hear of it in the vote (or the group is aborted)
             return strategy.reduce_gradients()
         except Exception as exc:  # the group itself failed: no vote is possible
             strategy.abandon()

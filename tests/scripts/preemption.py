@@ -8,7 +8,8 @@ what the tests check.
 Scenarios (``SCENARIOS``): ``drain0`` and ``drain2`` drain the second node through Ray's
 drain API (``ray drain-node``'s call, reason PREEMPTION) with a deadline, at stage 0 (one
 worker per node) and at ZeRO-2 (the second node holds ranks 0 and 2 of three: a chunk and
-its peer snapshot); ``drain_async`` the same in ``--mode async``; ``sigterm`` sends SIGTERM
+its peer snapshot), and ``drain3`` the same at ZeRO-3 (the MLP's parameters are its root
+unit); ``drain_async`` the same in ``--mode async``; ``sigterm`` sends SIGTERM
 to the second node's worker process; ``release`` runs ``elastic-dp release --node`` for
 the second node (no deadline), as for maintenance; ``short`` drains with a deadline shorter than one
 step. The node is removed at the deadline (if Ray has not ended it already: a drained
@@ -41,6 +42,7 @@ FAST = Path(tempfile.gettempdir()) / f"edp-preemption-fast-{os.getpid()}"
 SCENARIOS = {
     "drain0": dict(head=1, second=1, zero=0, mode="sync", pace=0.15, deadline=8, notice="drain"),
     "drain2": dict(head=1, second=2, zero=2, mode="sync", pace=0.15, deadline=8, notice="drain"),
+    "drain3": dict(head=1, second=2, zero=3, mode="sync", pace=0.15, deadline=8, notice="drain"),
     "drain_async": dict(head=1, second=1, zero=0, mode="async", pace=0.15, deadline=8, notice="drain"),
     "sigterm": dict(head=1, second=1, zero=0, mode="sync", pace=0.15, deadline=None, notice="sigterm"),
     "release": dict(head=1, second=1, zero=0, mode="sync", pace=0.15, deadline=None, notice="release"),
@@ -81,7 +83,8 @@ def main(out: Path, scenario: str) -> None:
     if s["mode"] == "async":
         _first_shard_on(second.node_id)
     task = paced_task(PacedLoss(seconds=s["pace"], until=str(FAST)))
-    config = dataclasses.replace(task.defaults, steps=STEPS, zero=s["zero"], mode=s["mode"])
+    config = dataclasses.replace(task.defaults, steps=STEPS, zero=s["zero"], mode=s["mode"],
+                                 micro_batch=None if s["zero"] == 3 else task.defaults.micro_batch)
     workers = s["head"] + s["second"]
     facts = {}
 

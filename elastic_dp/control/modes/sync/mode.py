@@ -120,18 +120,25 @@ class SyncMode:
         rank0 = self.members[0]  # its loss is a failure of the whole group (the others survive)
         return self.gens.run(self.members, {getattr(rank0.actor, method).remote(*args): rank0})[rank0]
 
+    def _whole_model(self, method: str, *args: Any) -> Any:
+        """Rank 0's result of ``method``, which needs the whole model: at ZeRO stage 3 a
+        collective that gathers it unit by unit, so every member makes the call."""
+        if self.train.zero != 3:
+            return self._from_rank0(method, *args)
+        return self.gens.call_all(method, *args)[self.members[0]]
+
     def _write_weights(self, name: str) -> None:
         """``<out>/<name>.safetensors``: written by rank 0 straight to an ``--out`` URI, or
         by this driver into its local ``--out`` directory."""
-        write_weights(self.recorder, name, lambda: self._from_rank0("model_state"),
-                      lambda storage, file: self._from_rank0("write_weights", storage, file))
+        write_weights(self.recorder, name, lambda: self._whole_model("model_state"),
+                      lambda storage, file: self._whole_model("write_weights", storage, file))
 
     def close(self) -> None:
         pass  # the workers are all it has
 
     def finish(self) -> None:
         self._write_weights("final")
-        self.recorder.summary.sample = self._from_rank0("sample")
+        self.recorder.summary.sample = self._whole_model("sample")
 
     # -- the step --------------------------------------------------------------------------
     def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True,

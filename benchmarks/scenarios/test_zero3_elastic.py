@@ -1,0 +1,33 @@
+"""ZeRO stage 3 through kills and a join on a local Ray cluster, out of the suite (its
+time): every run ends where the plain PyTorch replay ends (tests.reference). Run with
+``python3 dev.py test benchmarks/scenarios``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_elastic import run_against_replay
+
+pytestmark = pytest.mark.ray
+
+TOL = 2e-5
+"""Stage 0's bound on the tiny GPT (tests/test_elastic.py): float32 order noise of AdamW
+over 9 steps."""
+
+
+def test_kills_in_the_forward_and_the_backward_and_a_join_under_zero3_end_on_the_replay(ray_cluster, tmp_path):
+    """Rank 1 is killed in step 2's forward (its peers wait in a unit's all-gather), a
+    worker joins at step 4 (the units re-cut from the live chunks), and rank 0 is killed
+    in step 6's backward (the reduce-scatters of the units in flight). Each lost step is
+    re-run from the chunks the survivors hold, nothing from a checkpoint."""
+    inject = ["kill:step=2:rank=1:phase=forward", "join:step=4", "kill:step=6:rank=0:phase=allreduce"]
+    summary, diff, events, _ = run_against_replay(tmp_path, 3, inject, min_workers=1, steps=9,
+                                                  train={"zero": 3, "micro_batch": None})
+    assert diff < TOL
+    changes = [e for e in events if e["kind"] == "membership_changed"]
+    failures = [c for c in changes if c["lost"]]
+    assert [c["lost_ranks"] for c in failures] == [[1], [0]]
+    assert all(c["restored_step"] == c["step"] and c["steps_rerun"] == 1 for c in failures)
+    assert any(c.get("joined") for c in changes)
+    assert not any(e["kind"] == "restored_from_checkpoint" for e in events)
+    assert summary.steps == 9

@@ -1,0 +1,424 @@
+"""ZeRO stage 3: the parameters sharded too (``--zero 3``).
+
+The unit of stage 3 is a module: by default each child of the model's ``nn.ModuleList``s
+(its repeated blocks; a list inside a unit belongs to that unit), or the task's own
+(``Task.shard_units``); the parameters left over form the root unit, and a parameter
+that two units share belongs to the root. A unit's parameters of one kind (param group,
+dtype) are one flat buffer, a *piece*, cut into ``N`` chunks by the stages 1-2 rule (the
+partition does not depend on ``N``, only the padding: ``chunks``), so the re-cut on a
+resize, the peer snapshots, the holdings and the checkpoint's optimizer state are the
+stages 1-2 ones (``sharded.Sharded``), with pieces where those have buckets.
+
+Between steps a rank holds only its chunk of every piece (``shards``; the fp32 masters,
+which are the chunks themselves for fp32 parameters) and the parameters' full buffers
+have no storage. In the forward the root is all-gathered first and kept to the end of the
+backward; each unit is all-gathered before its forward (the next unit's gather is started
+then, so it arrives while this one computes) and freed after it, except the last, whose
+backward comes next, and except with ``--no-reshard-after-forward``, which keeps every
+unit to its backward. In the backward a freed unit is gathered again as the gradient of
+its output arrives (the unit before it prefetched then), and freed as soon as all its
+parameters have their gradients. The gradients are reduce-scattered piece by piece as
+backward completes them, into the rank's gradient chunks (``GradientReducer``'s scatter
+mode, the pieces in backward order as its buckets: the last unit first, the root last,
+carrying the vote), and the full gradients are released.
+
+Collectives match by the order each rank issues them, which is the forward's and the
+backward's order of the units, the same on every rank. A rank whose forward or backward
+raises cannot follow that order any more: it aborts the generation's group (its peers'
+collectives fail at once) and its error, which the step reports, ends the run as a task
+error does at the other stages.
+
+Not yet here (issue 26): ``--micro-batch`` (refused at stage 3 for now), building a
+model too large for one worker on the meta device, writing the final weights unit by
+unit; the model's state (``model_state``) is gathered whole into rank 0's host memory.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.comm.reducer import Bucket, GradientReducer, make_buckets
+from elastic_dp.config import TrainConfig
+from elastic_dp.durable.checkpoint import Part, TrainingState, add_piece, cut_part, part_files
+from elastic_dp.errors import CollectiveError
+from elastic_dp.faults import FaultHook
+from elastic_dp.state.base import broadcast_tensors, nbytes
+from elastic_dp.state.zero import format as zero_format
+from elastic_dp.state.zero.sharded import Sharded
+
+WHOLE = 2**62
+"""A bucket size no unit reaches: one piece per kind of parameter in a unit."""
+
+
+def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of the model's ``nn.ModuleList``s, outermost lists only, in
+    registration order."""
+    units: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, torch.nn.ModuleList):
+                units.extend(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return units
+
+
+class FullySharded(Sharded):
+    """ZeRO stage 3 (``--zero 3``). ``units``: the task's ``shard_units`` (None: the
+    default, ``default_units``)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
+                 config: TrainConfig, device: torch.device, faults: FaultHook | None = None,
+                 units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None) -> None:
+        super().__init__(model, optimizer, group, config, device, faults)
+        self.defer_gather = True  # nothing is gathered after an update: each forward gathers
+        self.reshard_after_forward = config.reshard_after_forward
+        self.units = list(units(model) if units is not None else default_units(model))
+        if any(u is model for u in self.units):
+            raise ValueError("a shard unit cannot be the model itself: its parameters outside the units are the root")
+        self.root = len(self.units)
+        """The root unit's index (the units are ``0 .. root - 1``, in forward order)."""
+        model.register_forward_pre_hook(lambda _m, _a: self._before_model())
+        model.register_forward_hook(lambda _m, _a, _o: self._after_model())
+        for u, unit in enumerate(self.units):
+            unit.register_forward_pre_hook(lambda _m, _a, u=u: self._before_unit(u))
+            unit.register_forward_hook(lambda _m, _a, out, u=u: self._after_unit(u, out))
+        self._gathered: set[int] = set()  # units whose full parameters are here (or on their way)
+        self._backward_started: set[int] = set()
+
+    # -- layout ---------------------------------------------------------------------------
+    def _build(self) -> None:
+        self._gathers = {}
+        group, config, optimizer = self.group, self.config, self.base_optimizer
+        self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
+        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) in group_of]
+        stepped = {id(p) for p in self.params}
+        owners: dict[int, set[int]] = {}
+        for u, unit in enumerate(self.units):
+            for p in unit.parameters():
+                if id(p) in stepped:
+                    owners.setdefault(id(p), set()).add(u)
+        unit_of = {i: next(iter(us)) if len(us) == 1 else self.root for i, us in owners.items()}
+        members: list[list[torch.nn.Parameter]] = [[] for _ in range(self.root + 1)]
+        for p in self.params:
+            members[unit_of.get(id(p), self.root)].append(p)
+        # pieces in backward order (the reducer launches them in this order): the last unit
+        # first, the root, whose parameters the forward uses first and last, at the end
+        self.buckets: list[Bucket] = []
+        self.unit_buckets: dict[int, list[int]] = {}
+        for u in [*reversed(range(self.root)), self.root]:
+            pieces = make_buckets(members[u], WHOLE, config.reduce_fp32, group_of=group_of, pad_to=self.world_size)
+            self.unit_buckets[u] = list(range(len(self.buckets), len(self.buckets) + len(pieces)))
+            self.buckets.extend(pieces)
+        self.unit_params = {u: [p for b in bs for p in self.buckets[b].params] for u, bs in self.unit_buckets.items()}
+        self.chunks = [b.padded // self.world_size for b in self.buckets]
+        self.numels = [b.numel for b in self.buckets]
+        self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
+        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        self.unit_of = {id(p): u for u, ps in self.unit_params.items() for p in ps}
+        self.forward_order = [b for u in [self.root, *range(self.root)] for b in self.unit_buckets[u]]
+
+        # parameters become views into one flat buffer per piece, whose storage exists only
+        # while the piece is gathered; the rank keeps its chunk of it (``shards``)
+        self.param_buffers, self.shards = [], []
+        for bucket in self.buckets:
+            first = bucket.params[0]
+            buffer = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
+            whole = first.untyped_storage().size() > 0  # the model as built (not a re-cut's freed views)
+            for p, offset in zip(bucket.params, bucket.offsets):
+                view = buffer[offset:offset + p.numel()]
+                if whole:
+                    view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+            chunk = bucket.padded // self.world_size
+            self.shards.append(buffer[self.rank * chunk:(self.rank + 1) * chunk].clone())
+            self.param_buffers.append(buffer)
+        self._gathered = set(range(self.root + 1))
+        self._free(list(range(self.root + 1)))
+        self.masters = [torch.nn.Parameter(s if s.dtype == torch.float32 else s.float()) for s in self.shards]
+        self.snapshots.configure(group, 0)  # no rank holds another's parameters between steps
+
+        self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
+                            for b, c in zip(self.buckets, self.chunks)]
+        self.reducer = GradientReducer(self.params, group, bucket_bytes=WHOLE, reduce_fp32=config.reduce_fp32,
+                                       group_of=group_of, pad_to=self.world_size, scatter_into=self.grad_chunks,
+                                       buckets=self.buckets)
+        self._grads_pending = {u: set() for u in self.unit_buckets}
+        self._free_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [m for m, gi in zip(self.masters, self.bucket_group) if gi == i]}
+                  for i, g in enumerate(optimizer.param_groups)]
+        accepted = inspect.signature(type(optimizer)).parameters
+        self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        self.live_step = 0
+
+    def _current(self) -> None:
+        if self.generation != self.group.generation and self.generation is not None:
+            for hook in self._free_hooks:  # the new layout's come with it
+                hook.remove()
+        super()._current()
+
+    def _gradient_buffers(self) -> list[torch.Tensor]:
+        return self.grad_chunks
+
+    def _own_params(self, b: int) -> torch.Tensor:
+        return self.shards[b]
+
+    # -- gathering and freeing units ----------------------------------------------------------
+    def _start_gather(self, b: int) -> None:
+        buffer = self.param_buffers[b]
+        storage = buffer.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(buffer.numel() * buffer.element_size())
+        self._gathers[b] = self.group.all_gather_async(buffer, self.shards[b])
+
+    def _gather(self, u: int, wait: bool) -> None:
+        """Start unit ``u``'s all-gather unless it is here or on its way; with ``wait``, wait for it."""
+        if u not in self._gathered:
+            self._gathered.add(u)
+            try:
+                for b in self.unit_buckets[u]:
+                    self._start_gather(b)
+            except Exception as exc:
+                raise self._collective_error("parameter all-gather", exc) from None
+        if wait:
+            self._wait_gathers([b for b in self.unit_buckets[u] if b in self._gathers])
+
+    def _free(self, units: list[int]) -> None:
+        for u in units:
+            if u in self._gathered:
+                self._wait_gathers([b for b in self.unit_buckets[u] if b in self._gathers])
+                for b in self.unit_buckets[u]:
+                    self.param_buffers[b].untyped_storage().resize_(0)
+                self._gathered.discard(u)
+
+    def _gather_all(self) -> None:
+        for u in [self.root, *range(self.root)]:
+            self._gather(u, wait=False)
+        self._wait_gathers()
+
+    def _free_all(self) -> None:
+        self._free(list(range(self.root + 1)))
+
+    def _before_forward(self, ids: list[int]) -> None:
+        pass  # stages 1-2's wait for the update's all-gather: here each unit's hooks gather
+
+    def _before_model(self) -> None:
+        if self.generation != self.group.generation:
+            return  # a forward outside training before any state (an evaluation is after one)
+        self._backward_started = set()
+        self._gather(self.root, wait=False)
+        if self.root:
+            self._gather(0, wait=False)  # prefetched: it arrives while the root's first modules compute
+        self._gather(self.root, wait=True)
+
+    def _after_model(self) -> None:
+        if not torch.is_grad_enabled():  # no backward follows (an evaluation): free everything now
+            self._free_all()
+
+    def _before_unit(self, u: int) -> None:
+        if self.generation != self.group.generation:
+            return
+        self._gather(u, wait=True)
+        if u + 1 < self.root:
+            self._gather(u + 1, wait=False)
+
+    def _after_unit(self, u: int, out) -> None:
+        if self.generation != self.group.generation or not torch.is_grad_enabled():
+            return
+        if self.reshard_after_forward and u + 1 < self.root:
+            self._free([u])
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(lambda grad, u=u: self._before_backward(u))
+
+    def _before_backward(self, u: int) -> None:
+        """The gradient of unit ``u``'s output has arrived: its backward comes next."""
+        if u in self._backward_started:
+            return
+        self._backward_started.add(u)
+        self._gather(u, wait=True)
+        if u >= 1:
+            self._gather(u - 1, wait=False)
+        self._grads_pending[u] = {id(p) for p in self.unit_params[u]}
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        """A parameter's gradient is complete: a unit whose every parameter has one is freed."""
+        u = self.unit_of.get(id(param))
+        pending = self._grads_pending.get(u)
+        if u == self.root or not pending:
+            return
+        pending.discard(id(param))
+        if not pending:
+            self._free([u])
+
+    # -- the step --------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._grads_pending = {u: set() for u in self.unit_buckets}
+
+    def reduce_gradients(self):
+        try:
+            return super().reduce_gradients()
+        finally:
+            self._free_all()  # the root, and a unit whose backward some parameter skipped
+
+    def abandon(self) -> None:
+        super().abandon()
+        try:
+            self._free_all()
+        except Exception:  # noqa: BLE001 — the group failed; its gathers with it
+            self._gathers = {}
+            for buffer in self.param_buffers:
+                buffer.untyped_storage().resize_(0)
+            self._gathered = set()
+
+    def after_local_error(self) -> None:
+        """This rank's forward or backward raised: it cannot issue the collectives its
+        peers wait for in the order they do, so the generation's group is aborted (their
+        collectives fail at once) and the step ends here."""
+        self.group.abort(self.group.generation)
+        raise CollectiveError(f"gen {self.generation} rank {self.rank}: the group was aborted after this rank's "
+                              "forward or backward raised", rank=self.rank, step=self.live_step)
+
+    @torch.no_grad()
+    def optimizer_step(self, step: int) -> None:
+        """Update the chunks; nothing is gathered: the next forward gathers each unit."""
+        for b in self.forward_order:
+            master, grad = self.masters[b], self.grad_chunks[b]
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+            self.optimizer.step()
+            master.grad = None
+            if self.shards[b].data_ptr() != master.data_ptr():
+                self.shards[b].copy_(master)
+        self.live_step = step + 1
+
+    def _gather_params(self) -> None:
+        pass  # after a re-cut or a load: gathered on demand
+
+    def drop_pending(self) -> None:
+        super().drop_pending()
+        for buffer in self.param_buffers if self.generation is not None else ():
+            buffer.untyped_storage().resize_(0)
+        self._gathered = set()
+
+    def state_bytes(self) -> dict[str, int]:
+        separate = [m for m, s in zip(self.masters, self.shards) if m.data_ptr() != s.data_ptr()]
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {"parameters": nbytes(self.shards), "gradients": nbytes(self.grad_chunks),
+                "optimizer_state": nbytes(state) + nbytes(separate), "snapshots": self.snapshots.bytes_held()}
+
+    # -- state ------------------------------------------------------------------------------
+    def sync_from(self, src: int) -> None:
+        """Take rank ``src``'s parameters and buffers; every chunk starts from them with empty
+        optimizer state."""
+        self._current()
+        self._gather_all()
+        try:
+            broadcast_tensors(self.group, [*self.param_buffers, *self.buffers.tensors()], src, self.device)
+            self.reset_from_params(step=0)
+        finally:
+            self._free_all()
+
+    def reset_from_params(self, step: int) -> None:
+        with torch.no_grad():
+            for b, buffer in enumerate(self.param_buffers):
+                c = self.chunks[b]
+                self.shards[b].copy_(buffer[self.rank * c:(self.rank + 1) * c])
+        super().reset_from_params(step)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """A collective: the model's whole state dict, gathered unit by unit into host memory."""
+        self.settle()
+        state = {}
+        for u in [self.root, *range(self.root)]:
+            self._gather(u, wait=True)
+            for p in self.unit_params[u]:
+                state[id(p)] = p.detach().to("cpu", copy=True)
+            if u != self.root:
+                self._free([u])
+        try:
+            return {k: state[id(v)] if id(v) in state else v.detach().to("cpu", copy=True)
+                    for k, v in self.model.state_dict(keep_vars=True).items()}
+        finally:
+            self._free_all()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.model_state()
+
+    def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
+        """A collective: the whole model (gathered) and this rank's part of the optimizer state."""
+        tensors, meta = self.state_part()
+        return TrainingState(step=step, model=self.model_state(),
+                             optimizer_tensors={k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
+                             optimizer_meta=meta, sampler=sampler, world_size=self.world_size,
+                             rng=torch.get_rng_state())
+
+    def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
+        """This rank's chunk of every parameter and of its optimizer state, its range of the
+        buffers (and rank 0's metadata), copied."""
+        self.settle()
+        stepped = {id(p) for p in self.params}
+        keys: dict[int, list[str]] = {}  # a tied parameter is in the state dict under each of its names
+        rest = {}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            if id(v) in stepped:
+                keys.setdefault(id(v), []).append(k)
+            else:
+                rest[k] = v
+        tensors, meta = self.state_part()
+        part = cut_part(TrainingState(step=step, model=rest, optimizer_tensors=tensors, optimizer_meta=meta,
+                                      sampler=sampler, world_size=self.world_size, rng=torch.get_rng_state()),
+                        self.rank, self.world_size)
+        model_file = part_files(self.rank)[0]
+        part.files.setdefault(model_file, {})
+        for b, bucket in enumerate(self.buckets):
+            lo = self.rank * self.chunks[b]
+            for p, offset, a, e in zero_format._pieces(bucket, lo, lo + self.chunks[b]):
+                for key in keys[id(p)]:
+                    add_piece(part, model_file, f"model/{key}", self.shards[b][a - lo:e - lo], a - offset,
+                              list(p.shape))
+        part.files = {f: t for f, t in part.files.items() if t}
+        return part
+
+    def load_state(self, state: TrainingState) -> None:
+        """A collective: load a whole (world-size-independent) training state."""
+        self._current()
+        self.settle()
+        self._gathered = set(range(self.root + 1))  # the buffers get the loaded values, not a gather
+        for buffer in self.param_buffers:
+            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        try:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if name in state.model:
+                        p.copy_(state.model[name].to(p.device))
+                for name, buffer in zip(self.buffers.names, self.buffers.tensors()):
+                    if name in state.model:
+                        buffer.copy_(state.model[name].to(buffer.device))
+            self.load_named(state.optimizer_tensors, state.step)  # from the full buffers just loaded
+        finally:
+            self._free_all()
+        torch.set_rng_state(state.rng)
+
+    def load(self, state: TrainingState) -> None:
+        self.load_state(state)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []

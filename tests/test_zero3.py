@@ -1,0 +1,165 @@
+"""ZeRO stage 3 on gloo ranks run as threads (no Ray): the parameters of stage 0 and of a
+plain PyTorch replay at 1, 2 and 3 ranks (uneven slices), with and without
+``--no-reshard-after-forward``, the default units and a task's own; between steps no
+rank holds more of a parameter than its chunk; checkpoints at other world sizes and stages."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from safetensors.torch import save_file
+
+from elastic_dp import ConfigError, ElasticSampler, TrainConfig
+from elastic_dp.data import split
+from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore, manifest_of, write_part
+from elastic_dp.errors import API_NAMES, CollectiveError
+from elastic_dp.state.zero.stage3 import default_units
+from elastic_dp.worker.replica import Replica
+from elastic_dp.worker.sync import SyncProgram
+from tests.ranks import run_ranks
+from tests.reference import replay
+from tests.tasks import MLP_TASK, TINY_GPT_TASK
+from tests.zero_runs import CPU, initial_weights, max_diff, train
+
+MLP_UNITS = dataclasses.replace(MLP_TASK, shard_units=lambda model: [model[0], model[2]])
+"""The MLP has no ModuleList: two of its Linear layers are units, the last one the root."""
+
+
+@pytest.mark.parametrize("task", [MLP_UNITS, TINY_GPT_TASK], ids=["sgd-two-groups", "adamw-gpt"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_stage_3_reaches_the_parameters_of_stage_0_and_of_the_replay(task, world, reshard, tmp_path):
+    """6 steps (global batch 16 over 3 ranks: slices of 6, 5 and 5); stage 0's bound
+    (test_zero.py: 2e-5, float32 order noise of AdamW over 6 steps, ~2e-6 measured)."""
+    config = dataclasses.replace(task.defaults, steps=6, global_batch=16, micro_batch=None)
+    initial = initial_weights(task, config.seed)
+    reference, _, _ = train(task, config, world, range(6), initial)
+    sharded, _, replicas = train(task, dataclasses.replace(config, zero=3, reshard_after_forward=reshard), world,
+                                 range(6), initial)
+    assert max_diff(sharded, reference) < 2e-5
+    save_file(initial, tmp_path / "initial.safetensors")
+    expected = replay(task, config, str(tmp_path / "initial.safetensors"))
+    assert max_diff(sharded, expected) < 2e-5
+    strategy = replicas[0].strategy
+    assert len(strategy.units) == (2 if task is TINY_GPT_TASK else 2)
+    held = sum(s.numel() for s in strategy.shards)
+    total = sum(p.numel() for p in replicas[0].model.parameters())
+    assert held == sum(strategy.chunks) and held * world >= total and held <= -(-total // world) + len(strategy.chunks)
+    assert all(b.untyped_storage().size() == 0 for b in strategy.param_buffers), "a gathered unit was left"
+
+
+def test_default_units_are_the_children_of_the_outermost_module_lists():
+    model = TINY_GPT_TASK.model()
+    assert default_units(model) == list(model.blocks)
+
+
+def _saved_at_stage_3(task, config, world: int, steps: range, initial, tmp_path) -> Checkpoint:
+    """Train ``steps`` at stage 3 on ``world`` ranks and save a checkpoint as the ranks do:
+    each writes its ``checkpoint_part``; the manifest joins them."""
+    parts = {}
+
+    def save(replica) -> None:
+        parts[replica.group.rank] = replica.checkpoint_part(steps.stop, {"seed": config.seed})
+
+    train(task, config, world, steps, initial, before_exit=save)
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    directory = store.begin(steps.stop)
+    reports = [write_part(store.storage, directory, parts[r]) for r in range(world)]
+    return store.commit(directory, manifest_of(reports, step=steps.stop, sampler={"seed": config.seed},
+                                               world_size=world))
+
+
+def test_a_stage_3_checkpoint_resumes_at_stage_0_and_2_at_other_world_sizes_and_back(tmp_path):
+    """Saved at stage 3 by 3 ranks after 3 steps, each holding only its chunks: every
+    parameter is whole in the checkpoint, and every rank wrote about a third of each;
+    resumed at stage 0 on 2 ranks and at stage 2 on 4, and the stage-0 state saved then
+    resumed at stage 3 on 3: each ends where 6 uninterrupted steps end (stage 0's bound)."""
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, steps=6, micro_batch=None, zero=3)
+    initial = initial_weights(task, config.seed)
+    uninterrupted, _, _ = train(task, dataclasses.replace(config, zero=0), 1, range(6), initial)
+    at3, _, _ = train(task, config, 3, range(3), initial)
+    checkpoint = _saved_at_stage_3(task, config, 3, range(3), initial, tmp_path)
+    saved = checkpoint.read()
+    assert saved.step == 3 and max_diff(saved.model, at3) == 0.0, "the parts are the chunks, bit for bit"
+    shares: dict[str, int] = {}  # elements of the model's parameters each rank's file holds
+    params = [name for name, _ in task.model().named_parameters()]  # a tied one once
+    for key in params:
+        for file, _, n in checkpoint.manifest["tensors"][f"model/{key}"]["pieces"]:
+            shares[file] = shares.get(file, 0) + n
+    total, pieces = sum(saved.model[k].numel() for k in params), 2 * 2 + 2  # units' and root's pieces, ≤ 2 kinds
+    assert len(shares) == 3 and all(abs(n - total / 3) <= 2 * pieces for n in shares.values()), shares
+    for zero, world in ((0, 2), (2, 4)):
+        resumed, _, _ = train(task, dataclasses.replace(config, zero=zero), world, range(3, 6), None, start=saved)
+        assert max_diff(resumed, uninterrupted) < 2e-5, (zero, world)
+    _, states, _ = train(task, dataclasses.replace(config, zero=0), 2, range(3), initial)
+    back, _, replicas = train(task, config, 3, range(3, 6), None, start=states[0])
+    assert max_diff(back, uninterrupted) < 2e-5
+
+
+def test_the_units_are_freed_after_their_forward_unless_kept():
+    """Which units are gathered when each unit's forward starts: the one before it is gone
+    already (its backward gathers it again), except with ``reshard_after_forward=False``."""
+    seen = {}
+    for reshard in (True, False):
+        config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=1, micro_batch=None, zero=3,
+                                     reshard_after_forward=reshard)
+
+        def probe(replica, reshard=reshard):
+            strategy = replica.strategy
+            record = seen.setdefault((reshard, replica.group.rank), [])  # the ranks are threads
+            for u, unit in enumerate(strategy.units):
+                unit.register_forward_pre_hook(lambda _m, _a, u=u: record.append((u, sorted(strategy._gathered))))
+        train(TINY_GPT_TASK, config, 2, range(1), initial_weights(TINY_GPT_TASK, config.seed), after_build=probe)
+    root = 2
+    for rank in (0, 1):
+        assert seen[True, rank] == [(0, [0, 1, root]), (1, [1, root])]
+        assert seen[False, rank] == [(0, [0, 1, root]), (1, [0, 1, root])]
+
+
+def _failing_loss(rank: int):
+    """The task's loss, except that rank 1's second call raises."""
+    calls = []
+
+    def loss(model, batch):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            raise ValueError("the task's loss failed")
+        return TINY_GPT_TASK.loss(model, batch)
+    return loss
+
+
+def test_a_rank_whose_forward_raises_aborts_the_group_and_its_error_is_the_step_s():
+    """The failing rank cannot issue its peers' gathers in their order: it aborts the
+    group, its peer's gather fails at once (no hang), and the step commits nowhere."""
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, micro_batch=None, zero=3)
+    sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
+    initial = initial_weights(task, config.seed)
+
+    def rank_fn(group):
+        replica = Replica(dataclasses.replace(task, loss=_failing_loss(group.rank)), config, CPU, group)
+        replica.model.load_state_dict(initial)
+        replica.broadcast_state(0)
+        program = SyncProgram(replica)
+        return [program.step(s, split(sampler.batch(s), 2)[group.rank]) for s in range(2)]
+
+    started = time.monotonic()
+    results = run_ranks(2, rank_fn)
+    assert time.monotonic() - started < 20
+    assert [r.committed for r in results[0]] == [True, False] and [r.committed for r in results[1]] == [True, False]
+    assert "the task's loss failed" in str(results[1][1].error)
+    assert isinstance(results[0][1].error, CollectiveError)
+
+
+@pytest.mark.parametrize(("settings", "flag"), [
+    (dict(zero=3, micro_batch=4, global_batch=16), "--micro-batch"),
+    (dict(zero=3, eval_every=5), "--eval-every"),
+    (dict(zero=2, reshard_after_forward=False), "--no-reshard-after-forward"),
+])
+def test_what_stage_3_does_not_do_yet_is_refused_naming_the_setting(settings, flag):
+    with pytest.raises(ConfigError) as raised:
+        TrainConfig(**settings)
+    assert API_NAMES[flag].split("(")[0] in str(raised.value)  # the API's name of it (the CLI shows the flag)
