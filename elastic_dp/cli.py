@@ -159,7 +159,11 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="per-worker memory and communication for a model size and ZeRO stage")
     plan.add_argument("--params", required=True, help="parameter count, e.g. 7.5e9 or 125M")
     plan.add_argument("--workers", type=int, required=True, help="data-parallel workers")
-    plan.add_argument("--zero", type=int, default=0, help="ZeRO stage 0, 1 or 2 (default 0)")
+    plan.add_argument("--zero", type=int, default=0, help="ZeRO stage 0, 1, 2 or 3 (default 0)")
+    plan.add_argument("--unit-params", default=None,
+                      help="stage 3: the largest unit's parameters (e.g. 3.2e9), to add the gathered units")
+    plan.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false", default=True,
+                      help="stage 3: the units stay gathered from their forward to their backward")
     plan.add_argument("--precision", default="bf16", help="bf16 (mixed, fp32 master) or fp32 (default bf16)")
     plan.add_argument("--optimizer", default="adam", help="adam, adamw, sgd-momentum or sgd (default adam)")
     plan.add_argument("--gpu-memory", default=None, help="device memory, e.g. 80GB or 80GiB: also say how many "
@@ -194,7 +198,9 @@ def _train(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     plan = MemoryPlan(params=parse_size(args.params, "--params"), workers=args.workers, zero=args.zero,
-                      precision=args.precision, optimizer=args.optimizer)
+                      precision=args.precision, optimizer=args.optimizer,
+                      unit_params=parse_size(args.unit_params, "--unit-params") if args.unit_params else None,
+                      reshard=args.reshard)
     gpu = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
     print(json.dumps(plan.report(gpu), indent=1) if args.json else render(plan, gpu))
     return 0

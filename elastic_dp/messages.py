@@ -39,6 +39,9 @@ class StepResult:
     time: float | None = None
     """In a window: when the step ended on this worker (Unix seconds)."""
     error: BaseException | None = None
+    state_bytes: dict[str, int] | None = None
+    """The persistent bytes this worker holds (``Strategy.state_bytes``), in the first step
+    of each generation it commits (the ``state_memory`` event); None in the others."""
 
 
 @dataclass(slots=True)

@@ -38,6 +38,11 @@ def test_gpt_job_writes_weights_metrics_events_and_summary(tmp_path):
     assert all(m["world_size"] == 2 and m["generation"] == 0 and m["samples"] == 8 for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     events = read_lines(out / "events.jsonl")
-    assert [e["kind"] for e in events] == ["group_formed", "checkpoint_saved", "checkpoint_saved"]
+    assert [e["kind"] for e in events] == ["group_formed", "state_memory", "checkpoint_saved", "checkpoint_saved"]
+    params = 4 * sum(p.numel() for p in build_model().parameters())  # fp32, replicated at stage 0
+    assert [(r["rank"], r["parameters"]) for r in events[1]["ranks"]] == [(0, params), (1, params)]
+    tensors = len(list(build_model().parameters()))  # AdamW: two moments, and a step count per tensor
+    assert all(r["gradients"] == params and 2 * params < r["optimizer"] <= 2 * params + 8 * tensors
+               for r in events[1]["ranks"]), events[1]
     assert all(isinstance(e["time"], float) for e in events)
     assert sorted(p.name[:13] for p in ckpt.iterdir()) == ["step-00000003", "step-00000006"]

@@ -36,7 +36,7 @@ def test_fp32_and_sgd_variants():
     assert MemoryPlan(1e6, 4, 1, optimizer="sgd").bytes_per_param()["optimizer_state"] == 1  # fp32 master / 4
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_workers_needed_is_the_fewest_that_fit(zero):
     gpu = 80e9
     plan = MemoryPlan(params=7.5e9, workers=64, zero=zero)
@@ -55,6 +55,26 @@ def test_communication_per_step():
     assert MemoryPlan(psi, n, 1).comm_bytes_per_step() == pytest.approx(3 / 4 * 4 * psi)
     assert MemoryPlan(psi, n, 2).comm_bytes_per_step() == pytest.approx(3 / 4 * 4 * psi)
     assert MemoryPlan(psi, 1, 2).comm_bytes_per_step() == 0
+    # stage 3: the parameters gathered in the forward and again in the backward, the gradients scattered
+    assert MemoryPlan(psi, n, 3).comm_bytes_per_step() == pytest.approx(3 / 4 * (2 * 2 + 2) * psi)
+    assert MemoryPlan(psi, n, 3, reshard=False).comm_bytes_per_step() == pytest.approx(3 / 4 * 4 * psi)
+
+
+def test_stage_3_needs_81_devices_for_405b_and_says_what_the_gathered_units_add():
+    """16 bytes of training state a parameter, all sharded: 6.48 TB over 80 GB devices is
+    81. The gathered units (a 3.2e9-parameter block computing and the next prefetched, in
+    bf16, and the block's bf16 gradient) take 19.2 GB of every device: 6.48e12 / 60.8e9
+    needs 107."""
+    plan = MemoryPlan(params=405e9, workers=128, zero=3)
+    assert plan.bytes_per_param(81)["total"] == pytest.approx(16 / 81)
+    assert plan.workers_needed(80e9) == 81
+    assert MemoryPlan(params=405e9, workers=128, zero=2).workers_needed(80e9) is None  # stage 2 never fits
+    units = MemoryPlan(params=405e9, workers=128, zero=3, unit_params=3.2e9)
+    assert units.gathered_bytes() == pytest.approx((2 * 2 + 2) * 3.2e9)
+    report = units.report(80e9)
+    assert report["workers_needed"] == 81 and report["workers_needed_with_gathered_units"] == 107
+    kept = MemoryPlan(params=405e9, workers=128, zero=3, unit_params=3.2e9, reshard=False)
+    assert kept.gathered_bytes() == pytest.approx(2 * 405e9 + 2 * 3.2e9)  # every parameter at the forward's end
 
 
 def test_snapshot_memory_only_where_chunks_are_snapshotted():
@@ -91,7 +111,9 @@ def test_cli_text_and_json(capsys):
     (["--params=-3", "--workers", "4"], "--params must be positive"),
     (["--params", "lots", "--workers", "4"], "--params expects a number"),
     (["--params", "1e9", "--workers", "0"], "--workers must be a positive integer"),
-    (["--params", "1e9", "--workers", "4", "--zero", "3"], "--zero must be stage 0, 1 or 2"),
+    (["--params", "1e9", "--workers", "4", "--zero", "4"], "--zero must be stage 0, 1, 2 or 3"),
+    (["--params", "1e9", "--workers", "4", "--zero", "2", "--unit-params", "1e8"], "ZeRO stage 3's: add --zero 3"),
+    (["--params", "1e9", "--workers", "4", "--zero", "3", "--unit-params", "2e9"], "at most --params"),
     (["--params", "1e9", "--workers", "4", "--gpu-memory=-80GB"], "--gpu-memory must be positive"),
 ])
 def test_bad_plan_input_is_named(args, message, capsys):

@@ -15,6 +15,7 @@ from elastic_dp import ConfigError, ElasticSampler, TrainConfig
 from elastic_dp.data import split
 from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore, manifest_of, write_part
 from elastic_dp.errors import API_NAMES, CollectiveError
+from elastic_dp.observe.plan import MemoryPlan
 from elastic_dp.state.zero.stage3 import default_units
 from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram
@@ -163,3 +164,21 @@ def test_what_stage_3_does_not_do_yet_is_refused_naming_the_setting(settings, fl
     with pytest.raises(ConfigError) as raised:
         TrainConfig(**settings)
     assert API_NAMES[flag].split("(")[0] in str(raised.value)  # the API's name of it (the CLI shows the flag)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_what_each_rank_holds_at_stage_3_is_the_plan_s_share(world):
+    """``state_bytes`` (the ``state_memory`` event's figures) after a step, against
+    ``elastic-dp plan --zero 3`` for fp32 AdamW (4 + 4 + 8 bytes a parameter, over N):
+    within 5%, plus the pieces' padding (under N elements each) and AdamW's step counts."""
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=1, micro_batch=None, zero=3)
+    _, _, replicas = train(TINY_GPT_TASK, config, world, range(1), initial_weights(TINY_GPT_TASK, config.seed))
+    psi = sum(p.numel() for p in replicas[0].model.parameters())
+    plan = MemoryPlan(psi, world, 3, precision="fp32", optimizer="adamw").per_worker_bytes()
+    for replica in replicas:
+        held = replica.strategy.state_bytes()
+        pieces = len(replica.strategy.buckets)
+        slack = 4 * pieces * world + 8 * pieces  # padding of each piece's chunks, one step count a piece
+        for key in ("parameters", "gradients", "optimizer_state"):
+            assert abs(held[key] - plan[key]) <= 0.05 * plan[key] + 2 * slack, (key, held[key], plan[key])
+        assert held["snapshots"] > 0

@@ -21,7 +21,7 @@ def test_kills_in_the_forward_and_the_backward_and_a_join_under_zero3_end_on_the
     in step 6's backward (the reduce-scatters of the units in flight). Each lost step is
     re-run from the chunks the survivors hold, nothing from a checkpoint."""
     inject = ["kill:step=2:rank=1:phase=forward", "join:step=4", "kill:step=6:rank=0:phase=allreduce"]
-    summary, diff, events, _ = run_against_replay(tmp_path, 3, inject, min_workers=1, steps=9,
+    summary, diff, events, metrics = run_against_replay(tmp_path, 3, inject, min_workers=1, steps=9,
                                                   train={"zero": 3, "micro_batch": None})
     assert diff < TOL
     changes = [e for e in events if e["kind"] == "membership_changed"]
@@ -31,3 +31,7 @@ def test_kills_in_the_forward_and_the_backward_and_a_join_under_zero3_end_on_the
     assert any(c.get("joined") for c in changes)
     assert not any(e["kind"] == "restored_from_checkpoint" for e in events)
     assert summary.steps == 9
+    memory = {e["generation"]: e["ranks"] for e in events if e["kind"] == "state_memory"}
+    assert set(memory) == {m["generation"] for m in metrics}
+    for ranks in memory.values():  # the parameters sharded: every rank holds about 1/N of them
+        assert max(r["parameters"] for r in ranks) <= 1.1 * min(r["parameters"] for r in ranks) + 4096

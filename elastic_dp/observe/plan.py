@@ -9,9 +9,15 @@ bf16         2          2             4 (fp32 master) + 4·m  = 12 for Adam
 fp32         4          4             4·m                    =  8 for Adam
 ===========  =========  ============  =========================================
 
-per worker: stage 0: (P + G + K)Ψ; stage 1: (P + G)Ψ + KΨ/N; stage 2: PΨ + (G + K)Ψ/N.
-Mixed-precision Adam at stage 0 is the published 16 bytes per parameter. Activations,
-temporary buffers and allocator overhead are not included.
+per worker: stage 0: (P + G + K)Ψ; stage 1: (P + G)Ψ + KΨ/N; stage 2: PΨ + (G + K)Ψ/N;
+stage 3: (P + G + K)Ψ/N. Mixed-precision Adam at stage 0 is the published 16 bytes per
+parameter. Activations, temporary buffers and allocator overhead are not included.
+
+Stage 3 adds, for a while in each step, the units it gathers (``--unit-params U``, the
+largest unit's parameters): the unit computing and the next one prefetched, 2·P·U, and
+the computing unit's full gradient before it is reduce-scattered, G·U; with
+``--no-reshard-after-forward`` the units stay gathered from their forward to their
+backward, so at the end of the forward every parameter is, PΨ.
 
 Peer snapshots (stages 1 and 2, more than one worker): every ``--snapshot-every`` steps
 each rank packs its chunk of the fp32 masters and optimizer state, S = (4 + 4·m)Ψ/N bytes
@@ -25,7 +31,9 @@ buffer it receives into, 2·S more, for one step. Neither is in the training-sta
 Communication, bytes each worker sends per step, as elastic_dp's stages do it (ring
 algorithms; the all-to-alls that run stage 1 and 2's collectives on gloo send as many),
 peer snapshots apart: stage 0 all-reduces the gradients, 2(N-1)/N · GΨ; stages 1 and 2
-reduce-scatter them and all-gather the updated parameters, (N-1)/N · (G + P)Ψ.
+reduce-scatter them and all-gather the updated parameters, (N-1)/N · (G + P)Ψ; stage 3
+all-gathers the parameters in the forward and again in the backward and reduce-scatters
+the gradients, (N-1)/N · (2P + G)Ψ (one all-gather less with ``--no-reshard-after-forward``).
 """
 
 from __future__ import annotations
@@ -63,14 +71,22 @@ class MemoryPlan:
     zero: int
     precision: str = "bf16"
     optimizer: str = "adam"
+    unit_params: float | None = None
+    """Stage 3: the largest unit's parameters (None: not known, nothing added for them)."""
+    reshard: bool = True
+    """Stage 3: the units are freed after their forward (``--no-reshard-after-forward``: not)."""
 
     def __post_init__(self) -> None:
         if not self.params > 0:
             raise ConfigError(f"--params must be positive, got {self.params}")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigError(f"--workers must be a positive integer, got {self.workers}")
-        if self.zero not in (0, 1, 2):
-            raise ConfigError(f"--zero must be stage 0, 1 or 2, got {self.zero!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero must be stage 0, 1, 2 or 3, got {self.zero!r}")
+        if self.unit_params is not None and not 0 < self.unit_params <= self.params:
+            raise ConfigError(f"--unit-params must be positive and at most --params, got {self.unit_params}")
+        if (self.unit_params is not None or not self.reshard) and self.zero != 3:
+            raise ConfigError("--unit-params and --no-reshard-after-forward are ZeRO stage 3's: add --zero 3")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if self.optimizer not in OPTIMIZER_MOMENTS:
@@ -90,7 +106,19 @@ class MemoryPlan:
             k /= n
         if self.zero >= 2:
             g /= n
+        if self.zero >= 3:
+            p /= n
         return {"parameters": p, "gradients": g, "optimizer_state": k, "total": p + g + k}
+
+    def gathered_bytes(self) -> float:
+        """Stage 3: the bytes of gathered units a worker holds at the busiest moment of a
+        step, on top of its training state (0 at the other stages, or with no ``unit_params``)."""
+        if self.zero != 3:
+            return 0.0
+        p, g, _ = self._pgk
+        if not self.reshard:
+            return p * self.params + g * (self.unit_params or 0.0)
+        return (2 * p + g) * self.unit_params if self.unit_params else 0.0
 
     def per_worker_bytes(self, workers: int | None = None) -> dict[str, float]:
         return {k: v * self.params for k, v in self.bytes_per_param(workers).items()}
@@ -104,12 +132,13 @@ class MemoryPlan:
         return {"host": 2 * SNAPSHOTS_KEPT * one, "host_neighbour_on_same_host": SNAPSHOTS_KEPT * one,
                 "device_while_sent": 2 * one}
 
-    def workers_needed(self, gpu_memory: float) -> int | None:
-        """Fewest workers whose per-worker training state fits in ``gpu_memory`` bytes; None
-        when no number of workers is enough at this stage."""
+    def workers_needed(self, gpu_memory: float, with_units: bool = False) -> int | None:
+        """Fewest workers whose per-worker training state fits in ``gpu_memory`` bytes (with
+        ``with_units``: and the gathered units, ``gathered_bytes``); None when no number of
+        workers is enough at this stage."""
         p, g, k = self._pgk
-        fixed, sharded = {0: (p + g + k, 0.0), 1: (p + g, k), 2: (p, g + k)}[self.zero]
-        room = gpu_memory / self.params - fixed
+        fixed, sharded = {0: (p + g + k, 0.0), 1: (p + g, k), 2: (p, g + k), 3: (0.0, p + g + k)}[self.zero]
+        room = gpu_memory / self.params - fixed - (self.gathered_bytes() if with_units else 0.0) / self.params
         if room < 0 or (room == 0 and sharded > 0):
             return None
         return 1 if sharded == 0 else max(1, math.ceil(sharded / room - 1e-12))
@@ -119,7 +148,12 @@ class MemoryPlan:
         n = self.workers
         p, g, _ = self._pgk
         share = (n - 1) / n
-        per_param = 2 * share * g if self.zero == 0 else share * (g + p)
+        if self.zero == 0:
+            per_param = 2 * share * g
+        elif self.zero == 3 and self.reshard:
+            per_param = share * (2 * p + g)
+        else:
+            per_param = share * (g + p)
         return per_param * self.params
 
     def report(self, gpu_memory: float | None = None) -> dict:
@@ -128,12 +162,15 @@ class MemoryPlan:
                "per_worker_bytes": self.per_worker_bytes(),
                "per_worker_bytes_by_stage": {
                    str(z): MemoryPlan(self.params, self.workers, z, self.precision,
-                                      self.optimizer).per_worker_bytes()["total"] for z in (0, 1, 2)},
+                                      self.optimizer).per_worker_bytes()["total"] for z in (0, 1, 2, 3)},
                "snapshot_bytes": self.snapshot_bytes(),
+               "gathered_bytes": self.gathered_bytes(),
                "comm_bytes_per_step": self.comm_bytes_per_step()}
         if gpu_memory is not None:
-            out["fits"] = self.per_worker_bytes()["total"] <= gpu_memory
+            out["fits"] = self.per_worker_bytes()["total"] + self.gathered_bytes() <= gpu_memory
             out["workers_needed"] = self.workers_needed(gpu_memory)
+            if self.gathered_bytes():
+                out["workers_needed_with_gathered_units"] = self.workers_needed(gpu_memory, with_units=True)
         return out
 
 
@@ -146,7 +183,11 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
     for key in ("parameters", "gradients", "optimizer_state", "total"):
         lines.append(f"    {key.replace('_', ' '):16} {r['bytes_per_param'][key]:10.3f}  {r['per_worker_bytes'][key] / gib:10.2f}")
     by_stage = " / ".join(f"{v / gib:.2f}" for v in r["per_worker_bytes_by_stage"].values())
-    lines.append(f"  stages 0 / 1 / 2 per worker: {by_stage} GiB")
+    lines.append(f"  stages 0 / 1 / 2 / 3 per worker: {by_stage} GiB")
+    if plan.zero == 3:
+        lines.append(f"  gathered units in flight: {r['gathered_bytes'] / gib:.2f} GiB more at the busiest moment"
+                     if r["gathered_bytes"] else "  gathered units in flight: give --unit-params (the largest unit's "
+                     "parameters) to add them")
     snap = r["snapshot_bytes"]
     if snap["host"]:
         lines.append(f"  peer snapshots per worker: {snap['host'] / gib:.2f} GiB of host memory "
@@ -159,5 +200,9 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
                      + f" at {plan.workers} workers; "
                      + (f"the training state needs at least {need} device(s) at stage {plan.zero}" if need
                         else f"no number of devices is enough at stage {plan.zero}"))
+        if "workers_needed_with_gathered_units" in r:
+            more = r["workers_needed_with_gathered_units"]
+            lines.append("  with the gathered units: " + (f"at least {more} device(s)" if more
+                                                           else "no number of devices is enough"))
     lines.append("  (training state only: activations, temporary buffers and allocator overhead come on top)")
     return "\n".join(lines)

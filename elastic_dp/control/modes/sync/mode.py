@@ -167,6 +167,12 @@ class SyncMode:
         """A step of the window committed on every member: the layout, the record, the balancer."""
         self.layout.stepped(committed.step, committed.results)
         self._record(committed.step, list(committed.results.values()))
+        measured = sorted((r for r in committed.results.values() if r.state_bytes is not None), key=lambda r: r.rank)
+        if measured:  # the generation's first commit: what each rank holds
+            self.recorder.event("state_memory", generation=measured[0].generation, ranks=[
+                {"rank": r.rank, "parameters": r.state_bytes["parameters"], "gradients": r.state_bytes["gradients"],
+                 "optimizer": r.state_bytes["optimizer_state"], "snapshots": r.state_bytes.get("snapshots", 0)}
+                for r in measured])
         if self.balancer is not None and committed.whole:
             self.balancer.observe(committed.results)
 
