@@ -171,12 +171,6 @@ class TrainConfig:
         _require(self.first_bucket_mb is None or self.first_bucket_mb > 0,
                  f"first_bucket_mb must be positive, got {self.first_bucket_mb} (--first-bucket-mb)")
         _require(self.zero in (0, 1, 2, 3), f"zero must be stage 0, 1, 2 or 3, got {self.zero!r} (--zero)")
-        _require(self.zero != 3 or self.micro_batch is None or self.micro_batch >= self.global_batch,
-                 f"--zero 3 does not accumulate micro-batches yet (each rank would need the same number of them): "
-                 f"set --micro-batch to the global batch {self.global_batch} or more, or use --zero 2")
-        _require(self.zero != 3 or not self.eval_every,
-                 "--zero 3 does not evaluate yet: each rank's share of the eval samples would need the same number "
-                 "of forwards (drop --eval-every, or use --zero 2)")
         _require(self.reshard_after_forward or self.zero == 3,
                  "--no-reshard-after-forward is a ZeRO stage 3 setting: add --zero 3 or drop it")
         _require(self.mode in ("sync", "async"), f"mode must be sync or async, got {self.mode!r} (--mode)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from elastic_dp import ElasticSampler, Task, TrainConfig
-from elastic_dp.data import split
+from elastic_dp.data import rank_slice
 from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
@@ -21,11 +21,12 @@ def initial_weights(task: Task, seed: int) -> dict[str, torch.Tensor]:
 
 
 def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *, start=None, before_exit=None,
-          after_build=None):
+          after_build=None, sizes=None):
     """Run ``steps`` on ``world`` thread ranks from ``initial`` weights (or a whole
     TrainingState ``start``); return rank 0's final weights and every rank's training state.
     ``before_exit(replica)`` runs on each rank after its steps, while its group still exists;
-    ``after_build(replica)`` before them."""
+    ``after_build(replica)`` before them; ``sizes``: the ranks' slice sizes (``--balance``'s),
+    instead of the equal split."""
     dataset_len = len(task.dataset())
     sampler = ElasticSampler(dataset_len, global_batch=config.global_batch, seed=config.seed)
 
@@ -40,7 +41,8 @@ def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *,
             replica.model.load_state_dict(initial)
             replica.broadcast_state(0)
         for step in steps:
-            result = program.step(step, split(sampler.batch(step), group.world_size)[group.rank])
+            indices = rank_slice(sampler.batch(step), group.world_size, group.rank, sizes)
+            result = program.step(step, indices, sizes=sizes)
             assert result.committed, result.error
         state = replica.training_state(steps.stop, {"seed": config.seed})
         if before_exit is not None:

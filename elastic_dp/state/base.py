@@ -23,8 +23,19 @@ class Strategy(Protocol):
     def zero_grad(self) -> None:
         """Zero the gradients before a step (or after one that did not commit)."""
 
+    equal_passes: bool
+    """Every rank must run the same number of forward and backward passes in a step
+    (ZeRO-3, whose passes are collectives): a rank with fewer micro-batches than another
+    runs passes that add nothing (``Replica.forward_backward``)."""
+
     def before_last_backward(self) -> None:
         """Called before the backward of a step's last micro-batch."""
+
+    def before_backward(self) -> None:
+        """Called before the backward of each micro-batch but the last."""
+
+    def after_backward(self) -> None:
+        """Called after the backward of each micro-batch but the last."""
 
     @property
     def ballot(self) -> Ballot:
@@ -182,9 +193,16 @@ class BucketedGradients:
     GradientReducer) reduces the gradients during backward."""
 
     reducer: GradientReducer
+    equal_passes = False
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
+
+    def before_backward(self) -> None:
+        pass  # the gradients of the micro-batches before the last accumulate where they are
+
+    def after_backward(self) -> None:
+        pass
 
     def before_last_backward(self) -> None:
         self.reducer.arm()

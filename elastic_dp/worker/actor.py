@@ -126,13 +126,13 @@ class WorkerActor:
         report, grads = program.gradient(step, sampler, bounds, list(pieces), buffers)
         return (report, *grads)
 
-    def evaluate(self, start: int, stop: int, fault: Fault | None = None) -> tuple[float, int]:
+    def evaluate(self, start: int, stop: int, fault: Fault | None = None, passes: int = 0) -> tuple[float, int]:
         """The summed eval loss of samples ``start .. stop`` and their count (``Replica.evaluate``;
-        ``fault``: phase ``eval``)."""
+        ``fault``: phase ``eval``; ``passes``: at least this many forwards)."""
         self.faults.arm(fault)
         self.replica.progress.enter("eval")
         try:
-            return self.replica.evaluate(start, stop)
+            return self.replica.evaluate(start, stop, passes)
         finally:
             self.faults.disarm()
             self.replica.progress.enter("idle")

@@ -144,22 +144,27 @@ class Replica:
         return self.model
 
     # -- compute ------------------------------------------------------------------------------
-    def evaluate(self, start: int, stop: int) -> tuple[float, int]:
+    def evaluate(self, start: int, stop: int, passes: int = 0) -> tuple[float, int]:
         """The task's loss summed over eval samples ``start .. stop`` (each micro-batch's mean
-        times its samples) and their count, in ``model.eval()`` mode without gradients."""
+        times its samples) and their count, in ``model.eval()`` mode without gradients;
+        at least ``passes`` forwards (``Strategy.equal_passes``: the ones after the
+        micro-batches repeat the last and count nothing)."""
         model = self.settled_model()
         total, samples = 0.0, 0
         model.eval()
+        chunks = micro_batches(np.arange(start, stop), self.config.micro_batch or self.config.global_batch)
         try:
             with torch.no_grad():
-                for chunk in micro_batches(np.arange(start, stop), self.config.micro_batch or self.config.global_batch):
+                for i in range(max(len(chunks), passes)):
+                    chunk = chunks[min(i, len(chunks) - 1)]
                     self.progress.tick()
                     self.faults.at("eval")
                     batch = to_device(self.task.collate([self.eval_dataset[int(j)] for j in chunk]), self.device)
                     with self._autocast():
                         loss = self.task.loss(model, batch)
-                    total += float(loss) * len(chunk)
-                    samples += len(chunk)
+                    if i < len(chunks):
+                        total += float(loss) * len(chunk)
+                        samples += len(chunk)
         finally:
             model.train()
         return total, samples
@@ -176,21 +181,41 @@ class Replica:
             batches.append((len(chunk), pinned(batch) if self.device.type == "cuda" else batch))
         return batches
 
-    def forward_backward(self, batches: Batches, result: StepResult, vote: bool = True) -> None:
+    def forward_backward(self, batches: Batches, result: StepResult, vote: bool = True, passes: int = 0) -> None:
         """Every micro-batch's forward and backward, the loss scaled by its share of the
         global batch (gradients are then sums over samples divided by it); ``vote``: the
         synchronous step's (the ballot hears of a non-finite loss, and the reduction starts
-        in the last backward)."""
+        in the last backward). ``passes``: run at least this many forwards and backwards
+        (``Strategy.equal_passes``): the ones after the micro-batches repeat the last of them
+        in ``eval()`` mode with the loss scaled by 0, so they add nothing but the collectives
+        the other ranks' passes need."""
         autocast = self._autocast()
         start = time.perf_counter()
-        for i, (samples, host_batch) in enumerate(batches):
+        total = max(len(batches), passes)
+        for i in range(total):
+            padding = i >= len(batches)
+            samples, host_batch = batches[min(i, len(batches) - 1)]
             self.progress.tick()
             self.faults.at("forward")
             batch = to_device(host_batch, self.device)
+            if padding:  # nothing of it stays: no running statistics move (with micro-batches they are local)
+                self.model.eval()
             forward = time.perf_counter()
-            with autocast:
-                loss = self.task.loss(self.model, batch)
+            try:
+                with autocast:
+                    loss = self.task.loss(self.model, batch)
+            finally:
+                self.model.train()
             forward = time.perf_counter() - forward
+            if padding:
+                if vote and i == total - 1:
+                    self.strategy.before_last_backward()
+                elif vote:
+                    self.strategy.before_backward()
+                (loss.reshape(()) * 0.0).backward()
+                if vote and i < total - 1:
+                    self.strategy.after_backward()
+                continue
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise TaskError(f"the task's loss returned {shape}, expected a scalar floating-point "
@@ -200,14 +225,18 @@ class Replica:
                 result.loss_finite = False
                 if vote:
                     self.strategy.ballot.nonfinite()  # before the last bucket leaves with the ballot
-            if i == len(batches) - 1:
+            if i == total - 1:
                 # a straggler: before its last gradients leave, so peers wait (the last
                 # backward estimated at twice its forward)
                 if self.faults.straggle(time.perf_counter() - start + 2 * forward):
                     self.progress.tick()
                 if vote:
                     self.strategy.before_last_backward()
+            elif vote:
+                self.strategy.before_backward()
             (loss.reshape(()) * (samples / self.config.global_batch)).backward()
+            if vote and i < total - 1:
+                self.strategy.after_backward()
             result.loss_sum += value * samples
             result.samples += samples
             self.progress.tick()

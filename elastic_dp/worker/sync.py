@@ -56,12 +56,14 @@ class SyncProgram:
         """The group is being aborted: a window waiting for a grant ends."""
         self.grants.cancel()
 
-    def step(self, step: int, indices: np.ndarray, batches: Batches | BaseException | None = None) -> StepResult:
+    def step(self, step: int, indices: np.ndarray, batches: Batches | BaseException | None = None,
+             sizes: tuple[int, ...] | None = None) -> StepResult:
         """Train one step on this worker's slice ``indices`` of the global batch
-        (``batches``: its micro-batches, when prepared ahead). The faults armed for it
-        fire at their phases; one whose phase the step did not reach is disarmed."""
+        (``batches``: its micro-batches, when prepared ahead; ``sizes``: every rank's slice
+        size, when not the equal split). The faults armed for it fire at their phases; one
+        whose phase the step did not reach is disarmed."""
         try:
-            return self._step(step, indices, batches)
+            return self._step(step, indices, batches, sizes)
         finally:
             self.replica.faults.disarm()  # so that it does not fire in a later step
             self.replica.progress.enter("idle")
@@ -104,7 +106,7 @@ class SyncProgram:
                 replica.faults.slow = plan.slow if plan.slow is not None and plan.slow.slows(step) else None
                 replica.faults.arm(grants.fault(step))  # granted with the step (--inject)
                 try:
-                    result = self.step(step, indices, batches)
+                    result = self.step(step, indices, batches, grants.sizes(step))
                 except Exception:  # a bug: the steps committed before it are reported, then it
                     if report:
                         yield report
@@ -121,7 +123,15 @@ class SyncProgram:
             yield report
 
     # -- one step ------------------------------------------------------------------------
-    def _step(self, step: int, indices: np.ndarray, batches: Batches | BaseException | None) -> StepResult:
+    def _passes(self, sizes: tuple[int, ...] | None) -> int:
+        """The most micro-batches any rank has in this step (``Strategy.equal_passes``)."""
+        config, world = self.replica.config, self.replica.group.world_size
+        base, extra = divmod(config.global_batch, world)
+        largest = max(sizes) if sizes is not None else base + (extra > 0)
+        return 1 if config.micro_batch is None else -(-largest // config.micro_batch)
+
+    def _step(self, step: int, indices: np.ndarray, batches: Batches | BaseException | None,
+              sizes: tuple[int, ...] | None = None) -> StepResult:
         replica, strategy = self.replica, self.replica.strategy
         group = replica.group
         result = StepResult(step=step, rank=group.rank, generation=group.generation, committed=False)
@@ -141,7 +151,8 @@ class SyncProgram:
         try:
             if isinstance(batches, BaseException):
                 raise batches
-            replica.forward_backward(batches if batches is not None else replica.collate(indices), result)
+            replica.forward_backward(batches if batches is not None else replica.collate(indices), result,
+                                     passes=self._passes(sizes) if strategy.equal_passes else 0)
         except Exception as exc:  # recorded; the vote below tells every rank
             local_error = exc
         if replica.batch_stats is not None:  # the collectives of a forward that failed, or of none

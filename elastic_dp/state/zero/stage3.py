@@ -28,9 +28,8 @@ raises cannot follow that order any more: it aborts the generation's group (its 
 collectives fail at once) and its error, which the step reports, ends the run as a task
 error does at the other stages.
 
-Not yet here (issue 26): ``--micro-batch`` (refused at stage 3 for now), building a
-model too large for one worker on the meta device, writing the final weights unit by
-unit; the model's state (``model_state``) is gathered whole into rank 0's host memory.
+Micro-batches: every rank runs the same number of passes (``equal_passes``), and each
+pass's gradients are reduce-scattered and added into the chunks (docs/zero.md).
 """
 
 from __future__ import annotations
@@ -90,6 +89,8 @@ class FullySharded(Sharded):
         for u, unit in enumerate(self.units):
             unit.register_forward_pre_hook(lambda _m, _a, u=u: self._before_unit(u))
             unit.register_forward_hook(lambda _m, _a, out, u=u: self._after_unit(u, out))
+        self._sums: list[torch.Tensor] | None = None
+        """With micro-batches: the reduced gradient chunks of a step's micro-batches before its last."""
         self._gathered: set[int] = set()  # units whose full parameters are here (or on their way)
         self._backward_started: set[int] = set()
 
@@ -148,6 +149,7 @@ class FullySharded(Sharded):
 
         self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
                             for b, c in zip(self.buckets, self.chunks)]
+        self._sums = None
         self.reducer = GradientReducer(self.params, group, bucket_bytes=WHOLE, reduce_fp32=config.reduce_fp32,
                                        group_of=group_of, pad_to=self.world_size, scatter_into=self.grad_chunks,
                                        buckets=self.buckets)
@@ -232,7 +234,10 @@ class FullySharded(Sharded):
             self._gather(u + 1, wait=False)
 
     def _after_unit(self, u: int, out) -> None:
-        if self.generation != self.group.generation or not torch.is_grad_enabled():
+        if self.generation != self.group.generation:
+            return
+        if not torch.is_grad_enabled():  # no backward follows (an evaluation, a sample)
+            self._free([u])
             return
         if self.reshard_after_forward and u + 1 < self.root:
             self._free([u])
@@ -261,25 +266,49 @@ class FullySharded(Sharded):
             self._free([u])
 
     # -- the step --------------------------------------------------------------------------
+    equal_passes = True
+
     def zero_grad(self) -> None:
         super().zero_grad()
         self._grads_pending = {u: set() for u in self.unit_buckets}
+        if self._sums is not None:
+            for s in self._sums:
+                s.zero_()
+
+    def before_backward(self) -> None:
+        """A micro-batch before the last: its gradients are reduce-scattered too, as its
+        backward produces them, and added into the chunks (no full gradient outlives its unit)."""
+        self.reducer.arm()
+
+    def after_backward(self) -> None:
+        try:
+            self.reducer.finish()  # its vote is not the step's: that travels with the last micro-batch
+        except Exception as exc:
+            raise self._collective_error("gradient reduce-scatter", exc) from None
+        finally:
+            self._free_all()
+        if self._sums is None:
+            self._sums = [torch.zeros_like(c) for c in self.grad_chunks]
+        for s, c in zip(self._sums, self.grad_chunks):
+            s.add_(c)
 
     def reduce_gradients(self):
         try:
-            return super().reduce_gradients()
+            vote = super().reduce_gradients()
         finally:
             self._free_all()  # the root, and a unit whose backward some parameter skipped
+        if self._sums is not None:  # the micro-batches before the last
+            for c, s in zip(self.grad_chunks, self._sums):
+                c.add_(s)
+        return vote
 
     def abandon(self) -> None:
         super().abandon()
         try:
             self._free_all()
         except Exception:  # noqa: BLE001 — the group failed; its gathers with it
-            self._gathers = {}
-            for buffer in self.param_buffers:
-                buffer.untyped_storage().resize_(0)
-            self._gathered = set()
+            self._gathers, self._gathered = {}, set()
+            _ = [b.untyped_storage().resize_(0) for b in self.param_buffers]
 
     def after_local_error(self) -> None:
         """This rank's forward or backward raised: it cannot issue the collectives its
@@ -313,7 +342,7 @@ class FullySharded(Sharded):
     def state_bytes(self) -> dict[str, int]:
         separate = [m for m, s in zip(self.masters, self.shards) if m.data_ptr() != s.data_ptr()]
         state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return {"parameters": nbytes(self.shards), "gradients": nbytes(self.grad_chunks),
+        return {"parameters": nbytes(self.shards), "gradients": nbytes(self.grad_chunks) + nbytes(self._sums or []),
                 "optimizer_state": nbytes(state) + nbytes(separate), "snapshots": self.snapshots.bytes_held()}
 
     # -- state ------------------------------------------------------------------------------
@@ -417,8 +446,5 @@ def _tensors(out) -> list[torch.Tensor]:
     """The tensors in a module's output (a tensor, or tuples, lists and dicts of them)."""
     if isinstance(out, torch.Tensor):
         return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (list, tuple)) else ()
+    return [t for o in items for t in _tensors(o)]

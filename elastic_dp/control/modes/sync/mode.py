@@ -237,7 +237,9 @@ class SyncMode:
         total = self._eval_samples(members)
         shares = split(np.arange(total), len(members))
         faults = self.faults.take_eval(step - 1, len(members))
-        calls = {m.actor.evaluate.remote(int(shares[r][0]), int(shares[r][-1]) + 1, faults.get(r)): m
+        micro = self.train.micro_batch or self.train.global_batch
+        passes = max(-(-len(s) // micro) for s in shares) if self.train.zero == 3 else 0  # its forwards are collectives
+        calls = {m.actor.evaluate.remote(int(shares[r][0]), int(shares[r][-1]) + 1, faults.get(r), passes): m
                  for r, m in enumerate(members)}
         try:
             reports = self.gens.run(members, calls)
