@@ -24,6 +24,18 @@ def _run(tmp_path, workers, inject, *, zero, snapshot_every=1, **kw):
                               train={"zero": zero, "snapshot_every": snapshot_every, "bucket_mb": 0.02})
 
 
+def _check_state_memory(events, metrics) -> None:
+    """Every generation that trained a step said what each of its ranks holds, once (a
+    peer snapshot only where there is a peer)."""
+    memory = [e for e in events if e["kind"] == "state_memory"]
+    assert sorted(e["generation"] for e in memory) == sorted({m["generation"] for m in metrics})
+    for e in memory:
+        world = next(m["world_size"] for m in metrics if m["generation"] == e["generation"])
+        assert [r["rank"] for r in e["ranks"]] == list(range(world))
+        assert all(r["parameters"] > 0 and r["optimizer"] > 0 and (r["snapshots"] > 0 or world == 1)
+                   for r in e["ranks"])
+
+
 # Stage 2 only: stage 1's recovery is the same code without the scatter, and the tests
 # below (and tests/test_resume.py) run stage 1 through losses and checkpoints.
 @pytest.mark.parametrize("zero", [2])
@@ -48,13 +60,7 @@ def test_kills_and_joins_under_zero_end_where_the_uninterrupted_run_ends(ray_clu
     # memory it is whole before the kill, and its neighbour reads it after the owner's death
     assert failures[1]["restored_step"] == 5
     assert summary.steps == 7 and summary.samples == 7 * TINY_GPT_TASK.defaults.global_batch
-    # every generation that trained a step said what each of its ranks holds, once
-    memory = [e for e in events if e["kind"] == "state_memory"]
-    assert sorted(e["generation"] for e in memory) == sorted({m["generation"] for m in metrics})
-    for e in memory:
-        world = next(m["world_size"] for m in metrics if m["generation"] == e["generation"])
-        assert [r["rank"] for r in e["ranks"]] == list(range(world))
-        assert all(r["parameters"] > 0 and r["optimizer"] > 0 and r["snapshots"] > 0 for r in e["ranks"])
+    _check_state_memory(events, metrics)
     assert [m["step"] for m in metrics][-1] == 6
     # left behind: a segment whose creator is dead (the suite's other process may have
     # segments of live workers of its own)
@@ -70,13 +76,7 @@ def test_snapshots_every_k_steps_roll_back_and_replay(ray_cluster, tmp_path):
     assert change["restored_step"] == 4 and change["steps_rerun"] == 2  # steps 4 and 5 again
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 4, 5, 6]
     assert summary.steps == 7 and summary.samples == 7 * TINY_GPT_TASK.defaults.global_batch
-    # every generation that trained a step said what each of its ranks holds, once
-    memory = [e for e in events if e["kind"] == "state_memory"]
-    assert sorted(e["generation"] for e in memory) == sorted({m["generation"] for m in metrics})
-    for e in memory:
-        world = next(m["world_size"] for m in metrics if m["generation"] == e["generation"])
-        assert [r["rank"] for r in e["ranks"]] == list(range(world))
-        assert all(r["parameters"] > 0 and r["optimizer"] > 0 and r["snapshots"] > 0 for r in e["ranks"])
+    _check_state_memory(events, metrics)
 
 
 def test_two_adjacent_workers_lost_fall_back_to_the_durable_checkpoint(ray_cluster, tmp_path):
