@@ -205,38 +205,31 @@ class Replica:
                 with autocast:
                     loss = self.task.loss(self.model, batch)
             finally:
-                self.model.train()
+                if padding:
+                    self.model.train()
             forward = time.perf_counter() - forward
-            if padding:
-                if vote and i == total - 1:
-                    self.strategy.before_last_backward()
-                elif vote:
-                    self.strategy.before_backward()
-                (loss.reshape(()) * 0.0).backward()
-                if vote and i < total - 1:
-                    self.strategy.after_backward()
-                continue
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise TaskError(f"the task's loss returned {shape}, expected a scalar floating-point "
-                                "tensor: return the mean loss over the batch (e.g. .mean())")
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                result.loss_finite = False
-                if vote:
-                    self.strategy.ballot.nonfinite()  # before the last bucket leaves with the ballot
-            if i == total - 1:
+            last = i == total - 1
+            if not padding:
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+                    shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                    raise TaskError(f"the task's loss returned {shape}, expected a scalar floating-point "
+                                    "tensor: return the mean loss over the batch (e.g. .mean())")
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    result.loss_finite = False
+                    if vote:
+                        self.strategy.ballot.nonfinite()  # before the last bucket leaves with the ballot
                 # a straggler: before its last gradients leave, so peers wait (the last
                 # backward estimated at twice its forward)
-                if self.faults.straggle(time.perf_counter() - start + 2 * forward):
+                if last and self.faults.straggle(time.perf_counter() - start + 2 * forward):
                     self.progress.tick()
-                if vote:
-                    self.strategy.before_last_backward()
-            elif vote:
-                self.strategy.before_backward()
-            (loss.reshape(()) * (samples / self.config.global_batch)).backward()
-            if vote and i < total - 1:
+            if vote:
+                (self.strategy.before_last_backward if last else self.strategy.before_backward)()
+            (loss.reshape(()) * (0.0 if padding else samples / self.config.global_batch)).backward()
+            if vote and not last:
                 self.strategy.after_backward()
+            if padding:
+                continue
             result.loss_sum += value * samples
             result.samples += samples
             self.progress.tick()

@@ -83,10 +83,7 @@ class Sharded(BucketedGradients, WholeModel):
         bucket_bytes, first_bytes = int(config.bucket_mb * 2**20), config.first_bucket_bytes(self.device.type)
         self.buckets = make_buckets(self.params, bucket_bytes, config.reduce_fp32, first_bucket_bytes=first_bytes,
                                     group_of=group_of, pad_to=self.world_size)
-        self.chunks = [b.padded // self.world_size for b in self.buckets]
-        self.numels = [b.numel for b in self.buckets]
-        self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
-        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        self._index_buckets(group_of)
         order = {id(p): i for i, p in enumerate(self.params)}
         self.forward_order = sorted(range(len(self.buckets)),  # the first used first
                                     key=lambda b: min(order[id(p)] for p in self.buckets[b].params))
@@ -112,6 +109,20 @@ class Sharded(BucketedGradients, WholeModel):
         self.reducer = GradientReducer(self.params, group, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bytes,
                                        reduce_fp32=config.reduce_fp32, group_of=group_of, pad_to=self.world_size,
                                        **self._gradients())
+        self._make_optimizer()
+
+    def _index_buckets(self, group_of: dict[int, int]) -> None:
+        """Per bucket of ``buckets``: its chunk, its elements, its param group; each
+        parameter's bucket."""
+        self.chunks = [b.padded // self.world_size for b in self.buckets]
+        self.numels = [b.numel for b in self.buckets]
+        self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
+        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+
+    def _make_optimizer(self) -> None:
+        """The task's optimizer class over the master chunks, in the task's param groups;
+        no state yet (the live chunk is at step 0 until given one)."""
+        optimizer = self.base_optimizer
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [m for m, gi in zip(self.masters, self.bucket_group) if gi == i]}
                   for i, g in enumerate(optimizer.param_groups)]

@@ -34,7 +34,6 @@ pass's gradients are reduce-scattered and added into the chunks (docs/zero.md).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -120,10 +119,7 @@ class FullySharded(Sharded):
             self.unit_buckets[u] = list(range(len(self.buckets), len(self.buckets) + len(pieces)))
             self.buckets.extend(pieces)
         self.unit_params = {u: [p for b in bs for p in self.buckets[b].params] for u, bs in self.unit_buckets.items()}
-        self.chunks = [b.padded // self.world_size for b in self.buckets]
-        self.numels = [b.numel for b in self.buckets]
-        self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
-        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        self._index_buckets(group_of)
         self.unit_of = {id(p): u for u, ps in self.unit_params.items() for p in ps}
         self.forward_order = [b for u in [self.root, *range(self.root)] for b in self.unit_buckets[u]]
 
@@ -155,12 +151,7 @@ class FullySharded(Sharded):
                                        buckets=self.buckets)
         self._grads_pending = {u: set() for u in self.unit_buckets}
         self._free_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [m for m, gi in zip(self.masters, self.bucket_group) if gi == i]}
-                  for i, g in enumerate(optimizer.param_groups)]
-        accepted = inspect.signature(type(optimizer)).parameters
-        self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-        self.live_step = 0
+        self._make_optimizer()
 
     def _current(self) -> None:
         if self.generation != self.group.generation and self.generation is not None:
@@ -382,14 +373,6 @@ class FullySharded(Sharded):
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.model_state()
-
-    def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
-        """A collective: the whole model (gathered) and this rank's part of the optimizer state."""
-        tensors, meta = self.state_part()
-        return TrainingState(step=step, model=self.model_state(),
-                             optimizer_tensors={k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
-                             optimizer_meta=meta, sampler=sampler, world_size=self.world_size,
-                             rng=torch.get_rng_state())
 
     def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
         """This rank's chunk of every parameter and of its optimizer state, its range of the
