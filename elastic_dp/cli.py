@@ -38,7 +38,7 @@ _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": i
                 "warmup_steps": int, "lr_schedule": str, "decay_steps": int, "min_lr_ratio": float,
                 "decay_fraction": float, "eval_every": int, "eval_batches": int, "lr_reference_batch": int,
                 "clip_grad_norm": float,
-                "precision": str, "batch_stats": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int,
+                "precision": str, "batch_stats": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int, "init": str,
                 "snapshot_every": int, "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str,
                 "max_staleness": int, "staleness_lr": str, "ps_shards": int, "ps_device": str}
 
@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="worker actors: N, or an elastic range MIN:MAX (default 2)")
     for name, kind in _TRAIN_FLAGS.items():
         extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2, 3]},
+                 "init": {"choices": ["auto", "whole", "units"]},
                  "batch_stats": {"choices": ["local", "global"]},
                  "on_nonfinite": {"choices": ["skip", "fail"]}, "mode": {"choices": ["sync", "async"]},
                  "staleness_lr": {"choices": ["none", "inverse"]},
@@ -72,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="reduce bf16 gradients in bf16 instead of fp32")
     train.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                        default=None, help="--zero 3: keep each unit's gathered parameters from its forward to its backward")
+    train.add_argument("--activation-checkpointing", action="store_true", default=None,
+                       help="recompute each shard unit's activations in its backward (any --zero stage)")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     train.add_argument("--gpus-per-worker", type=float, default=1.0,
                        help="with cuda, each worker's share of a GPU in (0, 1]; below 1 workers share GPUs over gloo")
@@ -174,8 +177,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     task = load_task(args.job)
-    overrides = {name: getattr(args, name) for name in [*_TRAIN_FLAGS, "reduce_fp32", "reshard_after_forward", "prefetch", "balance"]
-                 if getattr(args, name) is not None}
+    flags = [*_TRAIN_FLAGS, "reduce_fp32", "reshard_after_forward", "activation_checkpointing", "prefetch", "balance"]
+    overrides = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
     train = dataclasses.replace(task.defaults, **overrides)
     low, high = args.workers
     cluster = ClusterConfig(workers=high, min_workers=low, device=args.device, address=args.address,

@@ -86,6 +86,15 @@ class TrainConfig:
     again for its backward; False (``--no-reshard-after-forward``) keeps them from the
     forward to the backward: one all-gather a unit less per step, for the memory of the
     whole model's parameters at the end of the forward."""
+    init: Literal["auto", "whole", "units"] = "auto"
+    """How the model's initial parameters are made (``--init``): ``whole`` runs the task's
+    model factory as it is, on every worker; ``units`` runs it on the meta device and
+    materialises and initialises each shard unit on its own under the unit's seed
+    (docs/zero.md, the initialisation rule), so that at ``--zero 3`` no worker ever holds
+    the whole model; ``auto``: ``units`` at ``--zero 3``, ``whole`` at the other stages."""
+    activation_checkpointing: bool = False
+    """Recompute each shard unit's activations in its backward instead of keeping them from
+    the forward (``--activation-checkpointing``; the units of ``--zero 3``, at any stage)."""
     snapshot_every: int = 1
     """With ZeRO, every how many committed steps each worker copies its chunk to its
     neighbour's host memory (``--snapshot-every``). A worker lost k steps after the
@@ -173,6 +182,8 @@ class TrainConfig:
         _require(self.zero in (0, 1, 2, 3), f"zero must be stage 0, 1, 2 or 3, got {self.zero!r} (--zero)")
         _require(self.reshard_after_forward or self.zero == 3,
                  "--no-reshard-after-forward is a ZeRO stage 3 setting: add --zero 3 or drop it")
+        _require(self.init in ("auto", "whole", "units"),
+                 f"init must be 'auto', 'whole' or 'units', got {self.init!r} (--init)")
         _require(self.mode in ("sync", "async"), f"mode must be sync or async, got {self.mode!r} (--mode)")
         _require(self.max_staleness >= 0,
                  f"max_staleness must be >= 0, got {self.max_staleness} (--max-staleness)")
@@ -220,6 +231,11 @@ class TrainConfig:
         return self.lr_scaling() * schedule_factor(
             self.lr_schedule, step, warmup=self.warmup_steps, decay_steps=self.decay_end(),
             min_ratio=self.min_lr_ratio, decay_fraction=self.decay_fraction)
+
+    @property
+    def init_by_units(self) -> bool:
+        """The meta-device rule (``--init units``, or ``auto`` at ``--zero 3``)."""
+        return self.init == "units" or (self.init == "auto" and self.zero == 3)
 
 
 @dataclass(kw_only=True, slots=True)

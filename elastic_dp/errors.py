@@ -21,11 +21,12 @@ API_NAMES = {
     **{f"--{f.replace('_', '-')}": f"TrainConfig.{f}" for f in (
         "steps", "global_batch", "micro_batch", "seed", "warmup_steps", "lr_schedule", "decay_steps",
         "min_lr_ratio", "decay_fraction", "eval_every", "eval_batches", "lr_reference_batch", "clip_grad_norm",
-        "precision", "batch_stats", "bucket_mb", "first_bucket_mb", "zero", "snapshot_every", "on_nonfinite",
+        "precision", "batch_stats", "bucket_mb", "first_bucket_mb", "zero", "init", "snapshot_every", "on_nonfinite",
         "max_nonfinite_steps", "mode", "max_staleness", "staleness_lr", "ps_shards", "ps_device", "prefetch",
         "balance")},
     "--no-reduce-fp32": "TrainConfig(reduce_fp32=False)", "--no-prefetch": "TrainConfig(prefetch=False)",
     "--no-reshard-after-forward": "TrainConfig(reshard_after_forward=False)",
+    "--activation-checkpointing": "TrainConfig(activation_checkpointing=True)",
     "--workers": "ClusterConfig.workers", "--device": "ClusterConfig.device",
     "--gpus-per-worker": "ClusterConfig.gpus_per_worker", "--backend": "ClusterConfig.backend",
     "--address": "ClusterConfig.address", "--placement-timeout": "ClusterConfig.placement_timeout_s",

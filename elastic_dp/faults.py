@@ -1,7 +1,9 @@
 """Fault injection: ``--inject SPEC`` (repeatable), for users validating a setup and for tests.
 
     kill:step=S:rank=R[:phase=P]   the worker process of rank R dies (SIGKILL) during step S;
-                                    P is forward (default), allreduce, optimizer, snapshot
+                                    P is forward (default), gather_forward and gather_backward
+                                    (--zero 3: as it all-gathers a unit's parameters in the
+                                    forward, in the backward), allreduce, optimizer, snapshot
                                     (ZeRO's peer snapshot), checkpoint (while rank R copies
                                     its part of the checkpoint after step S), upload (while
                                     it writes that part in the background), eval (while rank R
@@ -34,7 +36,7 @@ from typing import Iterable
 from elastic_dp.config import CheckpointConfig, ClusterConfig, TrainConfig
 from elastic_dp.errors import ConfigError
 
-STEP_PHASES = ("forward", "allreduce", "optimizer", "snapshot")
+STEP_PHASES = ("forward", "gather_forward", "gather_backward", "allreduce", "optimizer", "snapshot")
 SAVE_PHASES = ("checkpoint", "upload")
 PHASES = (*STEP_PHASES, *SAVE_PHASES, "eval", "reform", "shard")
 _CALL_OF = {"checkpoint": "checkpoint", "upload": "checkpoint", "reform": "reform", "eval": "eval"}
@@ -152,8 +154,10 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
         if not every or not ((f.step + 1) % every == 0 or f.step + 1 == train.steps):
             refuse(f"no evaluation runs after step {f.step}: --eval-every {every} evaluates after steps whose "
                    "number plus one it divides, and after the last step")
+    if f.phase in ("gather_forward", "gather_backward") and train.zero != 3:
+        refuse(f"phase={f.phase} fires as a unit's parameters are all-gathered, which only --zero 3 does")
     if f.phase == "snapshot" and (not train.zero or (f.step + 1) % train.snapshot_every):
-        refuse(f"phase=snapshot needs --zero 1 or 2 and a step after which a snapshot is taken: (step + 1) "
+        refuse(f"phase=snapshot needs --zero 1, 2 or 3 and a step after which a snapshot is taken: (step + 1) "
                f"divisible by --snapshot-every {train.snapshot_every}")
     if f.phase == "reform" and not any(g.kind != "join" and g.step == f.step and g.phase in STEP_PHASES
                                        for g in faults):

@@ -40,8 +40,10 @@ class StepResult:
     """In a window: when the step ended on this worker (Unix seconds)."""
     error: BaseException | None = None
     state_bytes: dict[str, int] | None = None
-    """The persistent bytes this worker holds (``Strategy.state_bytes``), in the first step
-    of each generation it commits (the ``state_memory`` event); None in the others."""
+    """The persistent bytes this worker holds (``Strategy.state_bytes``), measured at the
+    first step of each generation it commits and sent with every committed step (a step's
+    results can be lost with a peer); the driver's ``state_memory`` event is the first step
+    of a generation whose every member's figures arrived."""
 
 
 @dataclass(slots=True)

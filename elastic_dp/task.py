@@ -54,6 +54,13 @@ class Task:
     """Optional, ``--zero 3``: the modules whose parameters are gathered together for their
     forward and backward (default: the children of the model's ``nn.ModuleList``s, its
     repeated blocks); the parameters outside them form the root unit (docs/zero.md)."""
+    init_module: Callable[[torch.nn.Module, str, torch.nn.Module], None] | None = None
+    """Optional, ``--init units`` (the default at ``--zero 3``): ``init_module(model, name,
+    module)`` initialises the parameters and buffers ``module`` (named ``name`` in
+    ``model``) owns itself, not its children's, just materialised uninitialised on the
+    device; the rest of ``model`` may not be materialised yet. A Hugging Face model's is
+    ``model._init_weights(module)``. Default: ``module.reset_parameters()`` (docs/zero.md,
+    the initialisation rule)."""
     collate: Callable[[list], Any] = default_collate
     """Turns a list of samples into a batch (default: torch's ``default_collate``)."""
     defaults: TrainConfig = field(default_factory=TrainConfig)

@@ -101,6 +101,19 @@ def build_model() -> GPT:
     return GPT()
 
 
+def init_module(model: GPT, name: str, module: nn.Module) -> None:
+    """``--init units`` (the default at ``--zero 3``): ``module``'s own parameters drawn
+    from the distributions ``GPT()`` draws them from (the values differ: each unit has its
+    own seed)."""
+    if module is model:
+        nn.init.zeros_(model.pos)
+        return
+    module.reset_parameters()  # the biases and the layer norms, as GPT() leaves them
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        scaled = name.endswith(("proj", "mlp.2"))
+        nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * len(model.blocks)) if scaled else 0.02)
+
+
 TOKENS_ENV = "GPT_TOKENS"
 """Set to a directory or URI of byte-level token files (``elastic-dp tokenize``) to train on
 them instead of the standard library's source; the workers must see it too (a Ray job:
@@ -161,7 +174,7 @@ def training_flops_per_sample(model: GPT, context: int = CONTEXT) -> float:
     return context * (6 * params + 12 * layers * dim * context)
 
 
-TASK = Task(model=build_model, dataset=build_dataset, loss=loss, optimizer=build_optimizer,
+TASK = Task(model=build_model, dataset=build_dataset, loss=loss, optimizer=build_optimizer, init_module=init_module,
             eval_dataset=build_eval_dataset,
             sample=generate, tokens_per_sample=CONTEXT, flops_per_sample=training_flops_per_sample(GPT()),
             defaults=TrainConfig(steps=150, global_batch=32, micro_batch=16, warmup_steps=10,

@@ -171,6 +171,7 @@ def tiny_held_out() -> Dataset:
 
 
 TINY_GPT_TASK = Task(model=tiny_gpt, dataset=tiny_corpus, loss=gpt.loss, optimizer=adamw, eval_dataset=tiny_held_out,
+                     init_module=gpt.init_module,
                      defaults=TrainConfig(steps=6, global_batch=12, micro_batch=4, seed=5,
                                           warmup_steps=2, clip_grad_norm=1.0))
 
@@ -262,3 +263,24 @@ class KillsAt:
 
     def __call__(self) -> Dataset:
         return _KillsAt(self.dataset(), self.index, self.marker)
+
+
+class Deep(nn.Module):
+    """An input layer, ``blocks`` equal hidden layers in a ModuleList (the default shard
+    units) and an output layer: nearly all of its parameters are in the units."""
+
+    def __init__(self, width: int = 64, blocks: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.out(x)
+
+
+DEEP_TASK = Task(model=Deep, dataset=Regression, loss=mse, optimizer=adamw,
+                 defaults=TrainConfig(steps=6, global_batch=12, seed=7))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from elastic_dp import CheckpointError
 from elastic_dp.durable.checkpoint import (
@@ -14,6 +15,7 @@ from elastic_dp.durable.checkpoint import (
     load_optimizer_state,
     manifest_of,
     optimizer_state,
+    save_tensor_parts,
     write_part,
 )
 from elastic_dp.durable.storage import Storage
@@ -134,3 +136,38 @@ def test_optimizer_state_keys_are_parameter_names_and_groups_survive():
     other = torch.optim.SGD(model.parameters(), lr=0.1)  # one group: does not match
     with pytest.raises(CheckpointError, match="param groups do not match"):
         load_optimizer_state(other, {id(p): n for n, p in model.named_parameters()}, tensors, meta)
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"a": torch.randn(3, 4, generator=g), "b.bf16": torch.randn(5, generator=g).bfloat16(),
+            "c": torch.arange(7), "flag": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5),
+            "half": torch.randn(2, 2, generator=g).half(), "empty": torch.zeros(0, 3)}
+
+
+def test_a_weights_file_written_in_parts_is_the_one_safetensors_reads(tmp_path):
+    """Each dtype the models hold, a 0-d and an empty tensor, in two parts: safetensors'
+    own reader gives them back exactly."""
+    tensors = _tensors()
+    layout = [(k, v.dtype, list(v.shape)) for k, v in tensors.items()]
+    keys = list(tensors)
+    parts = [{k: tensors[k] for k in keys[:3]}, {k: tensors[k] for k in keys[3:]}]
+    save_tensor_parts(Storage(tmp_path), "w.safetensors", layout, iter(parts))
+    back = load_file(tmp_path / "w.safetensors")
+    assert back.keys() == tensors.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_a_part_that_fails_or_does_not_match_the_layout_leaves_no_file(tmp_path):
+    tensors = _tensors()
+    layout = [(k, v.dtype, list(v.shape)) for k, v in tensors.items()]
+
+    def failing():
+        yield {"a": tensors["a"]}
+        raise RuntimeError("a gather failed")
+
+    with pytest.raises(RuntimeError, match="a gather failed"):
+        save_tensor_parts(Storage(tmp_path), "w.safetensors", layout, failing())
+    with pytest.raises(ValueError, match="where the layout has"):
+        save_tensor_parts(Storage(tmp_path), "w.safetensors", layout, iter([{"c": tensors["c"]}]))
+    assert list(tmp_path.iterdir()) == []

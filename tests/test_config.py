@@ -89,7 +89,9 @@ def test_fault_specs_and_worker_ranges_parse():
     (["join:step=9"], r"join:step=9 can never fire: .*TrainConfig\.steps=6"),
     (["kill:step=1:rank=0:phase=checkpoint"], r"without CheckpointConfig\.dir"),
     (["kill:step=0:rank=0:phase=reform"], r"re-forms after another fault in step 0: add a kill or hang at step=0"),
-    (["kill:step=1:rank=0:phase=snapshot"], r"needs TrainConfig\.zero=1 or 2"),
+    (["kill:step=1:rank=0:phase=snapshot"], r"needs TrainConfig\.zero=1, 2 or 3"),
+    (["kill:step=1:rank=0:phase=gather_forward"], r"phase=gather_forward fires as a unit's parameters are all-gathered, "
+                                                  r"which only TrainConfig\.zero=3 does"),
     (["join:step=1", "join:step=2"], r"2 joins, but ClusterConfig\.workers=2:3 leaves room for 1.*raise MAX or lower MIN"),
 ])
 def test_faults_that_can_never_fire_are_refused_naming_the_setting(specs, match):

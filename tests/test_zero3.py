@@ -10,14 +10,15 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import save_file
 
 from elastic_dp import ConfigError, ElasticSampler, TrainConfig
 from elastic_dp.data import split
-from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore, manifest_of, write_part
+from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore, manifest_of, save_tensor_parts, write_part
 from elastic_dp.errors import API_NAMES, CollectiveError
 from elastic_dp.observe.plan import MemoryPlan
-from elastic_dp.state.zero.stage3 import default_units
+from elastic_dp.state.units import default_units
 from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
@@ -161,7 +162,7 @@ def test_a_rank_whose_forward_raises_aborts_the_group_and_its_error_is_the_step_
     """The failing rank cannot issue its peers' gathers in their order: it aborts the
     group, its peer's gather fails at once (no hang), and the step commits nowhere."""
     task = TINY_GPT_TASK
-    config = dataclasses.replace(task.defaults, micro_batch=None, zero=3)
+    config = dataclasses.replace(task.defaults, micro_batch=None, zero=3, init="whole")
     sampler = ElasticSampler(len(task.dataset()), global_batch=config.global_batch, seed=config.seed)
     initial = initial_weights(task, config.seed)
 
@@ -212,7 +213,7 @@ def test_an_evaluation_at_stage_3_is_the_plain_mean_and_frees_every_unit(world):
     """The tiny GPT's 249 held-out windows in micro-batches of 4 (2 ranks: 32 and 31 of
     them; the second runs a forward that counts nothing), gathered unit by unit: the plain
     one-process mean (test_eval.py's bound), and nothing left gathered."""
-    config = dataclasses.replace(TINY_GPT_TASK.defaults, eval_every=1, zero=3)
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, eval_every=1, zero=3, init="whole")
     initial = initial_weights(TINY_GPT_TASK, config.seed)
     n = len(TINY_GPT_TASK.eval_dataset())
     micro = config.micro_batch
@@ -231,3 +232,43 @@ def test_an_evaluation_at_stage_3_is_the_plain_mean_and_frees_every_unit(world):
     assert sum(samples for (_, samples), _ in results) == n
     assert sum(loss for (loss, _), _ in results) / n == pytest.approx(plain_eval(TINY_GPT_TASK, initial), rel=REL)
     assert all(size == 0 for _, sizes in results for size in sizes)
+
+
+def test_the_weights_file_at_stage_3_is_written_a_unit_at_a_time_and_is_the_model_s(tmp_path):
+    """The deep MLP on 3 ranks: rank 0 writes final weights from one gathered unit at a
+    time (the largest part under a tenth of the model), and safetensors reads back the
+    model's state dict exactly; the ranks' parameter buffers are all freed after it."""
+    from safetensors.torch import load_file
+
+    from elastic_dp.durable.storage import Storage
+    from tests.tasks import DEEP_TASK
+    from tests.test_zero3_init import _held
+
+    config = dataclasses.replace(DEEP_TASK.defaults, steps=2, zero=3)
+    largest: dict[int, int] = {}
+
+    def write(replica):
+        strategy = replica.strategy
+        before = _held(replica)
+        part = strategy.weight_part
+
+        def measured(i):
+            result = part(i)
+            largest[replica.group.rank] = max(largest.get(replica.group.rank, 0),
+                                              sum(t.numel() * t.element_size() for t in result.values()))
+            return result
+
+        strategy.weight_part = measured
+        layouts = strategy.weight_parts()
+        parts = (strategy.weight_part(i) for i in range(len(layouts)))
+        if replica.group.rank == 0:
+            save_tensor_parts(Storage(tmp_path), "final.safetensors", [t for lay in layouts for t in lay], parts)
+        for _ in parts:
+            pass
+        assert _held(replica) == before
+
+    final, _, _ = train(DEEP_TASK, config, 3, range(2), None, before_exit=write)
+    written = load_file(tmp_path / "final.safetensors")
+    assert written.keys() == final.keys() and all(torch.equal(written[k], final[k]) for k in final)
+    model_bytes = sum(v.numel() * 4 for v in final.values())
+    assert 0 < max(largest.values()) < model_bytes / 10

@@ -4,6 +4,8 @@ weight sets."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from elastic_dp import ElasticSampler, Task, TrainConfig
@@ -26,7 +28,10 @@ def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *,
     TrainingState ``start``); return rank 0's final weights and every rank's training state.
     ``before_exit(replica)`` runs on each rank after its steps, while its group still exists;
     ``after_build(replica)`` before them; ``sizes``: the ranks' slice sizes (``--balance``'s),
-    instead of the equal split."""
+    instead of the equal split. From ``initial`` weights each rank builds the model whole
+    (``--init auto`` is ``whole`` then) and loads them."""
+    if start is None and initial is not None and config.init == "auto":
+        config = dataclasses.replace(config, init="whole")
     dataset_len = len(task.dataset())
     sampler = ElasticSampler(dataset_len, global_batch=config.global_batch, seed=config.seed)
 
@@ -38,7 +43,8 @@ def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *,
         if start is not None:
             replica.load_state(start)
         else:
-            replica.model.load_state_dict(initial)
+            if initial is not None:
+                replica.model.load_state_dict(initial)
             replica.broadcast_state(0)
         for step in steps:
             indices = rank_slice(sampler.batch(step), group.world_size, group.rank, sizes)

@@ -35,3 +35,22 @@ def test_kills_in_the_forward_and_the_backward_and_a_join_under_zero3_end_on_the
     assert set(memory) == {m["generation"] for m in metrics}
     for ranks in memory.values():  # the parameters sharded: every rank holds about 1/N of them
         assert max(r["parameters"] for r in ranks) <= 1.1 * min(r["parameters"] for r in ranks) + 4096
+
+
+def test_kills_at_the_gathers_and_the_update_under_zero3_end_on_the_replay(ray_cluster, tmp_path):
+    """Rank 1 is killed as it all-gathers a unit in step 1's forward, a worker joins at step
+    3, rank 0 is killed as it gathers a unit again in step 4's backward, and rank 1 after
+    step 6's vote (in its update). At least 2 workers: each kill leaves a peer waiting in
+    the collective. The gathers' losses re-run their step from the live chunks; the
+    update's comes after the commit, and the step counts as trained. Nothing is restored
+    from a checkpoint."""
+    inject = ["kill:step=1:rank=1:phase=gather_forward", "join:step=3", "kill:step=4:rank=0:phase=gather_backward",
+              "kill:step=6:rank=1:phase=optimizer"]
+    summary, diff, events, _ = run_against_replay(tmp_path, 3, inject, min_workers=2, steps=9,
+                                                  train={"zero": 3, "micro_batch": None})
+    assert diff < TOL
+    failures = [e for e in events if e["kind"] == "membership_changed" and e["lost"]]
+    assert [(c["step"], c["lost_ranks"]) for c in failures] == [(1, [1]), (4, [0]), (6, [1])]
+    assert all(c["steps_rerun"] == 1 for c in failures[:2])
+    assert not any(e["kind"] in ("restored_from_checkpoint", "fault_not_fired") for e in events)
+    assert summary.steps == 9

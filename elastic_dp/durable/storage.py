@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -61,13 +62,19 @@ class Storage:
     # -- operations ----------------------------------------------------------------------
     def write(self, rel: str, data: bytes | memoryview) -> None:
         """Write one file whole (or not at all)."""
+        self.write_pieces(rel, [data])
+
+    def write_pieces(self, rel: str, pieces: Iterable[bytes | memoryview]) -> None:
+        """Write one file from ``pieces`` as they come, whole or not at all: a local one is
+        renamed into place when complete, a remote one deleted if a piece fails."""
         target = self.path(rel)
         if self.local:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(target).with_name(f".{Path(target).name}.{uuid.uuid4().hex}.tmp")
             try:
                 with open(tmp, "wb") as f:
-                    f.write(data)
+                    for piece in pieces:
+                        f.write(piece)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, target)
@@ -76,8 +83,14 @@ class Storage:
                 tmp.unlink(missing_ok=True)
             return
         with self._errors(f"write {self.url(rel)}"):
-            with self.fs.open_output_stream(target) as f:
-                f.write(data)
+            try:
+                with self.fs.open_output_stream(target) as f:
+                    for piece in pieces:
+                        f.write(piece)
+            except BaseException:
+                if self.fs.get_file_info(target).type != pafs.FileType.NotFound:
+                    self.fs.delete_file(target)  # the stream's close completed a part of it
+                raise
 
     def read(self, rel: str) -> bytes:
         with self._errors(f"read {self.url(rel)}"):

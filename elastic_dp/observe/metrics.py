@@ -30,9 +30,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
-from elastic_dp.durable.checkpoint import save_tensors
+from elastic_dp.durable.checkpoint import Layout, save_tensor_parts, save_tensors
 from elastic_dp.durable.storage import Storage
 from elastic_dp.observe.exporters import TensorBoard
 
@@ -234,6 +234,11 @@ class RunRecorder:
         """Write ``state`` (a model state dict) as ``<out>/<name>.safetensors``."""
         if self._open():
             save_tensors(self.storage, f"{name}.safetensors", state)
+
+    def weight_parts(self, name: str, layout: Layout, parts: Iterable[dict]) -> None:
+        """Write ``<out>/<name>.safetensors`` from ``parts`` as they come (``save_tensor_parts``)."""
+        if self._open():
+            save_tensor_parts(self.storage, f"{name}.safetensors", layout, parts)
 
     def upload(self) -> None:
         """With an ``--out`` URI: copy the logs written so far to it."""

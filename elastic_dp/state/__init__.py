@@ -16,8 +16,6 @@ The sharded ones (``zero.sharded.Sharded``) also implement what resharding needs
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from elastic_dp.comm.group import CollectiveGroup
@@ -25,6 +23,7 @@ from elastic_dp.config import TrainConfig
 from elastic_dp.faults import FaultHook
 from elastic_dp.state.base import Strategy
 from elastic_dp.state.replicated import Replicated
+from elastic_dp.state.units import UnitInit
 from elastic_dp.state.zero.sharded import Sharded
 from elastic_dp.state.zero.stage1 import ShardedOptimizer
 from elastic_dp.state.zero.stage2 import ShardedGradients
@@ -36,12 +35,13 @@ STAGES = {0: Replicated, 1: ShardedOptimizer, 2: ShardedGradients, 3: FullyShard
 
 def make_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
                   config: TrainConfig, device: torch.device, faults: FaultHook | None = None,
-                  units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None) -> Strategy:
+                  units: list[torch.nn.Module] | None = None, init: UnitInit | None = None) -> Strategy:
     """The strategy of ``config.zero``, built once; a sharded one re-cuts itself for every
     generation of ``group`` (``faults``: the process's, for the phases a strategy has;
-    ``units``: the task's ``shard_units``, for stage 3)."""
+    ``units``: the model's shard units (``units.model_units``) and ``init``: the rule that
+    initialises a model built on the meta device unit by unit, for stage 3)."""
     if config.zero == 3:
-        return FullySharded(model, optimizer, group, config, device, faults, units)
+        return FullySharded(model, optimizer, group, config, device, faults, units, init)
     if config.zero:
         return STAGES[config.zero](model, optimizer, group, config, device, faults)
     return Replicated(model, optimizer, group, config, device)

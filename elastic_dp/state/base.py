@@ -10,7 +10,7 @@ import torch
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer
 from elastic_dp.comm.vote import Ballot, Vote
-from elastic_dp.durable.checkpoint import Part, TrainingState, Wanted, cut_part
+from elastic_dp.durable.checkpoint import Layout, Part, TrainingState, Wanted, cut_part
 from elastic_dp.state.buffers import ModelBuffers
 
 
@@ -106,8 +106,11 @@ class Strategy(Protocol):
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's whole state dict, copied to the host."""
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The model's whole state dict to write as the run's weights (not copied)."""
+    def weight_parts(self) -> list[Layout]:
+        """The run's weights file in parts, the tensors of each: (name, dtype, shape)."""
+
+    def weight_part(self, i: int) -> dict[str, torch.Tensor]:
+        """Part ``i`` of the run's weights (at ZeRO stage 3 a collective that gathers it)."""
 
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
         """This worker's state at ``step`` committed steps, copied: whole where it is
@@ -154,6 +157,12 @@ class WholeModel:
     def weights(self) -> dict[str, torch.Tensor]:
         self.settle()
         return self.model.state_dict()
+
+    def weight_parts(self) -> list[Layout]:
+        return [[(k, v.dtype, list(v.shape)) for k, v in self.weights().items()]]  # one part: the whole model
+
+    def weight_part(self, i: int) -> dict[str, torch.Tensor]:
+        return self.weights()
 
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
         self.settle()

@@ -20,7 +20,7 @@ import torch
 
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.config import TrainConfig
-from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, save_tensors, write_part
+from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, save_tensor_parts, write_part
 from elastic_dp.durable.storage import Storage
 from elastic_dp.errors import WorkerError
 from elastic_dp.faults import SAVE_PHASES, Fault, FaultHook
@@ -152,11 +152,26 @@ class WorkerActor:
         return self.replica.model_state()
 
     def write_weights(self, storage: Storage, name: str) -> None:
-        """Write the model's state dict as the safetensors file ``name`` of ``storage`` (at
-        ZeRO stage 3 every rank takes part in gathering it; rank 0 writes it)."""
-        weights = self.replica.strategy.weights()
-        if self.group.rank == 0:
-            save_tensors(storage, name, weights)
+        """Write the model's state dict as the safetensors file ``name`` of ``storage``, a
+        part at a time (at ZeRO stage 3 every rank takes part in gathering each unit; rank 0
+        writes them)."""
+        strategy = self.replica.strategy
+        layouts = strategy.weight_parts()
+        parts = (strategy.weight_part(i) for i in range(len(layouts)))
+        try:
+            if self.group.rank == 0:
+                save_tensor_parts(storage, name, [t for layout in layouts for t in layout], parts)
+        finally:
+            for _ in parts:  # the peers' gathers go on to the last part, whatever the write did
+                pass
+
+    def weight_parts(self) -> list:
+        return self.replica.strategy.weight_parts()
+
+    def weight_part(self, i: int) -> dict[str, torch.Tensor]:
+        """Part ``i`` of the weights, from rank 0 (the others take part in gathering it)."""
+        part = self.replica.strategy.weight_part(i)
+        return part if self.group.rank == 0 else {}
 
     # -- checkpoints: every rank writes its own part --------------------------------------
     def stage_checkpoint(self, directory: str, step: int, sampler: dict[str, int],

@@ -24,6 +24,7 @@ from elastic_dp.faults import FaultHook
 from elastic_dp.messages import Progress, StepResult, WorkerInfo
 from elastic_dp.schedules import LearningRates
 from elastic_dp.state import Strategy, make_strategy
+from elastic_dp.state.units import GENERATORS, UnitInit, build_on_meta, checkpoint_units, model_units
 from elastic_dp.task import Task, trainable
 
 Batches = list[tuple[int, Any]]
@@ -71,15 +72,26 @@ class Replica:
                  group: CollectiveGroup, faults: FaultHook | None = None) -> None:
         self.task, self.config, self.device, self.group = task, config, device, group
         self.faults = faults or FaultHook()
-        torch.manual_seed(config.seed)
-        self.model = task.model().to(device)
+        with GENERATORS:
+            torch.manual_seed(config.seed)
+        self.model = build_on_meta(task.model, device) if config.init_by_units else task.model().to(device)
+        self.units = model_units(self.model, task.shard_units)
+        init = None
+        if config.init_by_units:  # the rule of elastic_dp.state.units
+            init = UnitInit(self.model, self.units, config.seed, task.init_module, device)
+            with GENERATORS:
+                torch.manual_seed(config.seed)
+        if init is not None and config.zero != 3:
+            init.all()  # at stage 3 each unit when the first layout keeps its chunks of it
         self.dataset = task.dataset()
         self.eval_dataset = task.eval_dataset() if config.eval_every and task.eval_dataset is not None else None
         self.optimizer = task.optimizer(self.model)
         self.rates = LearningRates(task, config, self.optimizer)
         """Each param group's learning rate at each step (``elastic_dp.schedules``)."""
         self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device, self.faults,
-                                                task.shard_units)
+                                                self.units, init if config.zero == 3 else None)
+        if config.activation_checkpointing:
+            checkpoint_units(self.units)
         self.batch_norm = batch_norm_modules(self.model)
         self.batch_stats = (GlobalBatchStats(self.model, group)
                             if self.batch_norm and config.batch_stats == "global" else None)

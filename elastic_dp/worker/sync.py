@@ -50,7 +50,8 @@ class SyncProgram:
         """Whether the ballot carries the buffers (under ``--batch-stats global`` they are
         equal on every rank already)."""
         self._share = 0.0  # this step's share of the global batch: its weight in the buffers' mean
-        self._measured_generation: int | None = None  # the last generation whose state_bytes went out
+        self._measured_generation: int | None = None  # the generation ``_state_bytes`` was measured in
+        self._state_bytes: dict[str, int] | None = None
 
     def abort(self) -> None:
         """The group is being aborted: a window waiting for a grant ends."""
@@ -194,8 +195,8 @@ class SyncProgram:
         t4 = time.perf_counter()
         result.committed = True
         if self._measured_generation != group.generation:  # its first commit: optimizer state and snapshots exist
-            self._measured_generation = group.generation
-            result.state_bytes = strategy.state_bytes()
+            self._measured_generation, self._state_bytes = group.generation, strategy.state_bytes()
+        result.state_bytes = self._state_bytes  # with every commit: a step's results can be lost with a peer
         result.timings = {"compute_s": t1 - t0 - parameter_wait, "reduce_wait_s": t2 - t1, "optimizer_s": t3 - t2,
                           "snapshot_s": t4 - t3}
         if replica.config.zero:  # the forward's wait for the parameters' all-gathers

@@ -11,11 +11,12 @@ non-finite guard (``guard.NonFiniteGuard``), the checkpoint's manifest commit
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from elastic_dp.config import CheckpointConfig, ClusterConfig, TrainConfig
 from elastic_dp.control.modes.guard import NonFiniteGuard
 from elastic_dp.data import check_resumable
+from elastic_dp.durable.checkpoint import Layout
 from elastic_dp.errors import ConfigError, TaskError
 from elastic_dp.faults import FaultPlan
 from elastic_dp.observe.metrics import RunRecorder
@@ -78,13 +79,17 @@ def record_resume(recorder: RunRecorder, resume: Any, world_size: int) -> None:
 
 
 def write_weights(recorder: RunRecorder, name: str, state: Callable[[], dict[str, Any]],
-                  on_worker: Callable[[Any, str], None] | None = None) -> None:
+                  on_worker: Callable[[Any, str], None] | None = None,
+                  parts: Callable[[], tuple[Layout, Iterable[dict[str, Any]]]] | None = None) -> None:
     """``<out>/<name>.safetensors`` (nothing without ``--out``): to an ``--out`` URI by a
     worker straight from its memory where the mode has one that can (``on_worker(storage,
-    file name)``), else by this driver from ``state()``."""
+    file name)``), else by this driver from ``state()``, or from ``parts()`` (the file's
+    layout and its tensors a part at a time) where the mode gives them."""
     if recorder.storage is None:
         return
     if recorder.remote and on_worker is not None:
         on_worker(recorder.storage, f"{name}.safetensors")
+    elif parts is not None:
+        recorder.weight_parts(name, *parts())
     else:
         recorder.weights(name, state())

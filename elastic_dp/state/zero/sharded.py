@@ -402,17 +402,17 @@ class Sharded(BucketedGradients, WholeModel):
                            master=[self._own_params(b).detach().float().cpu() for b in range(len(self.buckets))],
                            buffers=self.history.current())
         self._set_live(shard)
-        peer, left = None, (self.rank - 1) % self.world_size
-        if self.world_size > 1:
-            peer = ChunkState(step=step, world_size=self.world_size, rank=left,
-                              master=[buf[left * c:(left + 1) * c].detach().float().cpu()
-                                      for buf, c in zip(self.param_buffers, self.chunks)])
-        self.snapshots.reset(shard, peer)
+        left = (self.rank - 1) % self.world_size
+        self.snapshots.reset(shard, ChunkState(step=step, world_size=self.world_size, rank=left,
+                                               master=self._peer_masters(left)) if self.world_size > 1 else None)
+
+    def _peer_masters(self, left: int) -> list[torch.Tensor]:
+        """Rank ``left``'s chunk of every bucket's parameters, as fp32 on the host."""
+        return [buf[left * c:(left + 1) * c].detach().float().cpu() for buf, c in zip(self.param_buffers, self.chunks)]
 
     # -- state: initial sync, checkpoint parts, loading ---------------------------------------
     def sync_from(self, src: int) -> None:
-        """Take rank ``src``'s parameters (into this generation's buffers) and start every
-        chunk from them with empty optimizer state."""
+        """Take rank ``src``'s parameters (into this generation's buffers) and start every chunk from them."""
         self._current()
         broadcast_tensors(self.group, list(self.model.state_dict().values()), src, self.device)
         self.reset_from_params(step=0)

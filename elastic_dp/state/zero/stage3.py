@@ -34,17 +34,16 @@ pass's gradients are reduce-scattered and added into the chunks (docs/zero.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import Bucket, GradientReducer, make_buckets
 from elastic_dp.config import TrainConfig
-from elastic_dp.durable.checkpoint import Part, TrainingState, add_piece, cut_part, part_files
+from elastic_dp.durable.checkpoint import Layout, Part, TrainingState, add_piece, cut_part, part_files
 from elastic_dp.errors import CollectiveError
 from elastic_dp.faults import FaultHook
 from elastic_dp.state.base import broadcast_tensors, nbytes
+from elastic_dp.state.units import UnitInit, model_units
 from elastic_dp.state.zero import format as zero_format
 from elastic_dp.state.zero.sharded import Sharded
 
@@ -52,35 +51,20 @@ WHOLE = 2**62
 """A bucket size no unit reaches: one piece per kind of parameter in a unit."""
 
 
-def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The children of the model's ``nn.ModuleList``s, outermost lists only, in
-    registration order."""
-    units: list[torch.nn.Module] = []
-
-    def visit(module: torch.nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, torch.nn.ModuleList):
-                units.extend(child)
-            else:
-                visit(child)
-
-    visit(model)
-    return units
-
-
 class FullySharded(Sharded):
-    """ZeRO stage 3 (``--zero 3``). ``units``: the task's ``shard_units`` (None: the
-    default, ``default_units``)."""
+    """ZeRO stage 3 (``--zero 3``). ``units``: the model's shard units (None: the default
+    ones, ``units.model_units``); ``init``: for a model built on the meta device, the rule
+    that initialises it unit by unit (the first layout materialises each unit, keeps its
+    chunks of it and frees it before the next)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
                  config: TrainConfig, device: torch.device, faults: FaultHook | None = None,
-                 units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None) -> None:
+                 units: list[torch.nn.Module] | None = None, init: UnitInit | None = None) -> None:
         super().__init__(model, optimizer, group, config, device, faults)
         self.defer_gather = True  # nothing is gathered after an update: each forward gathers
         self.reshard_after_forward = config.reshard_after_forward
-        self.units = list(units(model) if units is not None else default_units(model))
-        if any(u is model for u in self.units):
-            raise ValueError("a shard unit cannot be the model itself: its parameters outside the units are the root")
+        self.units = units if units is not None else model_units(model, None)
+        self.init = init
         self.root = len(self.units)
         """The root unit's index (the units are ``0 .. root - 1``, in forward order)."""
         model.register_forward_pre_hook(lambda _m, _a: self._before_model())
@@ -95,17 +79,18 @@ class FullySharded(Sharded):
 
     # -- layout ---------------------------------------------------------------------------
     def _build(self) -> None:
-        self._gathers = {}
+        self._gathers, self._gathered = {}, set()
         group, config, optimizer = self.group, self.config, self.base_optimizer
         self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) in group_of]
         stepped = {id(p) for p in self.params}
-        owners: dict[int, set[int]] = {}
-        for u, unit in enumerate(self.units):
-            for p in unit.parameters():
+        owner = {id(m): u for u, unit in enumerate(self.units) for m in unit.modules()}
+        owners: dict[int, set[int]] = {}  # the units whose modules use each parameter (the root's too)
+        for module in self.model.modules():
+            for p in module.parameters(recurse=False):
                 if id(p) in stepped:
-                    owners.setdefault(id(p), set()).add(u)
+                    owners.setdefault(id(p), set()).add(owner.get(id(module), self.root))
         unit_of = {i: next(iter(us)) if len(us) == 1 else self.root for i, us in owners.items()}
         members: list[list[torch.nn.Parameter]] = [[] for _ in range(self.root + 1)]
         for p in self.params:
@@ -124,22 +109,16 @@ class FullySharded(Sharded):
         self.forward_order = [b for u in [self.root, *range(self.root)] for b in self.unit_buckets[u]]
 
         # parameters become views into one flat buffer per piece, whose storage exists only
-        # while the piece is gathered; the rank keeps its chunk of it (``shards``)
-        self.param_buffers, self.shards = [], []
-        for bucket in self.buckets:
-            first = bucket.params[0]
-            buffer = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
-            whole = first.untyped_storage().size() > 0  # the model as built (not a re-cut's freed views)
-            for p, offset in zip(bucket.params, bucket.offsets):
-                view = buffer[offset:offset + p.numel()]
-                if whole:
-                    view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)
-            chunk = bucket.padded // self.world_size
-            self.shards.append(buffer[self.rank * chunk:(self.rank + 1) * chunk].clone())
-            self.param_buffers.append(buffer)
-        self._gathered = set(range(self.root + 1))
-        self._free(list(range(self.root + 1)))
+        # while the piece is gathered; the rank keeps its chunk of it (``shards``). Unit by
+        # unit in the initialisation rule's order: a model built on the meta device is
+        # materialised one unit at a time, and each unit freed before the next
+        self.param_buffers = [torch.empty(0)] * len(self.buckets)
+        self.shards = [torch.empty(0)] * len(self.buckets)
+        for u in range(self.root + 1):
+            if self.init is not None:
+                self.init.unit(u)
+            for b in self.unit_buckets[u]:
+                self._lay_out(b)
         self.masters = [torch.nn.Parameter(s if s.dtype == torch.float32 else s.float()) for s in self.shards]
         self.snapshots.configure(group, 0)  # no rank holds another's parameters between steps
 
@@ -152,6 +131,23 @@ class FullySharded(Sharded):
         self._grads_pending = {u: set() for u in self.unit_buckets}
         self._free_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._make_optimizer()
+
+    def _lay_out(self, b: int) -> None:
+        """Piece ``b``'s flat buffer, its parameters views into it, and this rank's chunk of
+        the values they had when the model was built (none after a re-cut: imported)."""
+        bucket = self.buckets[b]
+        first = bucket.params[0]
+        buffer = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
+        whole = first.untyped_storage().size() > 0  # the model as built (not a re-cut's freed views)
+        for p, offset in zip(bucket.params, bucket.offsets):
+            view = buffer[offset:offset + p.numel()]
+            if whole:
+                view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+        chunk = bucket.padded // self.world_size
+        self.shards[b] = buffer[self.rank * chunk:(self.rank + 1) * chunk].clone()
+        self.param_buffers[b] = buffer
+        buffer.untyped_storage().resize_(0)
 
     def _current(self) -> None:
         if self.generation != self.group.generation and self.generation is not None:
@@ -218,14 +214,15 @@ class FullySharded(Sharded):
             self._free_all()
 
     def _before_unit(self, u: int) -> None:
-        if self.generation != self.group.generation:
-            return
+        if self.generation != self.group.generation or u in self._backward_started:
+            return  # (a recomputation in the backward runs the unit's forward again)
+        self.faults.at("gather_forward")
         self._gather(u, wait=True)
         if u + 1 < self.root:
             self._gather(u + 1, wait=False)
 
     def _after_unit(self, u: int, out) -> None:
-        if self.generation != self.group.generation:
+        if self.generation != self.group.generation or u in self._backward_started:
             return
         if not torch.is_grad_enabled():  # no backward follows (an evaluation, a sample)
             self._free([u])
@@ -241,6 +238,7 @@ class FullySharded(Sharded):
         if u in self._backward_started:
             return
         self._backward_started.add(u)
+        self.faults.at("gather_backward")
         self._gather(u, wait=True)
         if u >= 1:
             self._gather(u - 1, wait=False)
@@ -338,41 +336,51 @@ class FullySharded(Sharded):
 
     # -- state ------------------------------------------------------------------------------
     def sync_from(self, src: int) -> None:
-        """Take rank ``src``'s parameters and buffers; every chunk starts from them with empty
-        optimizer state."""
+        """Take rank ``src``'s buffers and start every chunk with empty optimizer state. The
+        parameters are the chunks the ranks hold (no rank has more than its own): built
+        alike on every rank, by the same seed and rule."""
         self._current()
-        self._gather_all()
-        try:
-            broadcast_tensors(self.group, [*self.param_buffers, *self.buffers.tensors()], src, self.device)
-            self.reset_from_params(step=0)
-        finally:
-            self._free_all()
+        broadcast_tensors(self.group, self.buffers.tensors(), src, self.device)
+        self.reset_from_params(step=0)
 
-    def reset_from_params(self, step: int) -> None:
-        with torch.no_grad():
-            for b, buffer in enumerate(self.param_buffers):
+    def _peer_masters(self, left: int) -> list[torch.Tensor]:
+        """Rank ``left``'s chunks, each unit gathered in turn and freed."""
+        masters: list[torch.Tensor] = [torch.empty(0)] * len(self.buckets)
+        for u in [self.root, *range(self.root)]:
+            self._gather(u, wait=True)
+            for b in self.unit_buckets[u]:
                 c = self.chunks[b]
-                self.shards[b].copy_(buffer[self.rank * c:(self.rank + 1) * c])
-        super().reset_from_params(step)
+                masters[b] = self.param_buffers[b][left * c:(left + 1) * c].to("cpu", torch.float32, copy=True)
+            self._free([u])
+        return masters
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """A collective: the model's whole state dict, gathered unit by unit into host memory."""
-        self.settle()
-        state = {}
-        for u in [self.root, *range(self.root)]:
-            self._gather(u, wait=True)
-            for p in self.unit_params[u]:
-                state[id(p)] = p.detach().to("cpu", copy=True)
-            if u != self.root:
-                self._free([u])
-        try:
-            return {k: state[id(v)] if id(v) in state else v.detach().to("cpu", copy=True)
-                    for k, v in self.model.state_dict(keep_vars=True).items()}
-        finally:
-            self._free_all()
+        parts = {k: v for i in range(len(self.weight_parts())) for k, v in self.weight_part(i).items()}
+        return {k: parts[k] for k in self.model.state_dict(keep_vars=True)}
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.model_state()
+    def _weight_units(self) -> list[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        """The state dict's entries by unit: the root's with everything not a stepped
+        parameter (buffers) first, then each unit's; a tied parameter under each name."""
+        units: dict[int, list[tuple[str, torch.Tensor]]] = {u: [] for u in [self.root, *range(self.root)]}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            units[self.unit_of.get(id(v), self.root)].append((k, v))
+        return list(units.items())
+
+    def weight_parts(self) -> list[Layout]:
+        self._current()
+        return [[(k, v.dtype, list(v.shape)) for k, v in entries] for _, entries in self._weight_units()]
+
+    def weight_part(self, i: int) -> dict[str, torch.Tensor]:
+        """A collective: part ``i`` of ``weight_parts`` (a unit, or the root) gathered, copied
+        into host memory and freed."""
+        self.settle()
+        u, entries = self._weight_units()[i]
+        self._gather(u, wait=True)
+        try:
+            return {k: v.detach().to("cpu", copy=True) for k, v in entries}
+        finally:
+            self._free([u])
 
     def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
         """This rank's chunk of every parameter and of its optimizer state, its range of the

@@ -15,7 +15,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -62,6 +62,7 @@ class SyncMode:
         self.guard = context.guard()
         self.sampler: ElasticSampler | None = None
         self._last: dict[Any, StepResult] = {}  # the results of the last failed attempt
+        self._measured: set[int] = set()  # the generations whose state_memory event is written
         self._windows = 0
         self.balancer = Balancer(train.global_batch) if train.balance else None
         self._sizes: tuple[int, ...] | None = None  # the last slicing recorded ...
@@ -131,7 +132,16 @@ class SyncMode:
         """``<out>/<name>.safetensors``: written by rank 0 straight to an ``--out`` URI, or
         by this driver into its local ``--out`` directory."""
         write_weights(self.recorder, name, lambda: self._whole_model("model_state"),
-                      lambda storage, file: self._whole_model("write_weights", storage, file))
+                      lambda storage, file: self._whole_model("write_weights", storage, file),
+                      self._weight_parts if self.train.zero == 3 else None)
+
+    def _weight_parts(self) -> tuple[list, Iterator[dict]]:
+        """ZeRO stage 3: the weights file's layout and its parts (the root and the buffers,
+        then each unit), each gathered by the members and sent by rank 0 in turn, so that
+        neither rank 0 nor this driver holds more than one of them."""
+        layouts = self._whole_model("weight_parts")
+        return [t for layout in layouts for t in layout], (self._whole_model("weight_part", i)
+                                                           for i in range(len(layouts)))
 
     def close(self) -> None:
         pass  # the workers are all it has
@@ -168,7 +178,8 @@ class SyncMode:
         self.layout.stepped(committed.step, committed.results)
         self._record(committed.step, list(committed.results.values()))
         measured = sorted((r for r in committed.results.values() if r.state_bytes is not None), key=lambda r: r.rank)
-        if measured:  # the generation's first commit: what each rank holds
+        if measured and measured[0].generation not in self._measured and len(measured) == len(committed.results):
+            self._measured.add(measured[0].generation)  # the generation's first commit: what each rank holds
             self.recorder.event("state_memory", generation=measured[0].generation, ranks=[
                 {"rank": r.rank, "parameters": r.state_bytes["parameters"], "gradients": r.state_bytes["gradients"],
                  "optimizer": r.state_bytes["optimizer_state"], "snapshots": r.state_bytes.get("snapshots", 0)}
