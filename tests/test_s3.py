@@ -93,9 +93,10 @@ def test_saved_by_every_rank_to_s3_resumed_at_another_worker_count_and_a_corrupt
     stalls = [e["stall_s"] for e in first if e["kind"] == "checkpoint_saved"]
     assert len(stalls) == 2
 
-    # The same command with more steps, at 2 workers and stage 0: --resume auto continues it.
-    # Its output goes to the object store too: rank 0 writes the weights, the logs are uploaded.
-    _fit(2, uri.replace("/runs?", "/out/second?"), steps=6, storage=uri)
+    # The same command with more steps, at 2 workers and stage 3: --resume auto continues it.
+    # Its output goes to the object store too: rank 0 writes the weights (a unit at a time),
+    # the logs are uploaded.
+    _fit(2, uri.replace("/runs?", "/out/second?"), steps=6, storage=uri, zero=3)
     second_out = tmp_path / "second"
     second_out.mkdir()
     for name in ("initial.safetensors", "final.safetensors", "metrics.jsonl", "events.jsonl"):
