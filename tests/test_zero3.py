@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from elastic_dp import ConfigError, ElasticSampler, TrainConfig
+from elastic_dp import ConfigError, ElasticSampler, Task, TrainConfig
 from elastic_dp.data import split
 from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore, manifest_of, save_tensor_parts, write_part
 from elastic_dp.errors import API_NAMES, CollectiveError
@@ -23,7 +23,7 @@ from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.reference import replay
-from tests.tasks import CNN_TASK, MLP_TASK, TINY_GPT_TASK
+from tests.tasks import CNN_TASK, MLP_TASK, TINY_GPT_TASK, Regression, mlp
 from tests.test_eval import REL, plain_eval
 from tests.zero_runs import CPU, initial_weights, max_diff, train
 
@@ -272,3 +272,59 @@ def test_the_weights_file_at_stage_3_is_written_a_unit_at_a_time_and_is_the_mode
     assert written.keys() == final.keys() and all(torch.equal(written[k], final[k]) for k in final)
     model_bytes = sum(v.numel() * 4 for v in final.values())
     assert 0 < max(largest.values()) < model_bytes / 10
+
+
+def _bf16_loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y)
+
+
+BF16_TASK = Task(model=lambda: mlp().to(torch.bfloat16), dataset=Regression, loss=_bf16_loss,
+                 optimizer=lambda model: torch.optim.Adam(model.parameters(), lr=1e-3),
+                 shard_units=lambda model: [model[0], model[2]], defaults=TrainConfig(global_batch=8, seed=1))
+"""test_zero.py's bf16 MLP, two of its layers units."""
+
+
+def test_bf16_parameters_are_gathered_from_fp32_master_chunks_as_stage_1_keeps_them():
+    """bf16 parameters (an Adam step of 1e-3 is below their resolution: only fp32 masters
+    accumulate it): stage 3's masters are fp32 chunks, its bf16 parameters their rounding,
+    and both equal stage 1's (the same fp32 reduction and update: within 1e-6 for the
+    masters, exactly for the bf16 parameters they round to, but for a rare tie)."""
+    from elastic_dp.durable.checkpoint import merge_parts
+
+    task = BF16_TASK
+    config = dataclasses.replace(task.defaults, zero=1)
+    initial = initial_weights(task, config.seed)
+    stage1, parts1, _ = train(task, config, 2, range(5), initial)
+    stage3, parts3, replicas = train(task, dataclasses.replace(config, zero=3), 2, range(5), initial)
+    assert all(m.dtype == torch.float32 for m in replicas[0].strategy.masters)
+    assert all(s.dtype == torch.bfloat16 for s in replicas[0].strategy.shards)
+    m1, m3 = merge_parts(parts1).optimizer_tensors, merge_parts(parts3).optimizer_tensors
+    assert float((m3["0.weight/master"] - m1["0.weight/master"]).abs().max()) < 1e-6
+    assert float((m3["0.weight/master"] - stage3["0.weight"].float()).abs().max()) > 0  # the masters moved further
+    torch.testing.assert_close(m3["0.weight/master"].to(torch.bfloat16), stage3["0.weight"])
+    assert max_diff(stage3, stage1) <= 2 ** -8 * max(float(v.float().abs().max()) for v in stage1.values())
+
+
+def test_balanced_slices_under_stage_3_reach_stage_0():
+    """--balance's uneven slices (3 and 11 of 14): the same parameters as stage 0 with the
+    same slices (stage 0's bound, 2e-5)."""
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=6, global_batch=14, micro_batch=4)
+    initial = initial_weights(TINY_GPT_TASK, config.seed)
+    reference, _, _ = train(TINY_GPT_TASK, config, 2, range(6), initial, sizes=(3, 11))
+    sharded, _, _ = train(TINY_GPT_TASK, dataclasses.replace(config, zero=3), 2, range(6), initial, sizes=(3, 11))
+    assert max_diff(sharded, reference) < 2e-5
+
+
+def test_a_non_finite_step_under_stage_3_is_skipped_on_every_rank():
+    """Step 3's first sample is NaN (rank 0's): no rank updates its chunks, and the run ends
+    on stage 0's parameters, which skipped it too."""
+    from tests.tasks import PoisonedRegression
+
+    task = dataclasses.replace(MLP_UNITS, dataset=PoisonedRegression)
+    config = dataclasses.replace(task.defaults, steps=6)
+    initial = initial_weights(task, config.seed)
+    reference, _, _ = train(task, config, 2, range(6), initial)
+    sharded, _, replicas = train(task, dataclasses.replace(config, zero=3), 2, range(6), initial)
+    assert max_diff(sharded, reference) < 2e-5
+    assert all(torch.isfinite(v).all() for v in sharded.values())

@@ -82,7 +82,7 @@ def unit_seed(seed: int, u: int) -> int:
 def build_on_meta(factory: Callable[[], torch.nn.Module], device: torch.device) -> torch.nn.Module:
     """``factory()`` with each parameter moved to the meta device as it is registered (so
     the model's own initialisation runs on meta tensors and draws nothing), then made a
-    placeholder on ``device`` without memory (``UnitInit`` gives it its own); the buffers
+    placeholder on ``device`` without its memory (``UnitInit`` gives it its own); the buffers
     are the factory's, moved to ``device``."""
     register = torch.nn.Module.register_parameter
 
@@ -121,9 +121,9 @@ def build_on_meta(factory: Callable[[], torch.nn.Module], device: torch.device) 
 
 
 def _unallocated(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    x = torch.empty(t.shape, dtype=t.dtype, device=device)
-    x.untyped_storage().resize_(0)
-    return x
+    """``t``'s shape over one element (every stride 0): no memory of its size, and a write
+    into it (a ``load_state_dict`` before the unit exists) fails instead of overrunning."""
+    return torch.empty(1, dtype=t.dtype, device=device).expand(t.shape)
 
 
 class UnitInit:
@@ -148,6 +148,7 @@ class UnitInit:
                                 f"with its reset_parameters(), and {', '.join(missing[:4])} has none: give the "
                                 "task an init_module(model, name, module), or pass --init whole")
         self.done: set[int] = set()
+        self.materialised: set[int] = set()  # the parameters with memory of their own
 
     def unit(self, u: int) -> None:
         """Materialise unit ``u``'s parameters (each in memory of its own) and initialise them."""
@@ -156,7 +157,8 @@ class UnitInit:
         self.done.add(u)
         for _, module in self.modules[u]:
             for p in module.parameters(recurse=False):
-                if p.untyped_storage().size() == 0 and p.numel():
+                if id(p) not in self.materialised:
+                    self.materialised.add(id(p))
                     p.data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with GENERATORS, torch.random.fork_rng(devices=devices), torch.no_grad():

@@ -138,7 +138,7 @@ class FullySharded(Sharded):
         bucket = self.buckets[b]
         first = bucket.params[0]
         buffer = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
-        whole = first.untyped_storage().size() > 0  # the model as built (not a re-cut's freed views)
+        whole = first.untyped_storage().size() > 0  # the model as built, or its unit (not a re-cut's freed views)
         for p, offset in zip(bucket.params, bucket.offsets):
             view = buffer[offset:offset + p.numel()]
             if whole:
