@@ -135,6 +135,11 @@ class PacedLoss:
         return mse(model, (x, y))
 
 
+def mlp_units(model: nn.Module) -> list[nn.Module]:
+    """``Task.shard_units`` of the MLP (no ModuleList): its first two Linear layers; the last is the root."""
+    return [model[0], model[2]]
+
+
 def paced_task(loss: PacedLoss, **defaults) -> Task:
     return Task(model=mlp, dataset=IndexedRegression, loss=loss, optimizer=sgd_two_groups,
                 defaults=dataclasses.replace(MLP_TASK.defaults, **defaults))

@@ -1,6 +1,6 @@
 """Losing a node: a two-node Ray cluster on this machine, the second node added and then
 removed mid-run, under ZeRO-2. The survivors re-form in place and the run ends at the
-uninterrupted parameters. The ranks alternate between the nodes, so every lost chunk has
+uninterrupted parameters (under ZeRO-3 too). The ranks alternate between the nodes, so every lost chunk has
 its peer snapshot on the surviving node: no checkpoint is restored. A long scenario
 (``python3 dev.py test benchmarks/scenarios``), out of the suite to keep it within its time."""
 
@@ -29,10 +29,14 @@ def _run(out: Path, scenario: str) -> dict:
 # node's loss reaches a stage-0 run as its workers' deaths, which test_elastic covers.
 
 
-def test_a_node_added_mid_run_grows_it_and_losing_it_under_zero_restores_every_chunk_from_peer_snapshots(tmp_path):
+@pytest.mark.parametrize("scenario", ["zero", "zero3"], ids=["stage-2", "stage-3"])
+def test_a_node_added_mid_run_grows_it_and_losing_it_under_zero_restores_every_chunk_from_peer_snapshots(tmp_path,
+                                                                                                       scenario):
     """Also the autoscaler path: the run asks for room for MAX (4) workers, starts on the 2
-    that fit, grows to 4 when a node comes, shrinks to 2 when it goes, and never restarts."""
-    report = _run(tmp_path / "out", "zero")
+    that fit, grows to 4 when a node comes, shrinks to 2 when it goes (two workers lost at
+    once), and never restarts. At stage 3 the lost ranks' parameter chunks come back from
+    the survivors' snapshots too."""
+    report = _run(tmp_path / "out", scenario)
     assert report["requests"]["running"] == [{"CPU": 1}] * 4  # request_resources: room for MAX
     assert report["requests"]["ended"] == []  # withdrawn when the run ended
     assert report["diff"] < TOL

@@ -4,8 +4,9 @@ Prints one JSON line with what the test checks.
 
     python -m tests.scripts.node_loss OUT replicated   one worker per node, stage 0
     python -m tests.scripts.node_loss OUT zero         two workers per node, ZeRO-2
+    python -m tests.scripts.node_loss OUT zero3        the same at ZeRO-3 (the MLP's layers its units)
 
-In the zero scenario the second node joins after the run has started on the first
+In the zero scenarios the second node joins after the run has started on the first
 node's two workers, so the workers become ready node by node (A A B B): only the rank
 order the sharded layout chooses keeps each peer snapshot on the other node. It is also
 how an autoscaler grows a run: the run asks for room for MAX workers
@@ -28,7 +29,7 @@ from safetensors.torch import load_file
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
 from tests.reference import max_abs_diff, replay
 from tests.scripts.scenario import autoscaler_request, lines, local_cluster, training, wait_for
-from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
+from tests.tasks import TINY_GPT_TASK, PacedLoss, mlp_units, paced_task
 
 # replicated: micro-batches of 1 make each step ~10x slower, so the node (removed after
 # step 5) is gone well before the end; more steps instead would let AdamW amplify float32
@@ -43,13 +44,15 @@ SCENARIOS = {
     "replicated": dict(task=TINY_GPT_TASK, steps=40, micro_batch=1, per_node=1, zero=0),
     "zero": dict(task=paced_task(PacedLoss(seconds=0.3, until=str(FAST))), steps=60, micro_batch=1, per_node=2,
                  zero=2),
+    "zero3": dict(task=dataclasses.replace(paced_task(PacedLoss(seconds=0.3, until=str(FAST))), shard_units=mlp_units),
+                  steps=60, micro_batch=1, per_node=2, zero=3),
 }
 
 
 def main(out: Path, scenario: str) -> None:
     s = SCENARIOS[scenario]
     cluster = local_cluster(s["per_node"])
-    late = scenario == "zero"
+    late = scenario in ("zero", "zero3")
     second = None if late else cluster.add_node(num_cpus=s["per_node"])
     task = s["task"]
     config = dataclasses.replace(task.defaults, steps=s["steps"], micro_batch=s["micro_batch"], zero=s["zero"])
@@ -76,7 +79,7 @@ def main(out: Path, scenario: str) -> None:
             FAST.touch()
         thread.join()
         requests["ended"] = autoscaler_request()
-    unpaced = dataclasses.replace(task, loss=PacedLoss()) if scenario == "zero" else task
+    unpaced = dataclasses.replace(task, loss=PacedLoss()) if late else task
     expected = replay(unpaced, config, str(out / "initial.safetensors"))
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
