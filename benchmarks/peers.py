@@ -97,6 +97,62 @@ class DDPWorker:
         return time.perf_counter() - start
 
 
+class FSDP2Worker(DDPWorker):
+    """torch FSDP2 on one CPU slot, the peer of ZeRO stage 3: the GPT's blocks and then the
+    whole model ``fully_shard``-ed, as its users write it (torch's defaults: parameters
+    resharded after each forward), each rank looping over its own steps (``run``), its
+    rank's slice of each computed here. Micro-batches before a step's last skip the
+    gradient reduce-scatter (``set_requires_gradient_sync(False)``), as FSDP2's users
+    accumulate."""
+
+    def __init__(self, host: str, port: int, rank: int, world: int, task=TASK, keep_memory: bool = True) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        torch.set_num_threads(1)
+        if keep_memory:
+            keep_freed_memory()
+        store = dist.PrefixStore("fsdp2/", dist.TCPStore(host, port, is_master=False))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        self.task, self.rank, self.world = task, rank, world
+        torch.manual_seed(task.defaults.seed)
+        self.model = task.model()
+        for block in self.model.blocks:
+            fully_shard(block)
+        fully_shard(self.model)
+        self.ddp = self.model  # the module the loss runs (DDPWorker.step)
+        self.dataset = task.dataset()
+        self.optimizer = task.optimizer(self.model)
+        self.config = task.defaults
+        self.sampler = ElasticSampler(len(self.dataset), global_batch=self.config.global_batch,
+                                      seed=self.config.seed)
+
+    def step(self, indices: np.ndarray, global_batch: int) -> float:
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        chunks = micro_batches(indices, self.config.micro_batch)
+        for i, chunk in enumerate(chunks):
+            batch = self.task.collate([self.dataset[int(j)] for j in chunk])
+            self.model.set_requires_gradient_sync(i == len(chunks) - 1)
+            (self.task.loss(self.model, batch) * len(chunk) * self.world / global_batch).backward()
+        if self.config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+    def state_bytes(self) -> dict[str, int]:
+        """What this rank holds between steps: its shards of the parameters, of the
+        gradients (FSDP2 keeps them sharded until the next zero_grad) and of AdamW's state."""
+        def local(t: torch.Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        params = list(self.model.parameters())
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {"parameters": sum(local(p) for p in params),
+                "gradients": sum(local(p.grad) for p in params if p.grad is not None),
+                "optimizer_state": sum(local(v) for v in state)}
+
+
 class ReduceWorker:
     """Times elastic_dp's bucketed reduction against a raw all_reduce on one gloo group."""
 

@@ -54,3 +54,29 @@ def test_kills_at_the_gathers_and_the_update_under_zero3_end_on_the_replay(ray_c
     assert all(c["steps_rerun"] == 1 for c in failures[:2])
     assert not any(e["kind"] in ("restored_from_checkpoint", "fault_not_fired") for e in events)
     assert summary.steps == 9
+
+
+def test_kills_at_the_snapshot_the_checkpoint_its_upload_the_evaluation_and_the_re_form_under_zero3(ray_cluster,
+                                                                                                   tmp_path):
+    """The phases outside the forward and the backward, under stage 3, in one run of 3
+    workers (at least 2): rank 1 killed as it sends its snapshot after step 1, rank 0 as it
+    copies its checkpoint part after step 3 and rank 1 as it uploads its part after step
+    5 (each such save is abandoned, never half-written), rank 0 as it evaluates after step
+    7, and in step 9 rank 1 in its forward and then rank 0 as it joins the group re-formed
+    after that. The run ends on the replay, each lost chunk restored from its peer snapshot."""
+    from elastic_dp import CheckpointConfig
+
+    inject = ["kill:step=1:rank=1:phase=snapshot", "kill:step=3:rank=0:phase=checkpoint",
+              "kill:step=5:rank=1:phase=upload", "kill:step=7:rank=0:phase=eval",
+              "kill:step=9:rank=1:phase=forward", "kill:step=9:rank=0:phase=reform"]
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2)
+    summary, diff, events, _ = run_against_replay(tmp_path / "out", 3, inject, min_workers=2, steps=11,
+                                                  checkpoint=ckpt,
+                                                  train={"zero": 3, "micro_batch": None, "eval_every": 8})
+    assert diff < TOL
+    assert not any(e["kind"] in ("restored_from_checkpoint", "fault_not_fired") for e in events), [
+        e for e in events if e["kind"] == "fault_not_fired"]
+    lost = [e for e in events if e["kind"] == "membership_changed" and e["lost"]]
+    assert len(lost) >= 5  # the re-form's loss may be folded into the forward's
+    assert any(e["kind"] == "checkpoint_abandoned" for e in events)
+    assert summary.steps == 11

@@ -34,6 +34,8 @@ pass's gradients are reduce-scattered and added into the chunks (docs/zero.md).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from elastic_dp.comm.group import CollectiveGroup
@@ -73,7 +75,7 @@ class FullySharded(Sharded):
             unit.register_forward_pre_hook(lambda _m, _a, u=u: self._before_unit(u))
             unit.register_forward_hook(lambda _m, _a, out, u=u: self._after_unit(u, out))
         self._sums: list[torch.Tensor] | None = None
-        """With micro-batches: the reduced gradient chunks of a step's micro-batches before its last."""
+        """With micro-batches, during a step: the reduced gradient chunks of its micro-batches before the last."""
         self._gathered: set[int] = set()  # units whose full parameters are here (or on their way)
         self._backward_started: set[int] = set()
 
@@ -178,8 +180,10 @@ class FullySharded(Sharded):
                     self._start_gather(b)
             except Exception as exc:
                 raise self._collective_error("parameter all-gather", exc) from None
-        if wait:
+        if wait:  # the step's parameter wait: in the forward and in the backward
+            start = time.perf_counter()
             self._wait_gathers([b for b in self.unit_buckets[u] if b in self._gathers])
+            self._parameter_wait_s += time.perf_counter() - start
 
     def _free(self, units: list[int]) -> None:
         for u in units:
@@ -260,9 +264,7 @@ class FullySharded(Sharded):
     def zero_grad(self) -> None:
         super().zero_grad()
         self._grads_pending = {u: set() for u in self.unit_buckets}
-        if self._sums is not None:
-            for s in self._sums:
-                s.zero_()
+        self._sums = None
 
     def before_backward(self) -> None:
         """A micro-batch before the last: its gradients are reduce-scattered too, as its
@@ -286,9 +288,10 @@ class FullySharded(Sharded):
             vote = super().reduce_gradients()
         finally:
             self._free_all()  # the root, and a unit whose backward some parameter skipped
-        if self._sums is not None:  # the micro-batches before the last
+        if self._sums is not None:  # the micro-batches before the last; released: only the step holds them
             for c, s in zip(self.grad_chunks, self._sums):
                 c.add_(s)
+            self._sums = None
         return vote
 
     def abandon(self) -> None:
@@ -331,7 +334,7 @@ class FullySharded(Sharded):
     def state_bytes(self) -> dict[str, int]:
         separate = [m for m, s in zip(self.masters, self.shards) if m.data_ptr() != s.data_ptr()]
         state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return {"parameters": nbytes(self.shards), "gradients": nbytes(self.grad_chunks) + nbytes(self._sums or []),
+        return {"parameters": nbytes(self.shards), "gradients": nbytes(self.grad_chunks),
                 "optimizer_state": nbytes(state) + nbytes(separate), "snapshots": self.snapshots.bytes_held()}
 
     # -- state ------------------------------------------------------------------------------
