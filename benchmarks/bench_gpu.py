@@ -10,6 +10,11 @@ runs it after the CUDA tests).
    context 1024, bf16 autocast, global batch 16) trained by elastic_dp on one worker and
    by the plain loop (in this driver process); model FLOPs utilisation = FLOPs per sample x samples/s / the GPU's
    dense bf16 peak (``elastic_dp.observe.metrics.PEAK_TFLOPS``, or ``--peak-tflops``).
+3. ZeRO stage 3 against stage 0: the same filling GPT trained by elastic_dp on one worker
+   at ``--zero 0`` and then at ``--zero 3`` (built on the meta device, its blocks gathered
+   and freed one by one: on one GPU the gathers are copies, so this measures what stage
+   3's hooks, frees and re-gathers cost the step), each run its rounds in turn on the
+   device; the model FLOPs utilisation of each and their ratio.
 
     python -m benchmarks.bench_gpu --rounds 6 --steps-per-round 20
 """
@@ -100,6 +105,36 @@ def compare(task: Task, rounds: int, steps_per_round: int) -> dict:
     return result
 
 
+def by_stage(task: Task, rounds: int, steps_per_round: int, device: str = "cuda") -> dict:
+    """``task`` at ZeRO stage 0 and then stage 3 on one worker: median ms a step (round 0
+    warm-up) and, where the peak is known, model FLOPs utilisation."""
+    result = {}
+    for zero in (0, 3):
+        config = dataclasses.replace(task.defaults, steps=10**9, zero=zero)
+        recorder = RunRecorder(None, total_steps=10**9, progress=False)
+        coordinator = build_coordinator(task, config, ClusterConfig(workers=1, device=device), CheckpointConfig(),
+                                        recorder)
+        coordinator.run_until(0)
+        times = []
+        try:
+            for round_ in range(rounds):
+                start = time.perf_counter()
+                coordinator.run_until(coordinator.step + steps_per_round)
+                times.append((time.perf_counter() - start) / steps_per_round)
+                print(f"stage {zero} round {round_}: {times[-1] * 1e3:.2f} ms/step"
+                      + ("  (warm-up)" if round_ == 0 else ""), flush=True)
+        finally:
+            coordinator.close()
+        seconds = statistics.median(times[1:])
+        result[f"zero{zero}_ms"] = round(seconds * 1e3, 3)
+        peak = recorder.throughput.peak_flops or (
+            known_peak_tflops(torch.cuda.get_device_name(0)) if device == "cuda" else 0) * 1e12
+        if task.flops_per_sample and peak:
+            result[f"zero{zero}_mfu"] = round(task.flops_per_sample * config.global_batch / seconds / peak, 4)
+    result["zero3_over_zero0"] = round(result["zero3_ms"] / result["zero0_ms"], 3)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
@@ -112,7 +147,8 @@ def main() -> None:
         result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
                   "torch": torch.__version__, "ray": ray.__version__,
                   "gpt_job": compare(TASK, args.rounds, args.steps_per_round),
-                  "fill_gpt": compare(FILL_GPT_TASK, args.rounds, args.fill_steps_per_round)}
+                  "fill_gpt": compare(FILL_GPT_TASK, args.rounds, args.fill_steps_per_round),
+                  "fill_gpt_by_stage": by_stage(FILL_GPT_TASK, min(args.rounds, 4), args.fill_steps_per_round)}
     print(json.dumps(result, indent=1))
 
 

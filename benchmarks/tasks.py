@@ -60,13 +60,13 @@ def fill_windows() -> Dataset:
 
 
 def _fill_task() -> Task:
-    from jobs.gpt import build_optimizer, loss
+    from jobs.gpt import build_optimizer, init_module, loss
 
     # FLOPs per window as jobs.gpt counts them: 6 x parameters per token plus attention
     params = 12 * FILL_LAYERS * FILL_DIM**2 + 13 * FILL_LAYERS * FILL_DIM + 256 * FILL_DIM \
         + FILL_CONTEXT * FILL_DIM + 2 * FILL_DIM
     flops = FILL_CONTEXT * (6 * params + 12 * FILL_LAYERS * FILL_DIM * FILL_CONTEXT)
-    return Task(model=fill_gpt, dataset=fill_windows, loss=loss, optimizer=build_optimizer,
+    return Task(model=fill_gpt, dataset=fill_windows, loss=loss, optimizer=build_optimizer, init_module=init_module,
                 tokens_per_sample=FILL_CONTEXT, flops_per_sample=flops,
                 defaults=TrainConfig(steps=30, global_batch=16, micro_batch=16, precision="bf16"))
 
