@@ -15,10 +15,10 @@ from elastic_dp.durable.checkpoint import (
     load_optimizer_state,
     manifest_of,
     optimizer_state,
-    save_tensor_parts,
     write_part,
 )
 from elastic_dp.durable.storage import Storage
+from elastic_dp.durable.weights import save_tensor_parts
 from tests.tasks import mlp, sgd_two_groups
 
 

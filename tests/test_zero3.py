@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from elastic_dp import ConfigError, ElasticSampler, Task, TrainConfig
 from elastic_dp.data import split
-from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore, manifest_of, save_tensor_parts, write_part
+from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore, manifest_of, write_part
+from elastic_dp.durable.weights import save_tensor_parts
 from elastic_dp.errors import API_NAMES, CollectiveError
 from elastic_dp.observe.plan import MemoryPlan
 from elastic_dp.state.units import default_units
@@ -83,15 +84,15 @@ def test_default_units_are_the_children_of_the_outermost_module_lists():
 
 
 def _saved_at_stage_3(task, config, world: int, steps: range, initial, tmp_path) -> Checkpoint:
-    """Train ``steps`` at stage 3 on ``world`` ranks and save a checkpoint as the ranks do:
-    each writes its ``checkpoint_part``; the manifest joins them."""
+    """Train ``steps`` at ``config``'s stage on ``world`` ranks and save a checkpoint as the
+    ranks do: each writes its ``checkpoint_part``; the manifest joins them."""
     parts = {}
 
     def save(replica) -> None:
         parts[replica.group.rank] = replica.checkpoint_part(steps.stop, {"seed": config.seed})
 
     train(task, config, world, steps, initial, before_exit=save)
-    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store = CheckpointStore(str(tmp_path / f"ckpt-{config.zero}-{world}"))
     directory = store.begin(steps.stop)
     reports = [write_part(store.storage, directory, parts[r]) for r in range(world)]
     return store.commit(directory, manifest_of(reports, step=steps.stop, sampler={"seed": config.seed},
@@ -124,6 +125,46 @@ def test_a_stage_3_checkpoint_resumes_at_stage_0_and_2_at_other_world_sizes_and_
     _, states, _ = train(task, dataclasses.replace(config, zero=0), 2, range(3), initial)
     back, _, replicas = train(task, config, 3, range(3, 6), None, start=states[0])
     assert max_diff(back, uninterrupted) < 2e-5
+
+
+def test_a_checkpoint_loads_at_stage_3_reading_only_the_rank_s_chunks(tmp_path, monkeypatch):
+    """Checkpoints saved at stage 3 by 3 ranks and at stage 0 by 2 (after 3 steps of the
+    tiny GPT) load at stage 3 on 2 and on 4 ranks from the checkpoint itself: each rank
+    reads its chunk and its left neighbour's of the parameters and their optimizer state,
+    and the buffers (the element ranges it asks for, and every tensor it is given whole:
+    2/4 of the parameters and of each optimizer-state tensor at 4 ranks); at the resume the parameters are the
+    saved ones bit for bit, and each run ends where 6 uninterrupted steps end (stage 0's
+    bound)."""
+    from elastic_dp.durable import checkpoint as checkpoint_module
+
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, steps=6, micro_batch=None, zero=3)
+    initial = initial_weights(task, config.seed)
+    uninterrupted, _, _ = train(task, dataclasses.replace(config, zero=0), 1, range(6), initial)
+    read: list[int] = []
+    real = checkpoint_module.read_ranges
+
+    def counted(storage, directory, manifest, ranges, whole):
+        got, state = real(storage, directory, manifest, ranges, whole)
+        read.append(sum(t.numel() for t in got.values()) + sum(t.numel() for t in state.model.values()))
+        return got, state
+
+    monkeypatch.setattr(checkpoint_module, "read_ranges", counted)
+    params = sum(p.numel() for p in task.model().parameters())
+    for saved_zero, saved_world in ((3, 3), (0, 2)):
+        saved = _saved_at_stage_3(task, dataclasses.replace(config, zero=saved_zero), saved_world, range(3),
+                                  initial, tmp_path)
+        whole = saved.read()
+        for world in (2, 4):
+            read.clear()
+            at_resume, _, _ = train(task, config, world, range(3, 3), None, start=saved)
+            assert max_diff(at_resume, {k: whole.model[k] for k in at_resume}) == 0.0
+            assert len(read) == world
+            if world == 4:  # own + left: 2/N of the parameters and of each optimizer-state tensor
+                kinds = 1 + len({k.rpartition("/")[2] for k in saved.manifest["tensors"] if k.startswith("optim/")})
+                assert max(read) <= kinds * params * 2 / world + 64, (read, kinds, params)
+            resumed, _, _ = train(task, config, world, range(3, 6), None, start=saved)
+            assert max_diff(resumed, uninterrupted) < 2e-5, (saved_zero, saved_world, world)
 
 
 def test_the_units_are_freed_after_their_forward_unless_kept():

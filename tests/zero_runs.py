@@ -10,6 +10,7 @@ import torch
 
 from elastic_dp import ElasticSampler, Task, TrainConfig
 from elastic_dp.data import rank_slice
+from elastic_dp.durable.checkpoint import Checkpoint
 from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
@@ -25,7 +26,7 @@ def initial_weights(task: Task, seed: int) -> dict[str, torch.Tensor]:
 def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *, start=None, before_exit=None,
           after_build=None, sizes=None):
     """Run ``steps`` on ``world`` thread ranks from ``initial`` weights (or a whole
-    TrainingState ``start``); return rank 0's final weights and every rank's training state.
+    TrainingState ``start``, or a Checkpoint ``start`` each rank reads); return rank 0's final weights and every rank's training state.
     ``before_exit(replica)`` runs on each rank after its steps, while its group still exists;
     ``after_build(replica)`` before them; ``sizes``: the ranks' slice sizes (``--balance``'s),
     instead of the equal split. From ``initial`` weights each rank builds the model whole
@@ -40,7 +41,9 @@ def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *,
         program = SyncProgram(replica)
         if after_build is not None:
             after_build(replica)
-        if start is not None:
+        if isinstance(start, Checkpoint):
+            replica.load_checkpoint(start)
+        elif start is not None:
             replica.load_state(start)
         else:
             if initial is not None:

@@ -80,3 +80,21 @@ def test_kills_at_the_snapshot_the_checkpoint_its_upload_the_evaluation_and_the_
     assert len(lost) >= 5  # the re-form's loss may be folded into the forward's
     assert any(e["kind"] == "checkpoint_abandoned" for e in events)
     assert summary.steps == 11
+
+
+def test_two_adjacent_workers_lost_under_zero3_fall_back_to_the_checkpoint_read_by_chunk(ray_cluster, tmp_path):
+    """Ranks 1 and 2 of 3 killed as step 3 starts (at stage 3 the forward's gathers are
+    collectives: each must die before its first): rank 1's chunk and its peer snapshot (on rank
+    2, its right neighbour) are both gone, so the survivor and the replacements load step
+    2's checkpoint, each reading only its chunks of it, and say so; the run ends on the
+    replay."""
+    from elastic_dp import CheckpointConfig
+
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2, asynchronous=False)
+    summary, diff, events, _ = run_against_replay(tmp_path / "out", 3, ["kill:step=3:rank=1", "kill:step=3:rank=2"],
+                                                  min_workers=1, steps=6, checkpoint=ckpt,
+                                                  train={"zero": 3, "micro_batch": None})
+    assert diff < TOL
+    restored = next(e for e in events if e["kind"] == "restored_from_checkpoint")
+    assert restored["step"] == 2 and restored["lost_ranks"] == [1, 2]
+    assert "ZeRO chunk and its peer snapshot" in restored["decision"]

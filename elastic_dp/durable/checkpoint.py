@@ -32,10 +32,8 @@ import hashlib
 import json
 import logging
 import math
-import struct
 import time
 import uuid
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -66,48 +64,6 @@ class TrainingState:
     world_size: int
     rng: torch.Tensor
     """The torch RNG state of rank 0, restored on every worker on resume."""
-
-
-def save_tensors(storage: Storage, name: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` as the safetensors file ``name`` of ``storage``, whole or not at all."""
-    # clones: tied weights share storage, which safetensors refuses to save
-    storage.write(name, save_bytes({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}))
-
-
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
-
-Layout = list[tuple[str, torch.dtype, list[int]]]
-"""A file's tensors in their order: (name, dtype, shape)."""
-
-
-def save_tensor_parts(storage: Storage, name: str, layout: Layout, parts: Iterable[dict[str, torch.Tensor]]) -> None:
-    """Write the safetensors file ``name`` of ``storage`` from ``parts`` (their tensors in
-    ``layout``'s order) as they come, holding one tensor's bytes at a time; whole or not
-    at all. The header, written first, is the format's: its length (8 bytes, little
-    endian), then JSON giving each tensor's dtype, shape and byte range, padded to 8."""
-    header, offset = {}, 0
-    for key, dtype, shape in layout:
-        size = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-
-    def pieces() -> Iterator[bytes]:
-        yield struct.pack("<Q", len(text)) + text
-        expected = iter(layout)
-        for part in parts:
-            for key, tensor in part.items():
-                want = next(expected, None)
-                if want is None or want[0] != key or tensor.dtype != want[1] or list(tensor.shape) != list(want[2]):
-                    raise ValueError(f"{name}: got {key} {tensor.dtype} {list(tensor.shape)} where the layout has {want}")
-                yield tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        if next(expected, None) is not None:
-            raise ValueError(f"{name}: the parts ended before the layout's tensors")
-
-    storage.write_pieces(name, pieces())
 
 
 # -- optimizer state <-> name-keyed tensors ----------------------------------------------
@@ -278,7 +234,42 @@ def assemble(manifest: dict[str, Any], load: Callable[[str], dict[str, torch.Ten
         for key, value in load(file).items():
             start = next(s for f, s, _ in manifest["tensors"][key]["pieces"] if f == file)
             flat[key][start:start + value.numel()] = value
-    whole = {key: value.reshape(manifest["tensors"][key]["shape"]) for key, value in flat.items()}
+    return _state_of(manifest, {key: value.reshape(manifest["tensors"][key]["shape"]) for key, value in flat.items()})
+
+
+def read_ranges(storage: Storage, directory: str, manifest: dict[str, Any], ranges: dict[str, list[tuple[int, int]]],
+                whole: Callable[[str], bool]) -> tuple[dict[tuple[str, int, int], torch.Tensor], TrainingState]:
+    """Of a checkpoint, only the flat element ranges ``ranges[key]`` of its tensors (each
+    range a tensor of its own, keyed ``(key, start, stop)``) and the tensors ``whole(key)``
+    selects (in the TrainingState returned, the others absent from it): only the files
+    holding a piece of them are read (each verified against its sha256), one at a time,
+    and nothing else of the tensors is allocated."""
+    tensors = manifest["tensors"]
+
+    def overlaps(key: str, start: int, numel: int) -> bool:
+        return any(a < start + numel and start < e for a, e in ranges.get(key, ()))
+
+    needed = sorted({file for key, entry in tensors.items() for file, start, numel in entry["pieces"]
+                     if whole(key) or overlaps(key, start, numel)})
+    got = {(key, a, e): torch.zeros(e - a, dtype=_dtype(tensors[key]["dtype"]))
+           for key, spans in ranges.items() if key in tensors for a, e in spans}
+    flat = {key: torch.zeros(math.prod(entry["shape"]), dtype=_dtype(entry["dtype"]))
+            for key, entry in tensors.items() if whole(key)}
+    for file in needed:
+        for key, value in load_bytes(_read_verified(storage, directory, file, manifest["files"][file])).items():
+            start = next(s for f, s, _ in tensors[key]["pieces"] if f == file)
+            value = value.reshape(-1)
+            if key in flat:
+                flat[key][start:start + value.numel()] = value
+            for a, e in ranges.get(key, ()):
+                lo, hi = max(a, start), min(e, start + value.numel())
+                if lo < hi:
+                    got[(key, a, e)][lo - a:hi - a] = value[lo - start:hi - start]
+    return got, _state_of(manifest, {key: value.reshape(tensors[key]["shape"]) for key, value in flat.items()})
+
+
+def _state_of(manifest: dict[str, Any], whole: dict[str, torch.Tensor]) -> TrainingState:
+    """The TrainingState of ``manifest`` with the tensors ``whole`` (by checkpoint key)."""
     optimizer = {k.removeprefix("optim/"): v for k, v in whole.items() if k.startswith("optim/")}
     for key, (value, dtype) in manifest["scalars"].items():
         optimizer[key.removeprefix("optim/")] = torch.tensor(value, dtype=_dtype(dtype))
@@ -339,6 +330,10 @@ class Checkpoint:
 
     def read(self, wanted: Wanted | None = None) -> TrainingState:
         return read_state(self.storage, self.directory, self.manifest, wanted)
+
+    def read_ranges(self, ranges: dict[str, list[tuple[int, int]]],
+                    whole: Callable[[str], bool]) -> tuple[dict[tuple[str, int, int], torch.Tensor], TrainingState]:
+        return read_ranges(self.storage, self.directory, self.manifest, ranges, whole)
 
 
 class CheckpointStore:

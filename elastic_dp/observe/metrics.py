@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from elastic_dp.durable.checkpoint import Layout, save_tensor_parts, save_tensors
 from elastic_dp.durable.storage import Storage
+from elastic_dp.durable.weights import Layout, save_tensor_parts, save_tensors
 from elastic_dp.observe.exporters import TensorBoard
 
 logger = logging.getLogger(__name__)

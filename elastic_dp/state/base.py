@@ -10,7 +10,8 @@ import torch
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer
 from elastic_dp.comm.vote import Ballot, Vote
-from elastic_dp.durable.checkpoint import Layout, Part, TrainingState, Wanted, cut_part
+from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, Wanted, cut_part
+from elastic_dp.durable.weights import Layout
 from elastic_dp.state.buffers import ModelBuffers
 
 
@@ -102,6 +103,10 @@ class Strategy(Protocol):
         """Load a whole, world-size-independent state after the model's parameters were
         loaded (with ZeRO a collective: every rank calls it)."""
 
+    def load_checkpoint(self, checkpoint: Checkpoint) -> TrainingState:
+        """Read what this worker needs of ``checkpoint`` and load it (with ZeRO a
+        collective); returns what was read (its optimizer metadata holds the scheduler's)."""
+
     # -- the model's state: the strategy owns it -----------------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's whole state dict, copied to the host."""
@@ -157,6 +162,11 @@ class WholeModel:
     def weights(self) -> dict[str, torch.Tensor]:
         self.settle()
         return self.model.state_dict()
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> TrainingState:
+        state = checkpoint.read(self.wanted())  # every file checked against its sha256 before any collective
+        self.load_state(state)
+        return state
 
     def weight_parts(self) -> list[Layout]:
         return [[(k, v.dtype, list(v.shape)) for k, v in self.weights().items()]]  # one part: the whole model

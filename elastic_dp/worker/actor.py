@@ -20,8 +20,9 @@ import torch
 
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.config import TrainConfig
-from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, save_tensor_parts, write_part
+from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, write_part
 from elastic_dp.durable.storage import Storage
+from elastic_dp.durable.weights import save_tensor_parts
 from elastic_dp.errors import WorkerError
 from elastic_dp.faults import SAVE_PHASES, Fault, FaultHook
 from elastic_dp.malloc import keep_freed_memory

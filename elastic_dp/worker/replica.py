@@ -139,7 +139,7 @@ class Replica:
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Read what this rank needs of ``checkpoint`` from its storage (every file checked
         against its sha256 before any collective), then load it."""
-        self.load_state(checkpoint.read(self.strategy.wanted()))
+        self._load_scheduler(self.strategy.load_checkpoint(checkpoint))
 
     def _load_scheduler(self, state: TrainingState) -> None:
         """Go on from the scheduler's state the training state carries (none there: the rates

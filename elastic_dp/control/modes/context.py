@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 from elastic_dp.config import CheckpointConfig, ClusterConfig, TrainConfig
 from elastic_dp.control.modes.guard import NonFiniteGuard
 from elastic_dp.data import check_resumable
-from elastic_dp.durable.checkpoint import Layout
+from elastic_dp.durable.weights import Layout
 from elastic_dp.errors import ConfigError, TaskError
 from elastic_dp.faults import FaultPlan
 from elastic_dp.observe.metrics import RunRecorder

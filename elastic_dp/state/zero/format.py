@@ -97,3 +97,46 @@ def whole_state(buckets: list[Bucket], names: dict[int, str], masters: list[torc
     if any(len(v) != len(buckets) for v in full.state.values()):
         raise ValueError("optimizer state is missing for some parameters")
     return full
+
+
+def chunk_ranges(buckets: list[Bucket], chunks: list[int], names: dict[int, str], ranks: Iterable[int],
+                 fields: Iterable[str]) -> dict[str, list[tuple[int, int]]]:
+    """The flat ranges of each checkpoint key that the chunks of ``ranks`` cover: of
+    ``model/<name>`` and of each ``optim/<name>/<field>`` (``fields``: the saved optimizer
+    state's tensors, ``master`` among them where saved)."""
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for r in ranks:
+        for b, bucket in enumerate(buckets):
+            for p, offset, a, e in _pieces(bucket, r * chunks[b], (r + 1) * chunks[b]):
+                name = names[id(p)]
+                for key in [f"model/{name}", *(f"optim/{name}/{f}" for f in fields)]:
+                    ranges.setdefault(key, []).append((a - offset, e - offset))
+    return ranges
+
+
+def chunk_from_ranges(buckets: list[Bucket], chunks: list[int], names: dict[int, str], rank: int, world_size: int,
+                      step: int, got: dict[tuple[str, int, int], torch.Tensor], fields: Iterable[str],
+                      scalars: dict[str, torch.Tensor]) -> ChunkState:
+    """Rank ``rank``'s chunk state out of the ranges ``chunk_ranges`` read (``got``) and the
+    optimizer's saved scalars (``<name>/<key>``, e.g. Adam's step): the fp32 masters from a
+    saved ``master`` where there is one, else from the parameters' values."""
+    fields = [f for f in fields if f != "master"]
+    per_step = {key.rpartition("/")[2]: value for key, value in scalars.items()}  # the same for every parameter
+    state = ChunkState(step=step, world_size=world_size, rank=rank, master=[])
+    for b, bucket in enumerate(buckets):
+        lo, c = rank * chunks[b], chunks[b]
+        master = torch.zeros(c, dtype=torch.float32)
+        values = {f: torch.zeros(c, dtype=torch.float32) for f in fields}  # a chunk of padding only keeps zeros
+        for p, offset, a, e in _pieces(bucket, lo, lo + c):
+            name, span = names[id(p)], (a - offset, e - offset)
+            saved = got.get((f"optim/{name}/master", *span), got[(f"model/{name}", *span)])
+            master[a - lo:e - lo] = saved.float()
+            for f in fields:
+                value = got.get((f"optim/{name}/{f}", *span))
+                if value is None:
+                    raise ValueError(f"optimizer state {f!r} is missing for {name}")
+                values[f][a - lo:e - lo] = value
+        state.master.append(master)
+        for f, value in [*values.items(), *((f, v.clone()) for f, v in per_step.items())]:
+            state.state.setdefault(f, []).append(value)
+    return state

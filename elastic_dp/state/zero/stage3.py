@@ -41,19 +41,18 @@ import torch
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import Bucket, GradientReducer, make_buckets
 from elastic_dp.config import TrainConfig
-from elastic_dp.durable.checkpoint import Layout, Part, TrainingState, add_piece, cut_part, part_files
 from elastic_dp.errors import CollectiveError
 from elastic_dp.faults import FaultHook
 from elastic_dp.state.base import broadcast_tensors, nbytes
 from elastic_dp.state.units import UnitInit, model_units
-from elastic_dp.state.zero import format as zero_format
 from elastic_dp.state.zero.sharded import Sharded
+from elastic_dp.state.zero.stage3_state import FullyShardedState
 
 WHOLE = 2**62
 """A bucket size no unit reaches: one piece per kind of parameter in a unit."""
 
 
-class FullySharded(Sharded):
+class FullySharded(FullyShardedState, Sharded):
     """ZeRO stage 3 (``--zero 3``). ``units``: the model's shard units (None: the default
     ones, ``units.model_units``); ``init``: for a model built on the meta device, the rule
     that initialises it unit by unit (the first layout materialises each unit, keeps its
@@ -356,84 +355,6 @@ class FullySharded(Sharded):
                 masters[b] = self.param_buffers[b][left * c:(left + 1) * c].to("cpu", torch.float32, copy=True)
             self._free([u])
         return masters
-
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """A collective: the model's whole state dict, gathered unit by unit into host memory."""
-        parts = {k: v for i in range(len(self.weight_parts())) for k, v in self.weight_part(i).items()}
-        return {k: parts[k] for k in self.model.state_dict(keep_vars=True)}
-
-    def _weight_units(self) -> list[tuple[int, list[tuple[str, torch.Tensor]]]]:
-        """The state dict's entries by unit: the root's with everything not a stepped
-        parameter (buffers) first, then each unit's; a tied parameter under each name."""
-        units: dict[int, list[tuple[str, torch.Tensor]]] = {u: [] for u in [self.root, *range(self.root)]}
-        for k, v in self.model.state_dict(keep_vars=True).items():
-            units[self.unit_of.get(id(v), self.root)].append((k, v))
-        return list(units.items())
-
-    def weight_parts(self) -> list[Layout]:
-        self._current()
-        return [[(k, v.dtype, list(v.shape)) for k, v in entries] for _, entries in self._weight_units()]
-
-    def weight_part(self, i: int) -> dict[str, torch.Tensor]:
-        """A collective: part ``i`` of ``weight_parts`` (a unit, or the root) gathered, copied
-        into host memory and freed."""
-        self.settle()
-        u, entries = self._weight_units()[i]
-        self._gather(u, wait=True)
-        try:
-            return {k: v.detach().to("cpu", copy=True) for k, v in entries}
-        finally:
-            self._free([u])
-
-    def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
-        """This rank's chunk of every parameter and of its optimizer state, its range of the
-        buffers (and rank 0's metadata), copied."""
-        self.settle()
-        stepped = {id(p) for p in self.params}
-        keys: dict[int, list[str]] = {}  # a tied parameter is in the state dict under each of its names
-        rest = {}
-        for k, v in self.model.state_dict(keep_vars=True).items():
-            if id(v) in stepped:
-                keys.setdefault(id(v), []).append(k)
-            else:
-                rest[k] = v
-        tensors, meta = self.state_part()
-        part = cut_part(TrainingState(step=step, model=rest, optimizer_tensors=tensors, optimizer_meta=meta,
-                                      sampler=sampler, world_size=self.world_size, rng=torch.get_rng_state()),
-                        self.rank, self.world_size)
-        model_file = part_files(self.rank)[0]
-        part.files.setdefault(model_file, {})
-        for b, bucket in enumerate(self.buckets):
-            lo = self.rank * self.chunks[b]
-            for p, offset, a, e in zero_format._pieces(bucket, lo, lo + self.chunks[b]):
-                for key in keys[id(p)]:
-                    add_piece(part, model_file, f"model/{key}", self.shards[b][a - lo:e - lo], a - offset,
-                              list(p.shape))
-        part.files = {f: t for f, t in part.files.items() if t}
-        return part
-
-    def load_state(self, state: TrainingState) -> None:
-        """A collective: load a whole (world-size-independent) training state."""
-        self._current()
-        self.settle()
-        self._gathered = set(range(self.root + 1))  # the buffers get the loaded values, not a gather
-        for buffer in self.param_buffers:
-            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        try:
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    if name in state.model:
-                        p.copy_(state.model[name].to(p.device))
-                for name, buffer in zip(self.buffers.names, self.buffers.tensors()):
-                    if name in state.model:
-                        buffer.copy_(state.model[name].to(buffer.device))
-            self.load_named(state.optimizer_tensors, state.step)  # from the full buffers just loaded
-        finally:
-            self._free_all()
-        torch.set_rng_state(state.rng)
-
-    def load(self, state: TrainingState) -> None:
-        self.load_state(state)
 
 
 def _tensors(out) -> list[torch.Tensor]:

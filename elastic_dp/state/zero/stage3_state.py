@@ -1,0 +1,123 @@
+"""ZeRO stage 3's state outside the step: the model's weights a unit at a time, the
+checkpoint part of a rank (its chunks), and loading a checkpoint or a whole training state
+into the chunks. A mixin of ``stage3.FullySharded``, whose layout (pieces, chunks, units)
+and gathers it uses."""
+
+from __future__ import annotations
+
+import torch
+
+from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, add_piece, cut_part, part_files
+from elastic_dp.durable.weights import Layout
+from elastic_dp.state.zero import format as zero_format
+
+
+class FullyShardedState:
+    """The state calls of ``FullySharded`` (``Strategy``'s weights, checkpoint and load)."""
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """A collective: the model's whole state dict, gathered unit by unit into host memory."""
+        parts = {k: v for i in range(len(self.weight_parts())) for k, v in self.weight_part(i).items()}
+        return {k: parts[k] for k in self.model.state_dict(keep_vars=True)}
+
+    def _weight_units(self) -> list[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        """The state dict's entries by unit: the root's with everything not a stepped
+        parameter (buffers) first, then each unit's; a tied parameter under each name."""
+        units: dict[int, list[tuple[str, torch.Tensor]]] = {u: [] for u in [self.root, *range(self.root)]}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            units[self.unit_of.get(id(v), self.root)].append((k, v))
+        return list(units.items())
+
+    def weight_parts(self) -> list[Layout]:
+        self._current()
+        return [[(k, v.dtype, list(v.shape)) for k, v in entries] for _, entries in self._weight_units()]
+
+    def weight_part(self, i: int) -> dict[str, torch.Tensor]:
+        """A collective: part ``i`` of ``weight_parts`` (a unit, or the root) gathered, copied
+        into host memory and freed."""
+        self.settle()
+        u, entries = self._weight_units()[i]
+        self._gather(u, wait=True)
+        try:
+            return {k: v.detach().to("cpu", copy=True) for k, v in entries}
+        finally:
+            self._free([u])
+
+    def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
+        """This rank's chunk of every parameter and of its optimizer state, its range of the
+        buffers (and rank 0's metadata), copied."""
+        self.settle()
+        stepped = {id(p) for p in self.params}
+        keys: dict[int, list[str]] = {}  # a tied parameter is in the state dict under each of its names
+        rest = {}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            if id(v) in stepped:
+                keys.setdefault(id(v), []).append(k)
+            else:
+                rest[k] = v
+        tensors, meta = self.state_part()
+        part = cut_part(TrainingState(step=step, model=rest, optimizer_tensors=tensors, optimizer_meta=meta,
+                                      sampler=sampler, world_size=self.world_size, rng=torch.get_rng_state()),
+                        self.rank, self.world_size)
+        model_file = part_files(self.rank)[0]
+        part.files.setdefault(model_file, {})
+        for b, bucket in enumerate(self.buckets):
+            lo = self.rank * self.chunks[b]
+            for p, offset, a, e in zero_format._pieces(bucket, lo, lo + self.chunks[b]):
+                for key in keys[id(p)]:
+                    add_piece(part, model_file, f"model/{key}", self.shards[b][a - lo:e - lo], a - offset,
+                              list(p.shape))
+        part.files = {f: t for f, t in part.files.items() if t}
+        return part
+
+    def load_state(self, state: TrainingState) -> None:
+        """A collective: load a whole (world-size-independent) training state."""
+        self._current()
+        self.settle()
+        self._gathered = set(range(self.root + 1))  # the buffers get the loaded values, not a gather
+        for buffer in self.param_buffers:
+            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        try:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if name in state.model:
+                        p.copy_(state.model[name].to(p.device))
+                for name, buffer in zip(self.buffers.names, self.buffers.tensors()):
+                    if name in state.model:
+                        buffer.copy_(state.model[name].to(buffer.device))
+            self.load_named(state.optimizer_tensors, state.step)  # from the full buffers just loaded
+        finally:
+            self._free_all()
+        torch.set_rng_state(state.rng)
+
+    def load(self, state: TrainingState) -> None:
+        self.load_state(state)
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> TrainingState:
+        """A collective: load ``checkpoint`` (saved at any stage and world size) reading only
+        what this rank holds: its chunk of every piece and its left neighbour's (the peer
+        snapshot), of the parameters and of their optimizer state, and the buffers. No
+        parameter is allocated whole. Returns what was read (the buffers, the optimizer's
+        metadata and scalars: the scheduler's state is there)."""
+        self._current()
+        self.settle()
+        tensors = checkpoint.manifest["tensors"]
+        fields = sorted({k.rpartition("/")[2] for k in tensors if k.startswith("optim/")})
+        left = (self.rank - 1) % self.world_size
+        ranks = [self.rank, left] if self.world_size > 1 else [self.rank]
+        ranges = zero_format.chunk_ranges(self.buckets, self.chunks, self.names, ranks, fields)
+        params = {f"model/{k}" for k, v in self.model.state_dict(keep_vars=True).items() if id(v) in self.unit_of}
+        got, state = checkpoint.read_ranges(ranges, whole=lambda k: k == "rng" or (k.startswith("model/")
+                                                                                  and k not in params))
+        with torch.no_grad():
+            for name, buffer in zip(self.buffers.names, self.buffers.tensors()):
+                if name in state.model:
+                    buffer.copy_(state.model[name].to(buffer.device))
+        chunk = [zero_format.chunk_from_ranges(self.buckets, self.chunks, self.names, r, self.world_size,
+                                               state.step, got, fields, state.optimizer_tensors) for r in ranks]
+        for c in chunk:
+            c.buffers = self.history.current()
+        self._set_live(chunk[0])
+        self.snapshots.reset(chunk[0], chunk[1] if len(chunk) > 1 else None)
+        torch.set_rng_state(state.rng)
+        return state
