@@ -233,7 +233,11 @@ def test_a_neighbour_without_shared_memory_is_sent_the_snapshot(monkeypatch):
     monkeypatch.setattr(shm.Segment, "create", create)
     task = TINY_GPT_TASK
     config = dataclasses.replace(task.defaults, zero=1, bucket_mb=0.002)
-    _, _, replicas = train(task, config, 3, range(3), initial_weights(task, config.seed))
+
+    def received(replica):  # the last one sent over the group, while the group is there (a loaded machine is slow)
+        replica.strategy._receive_snapshot(30)
+
+    _, _, replicas = train(task, config, 3, range(3), initial_weights(task, config.seed), before_exit=received)
     sent = [r.strategy.holdings()["snapshot_sent_bytes"] for r in replicas]
     assert sorted(s > 0 for s in sent) == [False, False, True], sent
     x = sent.index(max(sent))
