@@ -147,6 +147,7 @@ class SyncProgram:
         # request to end the window heard by then (during this step too) goes with the vote
         strategy.before_vote(self._before_vote)
         replica.progress.enter("compute")
+        strategy.take_parameter_wait_s()  # not this step's: an evaluation's or a weights file's gathers
         t0 = time.perf_counter()
         local_error: BaseException | None = None
         try:
