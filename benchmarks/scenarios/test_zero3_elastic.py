@@ -98,3 +98,18 @@ def test_two_adjacent_workers_lost_under_zero3_fall_back_to_the_checkpoint_read_
     restored = next(e for e in events if e["kind"] == "restored_from_checkpoint")
     assert restored["step"] == 2 and restored["lost_ranks"] == [1, 2]
     assert "ZeRO chunk and its peer snapshot" in restored["decision"]
+
+
+def test_a_worker_that_hangs_in_a_backward_gather_under_zero3_is_found_and_replaced(ray_cluster, tmp_path):
+    """Rank 1 stops (SIGSTOP) as it gathers a unit again in step 3's backward; its peer
+    waits in that gather. Its missed heartbeats find it within the 5 s heartbeat timeout,
+    the survivor's gather is released, the group re-forms without it and re-runs step 3 from
+    the live chunks; the run ends on the replay."""
+    summary, diff, events, _ = run_against_replay(tmp_path, 2, ["hang:step=3:rank=1:phase=gather_backward"],
+                                                  min_workers=1, steps=6, train={"zero": 3, "micro_batch": None})
+    assert diff < TOL
+    lost = [e for e in events if e["kind"] == "membership_changed" and e["lost"]]
+    assert len(lost) == 1 and lost[0]["lost_ranks"] == [1] and lost[0]["step"] == 3
+    assert "heartbeat" in lost[0]["cause"] and lost[0]["detect_s"] < 10.0, lost[0]
+    assert not any(e["kind"] == "restored_from_checkpoint" for e in events)
+    assert summary.steps == 6
