@@ -104,3 +104,60 @@ def replay_updates(task: Task, config: TrainConfig, initial: str, updates: list[
                     buffer.copy_(buffer + (scratch_buffers[name] - history[u["base_version"]][name]))
         history[version] = {k: v.clone() for k, v in model.state_dict().items()}
     return model.state_dict()
+
+
+def replay_diloco(task: Task, config: TrainConfig, initial: dict[str, torch.Tensor], *, world: int, sync_every: int,
+                  outer_lr: float, outer_momentum: float, nesterov: bool = True,
+                  steps: int | None = None) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
+    """DiLoCo's replay contract (docs/diloco.md) in one process, the ``world`` replicas
+    simulated one after another: each its own model and its own inner optimizer (the
+    task's, kept across outer steps), its contiguous slice of each sampler step (as
+    ``np.array_split``), its own mean loss, its own clipping, the base rates times the
+    configuration's factor of the sampler step; after every ``sync_every`` inner steps
+    (and after the last) θ − Σ (n_k / B) θ_k steps θ by torch's SGD as its gradient, and
+    every replica restarts from θ. Returns θ's final state dict and θ after each outer step."""
+    import numpy as np
+
+    steps = config.steps if steps is None else steps
+    dataset = task.dataset()
+    sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
+    replicas = []
+    for _ in range(world):
+        model = task.model()
+        model.load_state_dict(initial)
+        replicas.append((model, task.optimizer(model)))
+    base = [g["lr"] for g in replicas[0][1].param_groups]
+    theta = [torch.nn.Parameter(p.detach().clone().float()) for p in replicas[0][0].parameters()]
+    outer = torch.optim.SGD(theta, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0)
+    history = []
+    for start in range(0, steps, sync_every):
+        for model, _ in replicas:
+            with torch.no_grad():
+                for p, t in zip(model.parameters(), theta):
+                    p.copy_(t)
+        sizes = []
+        for step in range(start, min(start + sync_every, steps)):
+            slices = np.array_split(sampler.batch(step), world)
+            sizes = [len(s) for s in slices]
+            for (model, optimizer), mine in zip(replicas, slices):
+                if not len(mine):
+                    continue
+                optimizer.zero_grad()
+                task.loss(model, task.collate([dataset[int(i)] for i in mine])).backward()
+                if config.clip_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
+                for group, lr in zip(optimizer.param_groups, base):
+                    group["lr"] = lr * config.lr_factor(step)
+                optimizer.step()
+        with torch.no_grad():
+            for i, t in enumerate(theta):
+                mean = sum(n / config.global_batch * list(model.parameters())[i].detach().float()
+                           for (model, _), n in zip(replicas, sizes))
+                t.grad = t.detach() - mean
+        outer.step()
+        history.append([t.detach().clone() for t in theta])
+    final = replicas[0][0]
+    with torch.no_grad():
+        for p, t in zip(final.parameters(), theta):
+            p.copy_(t)
+    return {k: v.detach().clone() for k, v in final.state_dict().items()}, history

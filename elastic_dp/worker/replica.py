@@ -193,14 +193,16 @@ class Replica:
             batches.append((len(chunk), pinned(batch) if self.device.type == "cuda" else batch))
         return batches
 
-    def forward_backward(self, batches: Batches, result: StepResult, vote: bool = True, passes: int = 0) -> None:
+    def forward_backward(self, batches: Batches, result: StepResult, vote: bool = True, passes: int = 0,
+                         per: int | None = None) -> None:
         """Every micro-batch's forward and backward, the loss scaled by its share of the
         global batch (gradients are then sums over samples divided by it); ``vote``: the
         synchronous step's (the ballot hears of a non-finite loss, and the reduction starts
         in the last backward). ``passes``: run at least this many forwards and backwards
         (``Strategy.equal_passes``): the ones after the micro-batches repeat the last of them
         in ``eval()`` mode with the loss scaled by 0, so they add nothing but the collectives
-        the other ranks' passes need."""
+        the other ranks' passes need. ``per``: the samples the loss is averaged over instead
+        of the global batch (a DiLoCo replica's own slice)."""
         autocast = self._autocast()
         start = time.perf_counter()
         total = max(len(batches), passes)
@@ -237,7 +239,7 @@ class Replica:
                     self.progress.tick()
             if vote:
                 (self.strategy.before_last_backward if last else self.strategy.before_backward)()
-            (loss.reshape(()) * (0.0 if padding else samples / self.config.global_batch)).backward()
+            (loss.reshape(()) * (0.0 if padding else samples / (per or self.config.global_batch))).backward()
             if vote and not last:
                 self.strategy.after_backward()
             if padding:

@@ -1,0 +1,134 @@
+"""DiLoCo's worker side (``elastic_dp.worker.diloco``) on gloo ranks run as threads,
+against its oracles: with H = 1, inner SGD and outer SGD of rate 1 without momentum it
+is synchronous data parallelism; on one replica with outer rate 1 and no momentum it is
+plain training; a constant gradient gives the closed form of the outer Nesterov update;
+and at 2 and 3 replicas (uneven slices), H = 4, inner AdamW and outer Nesterov it follows
+the plain one-process replay of the contract (tests.reference.replay_diloco), every
+replica holding the same θ after every outer step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from elastic_dp import ElasticSampler, Task, TrainConfig
+from elastic_dp.data import split
+from elastic_dp.worker.diloco import DiLoCoProgram, OuterSettings
+from elastic_dp.worker.replica import Replica
+from tests.ranks import run_ranks
+from tests.reference import replay, replay_diloco
+from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression
+from tests.zero_runs import CPU, initial_weights, max_diff
+
+
+def run(task: Task, config: TrainConfig, world: int, settings: OuterSettings, initial):
+    """``config.steps`` inner steps on ``world`` thread ranks; rank 0's final weights and
+    every rank's flat θ after each outer step."""
+    dataset_len = len(task.dataset())
+    sampler = ElasticSampler(dataset_len, global_batch=config.global_batch, seed=config.seed)
+
+    def rank_fn(group):
+        replica = Replica(task, config, CPU, group)
+        replica.model.load_state_dict(initial)
+        replica.broadcast_state(0)
+        program = DiLoCoProgram(replica, settings)
+        program.start()
+        thetas = []
+        for start in range(0, config.steps, settings.sync_every):
+            samples = 0
+            for step in range(start, min(start + settings.sync_every, config.steps)):
+                mine = split(sampler.batch(step), group.world_size)[group.rank]
+                assert program.inner_step(step, mine).committed
+                samples = len(mine)
+            program.outer_step(samples, config.global_batch)
+            thetas.append(torch.cat([t.detach().reshape(-1).clone() for t in program.theta]))
+        return replica.model_state(), thetas
+
+    results = run_ranks(world, rank_fn)
+    return results[0][0], [r[1] for r in results]
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_one_inner_step_of_plain_sgd_and_an_outer_rate_of_1_is_synchronous_data_parallelism(tmp_path):
+    """θ_k = θ − η g_k, so θ − Σ n_k/B θ_k = η Σ n_k/B g_k: the sync step's update. 3 ranks,
+    slices of 4, 3 and 3 of 10 (the per-replica means weighted by their samples), 8 steps;
+    within float32 order noise (1e-6)."""
+    task = dataclasses.replace(MLP_TASK, optimizer=_sgd)
+    config = dataclasses.replace(task.defaults, steps=8, micro_batch=None)
+    initial = initial_weights(task, config.seed)
+    ours, _ = run(task, config, 3, OuterSettings(sync_every=1, outer_lr=1.0, outer_momentum=0.0), initial)
+    save_file(initial, tmp_path / "initial.safetensors")
+    sync = replay(task, config, str(tmp_path / "initial.safetensors"))
+    assert max_diff(ours, initial) > 1e-3
+    assert max_diff(ours, sync) < 1e-6
+
+
+def test_one_replica_with_an_outer_rate_of_1_and_no_momentum_is_plain_training(tmp_path):
+    """The tiny GPT, inner AdamW with clipping and warmup, H = 4 over 10 steps (the last
+    outer step syncs 2): the plain loop's parameters (AdamW's 2e-5 bound over 10 steps)."""
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, steps=10, micro_batch=None)
+    initial = initial_weights(task, config.seed)
+    ours, _ = run(task, config, 1, OuterSettings(sync_every=4, outer_lr=1.0, outer_momentum=0.0), initial)
+    save_file(initial, tmp_path / "initial.safetensors")
+    assert max_diff(ours, replay(task, config, str(tmp_path / "initial.safetensors"))) < 2e-5
+
+
+class _Constant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+
+
+C = torch.tensor([1.0, -2.0, 0.5])
+
+
+def _constant_loss(model: nn.Module, batch) -> torch.Tensor:
+    x, _ = batch
+    return (model.w * C).sum() + 0.0 * x.sum()  # the gradient is C whatever the samples
+
+
+def test_a_constant_gradient_gives_the_closed_form_of_the_outer_nesterov_update():
+    """Inner SGD (η = 0.1, H = 2) on a gradient C: every replica moves by H·η·C, so Δ = HηC
+    each outer step (whatever the slices: 3 and 2 of 5). torch's Nesterov SGD then moves θ
+    by lr·(g + μ·b_t), b_t = g·(1 − μ^t)/(1 − μ), after t outer steps: 3 of them here. A
+    sign error in Δ moves θ the other way."""
+    task = Task(model=_Constant, dataset=Regression, loss=_constant_loss,
+                optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                defaults=TrainConfig(steps=6, global_batch=5, seed=0))
+    lr, mu, H = 0.7, 0.9, 2
+    initial = initial_weights(task, 0)
+    ours, _ = run(task, task.defaults, 2, OuterSettings(sync_every=H, outer_lr=lr, outer_momentum=mu), initial)
+    g = H * 0.1 * C
+    moved = sum(lr * (g + mu * g * (1 - mu ** t) / (1 - mu)) for t in (1, 2, 3))
+    assert torch.allclose(ours["w"], initial["w"] - moved, atol=1e-6), (ours["w"], initial["w"] - moved)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_replicas_follow_the_replay_of_the_contract_and_hold_the_same_theta(world):
+    """The tiny GPT, inner AdamW (clipping, warmup), H = 4, outer Nesterov (0.7, 0.9), 12
+    inner steps of 13 samples (uneven slices): the one-process replay within 2e-5 (AdamW's
+    float32 order noise over 12 steps; one skipped inner step moves it ~1e-2), and every
+    rank's θ bit for bit the same after each outer step."""
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, steps=12, global_batch=13, micro_batch=None)
+    assert len({len(s) for s in split(np.arange(13), world)}) == 2
+    initial = initial_weights(task, config.seed)
+    settings = OuterSettings(sync_every=4)
+    ours, thetas = run(task, config, world, settings, initial)
+    expected, history = replay_diloco(task, config, initial, world=world, sync_every=4, outer_lr=0.7,
+                                      outer_momentum=0.9)
+    assert max_diff(ours, initial) > 1e-3
+    assert max_diff(ours, expected) < 2e-5
+    assert len(thetas[0]) == len(history) == 3
+    for t in range(3):
+        assert all(torch.equal(thetas[r][t], thetas[0][t]) for r in range(world)), t
+        assert float((thetas[0][t] - torch.cat([h.reshape(-1) for h in history[t]])).abs().max()) < 2e-5
