@@ -86,15 +86,16 @@ class DDPWorker:
         for i, chunk in enumerate(chunks):
             batch = self.task.collate([self.dataset[int(j)] for j in chunk])
             scale = len(chunk) * dist.get_world_size() / global_batch  # DDP averages over ranks
-            if i < len(chunks) - 1:
-                with self.ddp.no_sync():
-                    (self.task.loss(self.ddp, batch) * scale).backward()
-            else:
-                (self.task.loss(self.ddp, batch) * scale).backward()
+            self._backward(batch, scale, last=i == len(chunks) - 1)
         if self.config.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
         self.optimizer.step()
         return time.perf_counter() - start
+
+    def _backward(self, batch, scale: float, last: bool) -> None:
+        """One micro-batch's backward; the gradients are reduced with the last one's."""
+        with contextlib.nullcontext() if last else self.ddp.no_sync():
+            (self.task.loss(self.ddp, batch) * scale).backward()
 
 
 class FSDP2Worker(DDPWorker):
@@ -126,18 +127,9 @@ class FSDP2Worker(DDPWorker):
         self.sampler = ElasticSampler(len(self.dataset), global_batch=self.config.global_batch,
                                       seed=self.config.seed)
 
-    def step(self, indices: np.ndarray, global_batch: int) -> float:
-        start = time.perf_counter()
-        self.optimizer.zero_grad()
-        chunks = micro_batches(indices, self.config.micro_batch)
-        for i, chunk in enumerate(chunks):
-            batch = self.task.collate([self.dataset[int(j)] for j in chunk])
-            self.model.set_requires_gradient_sync(i == len(chunks) - 1)
-            (self.task.loss(self.model, batch) * len(chunk) * self.world / global_batch).backward()
-        if self.config.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
-        self.optimizer.step()
-        return time.perf_counter() - start
+    def _backward(self, batch, scale: float, last: bool) -> None:
+        self.model.set_requires_gradient_sync(last)
+        (self.task.loss(self.model, batch) * scale).backward()
 
     def state_bytes(self) -> dict[str, int]:
         """What this rank holds between steps: its shards of the parameters, of the
