@@ -113,3 +113,33 @@ def test_a_worker_that_hangs_in_a_backward_gather_under_zero3_is_found_and_repla
     assert "heartbeat" in lost[0]["cause"] and lost[0]["detect_s"] < 10.0, lost[0]
     assert not any(e["kind"] == "restored_from_checkpoint" for e in events)
     assert summary.steps == 6
+
+
+def test_a_hugging_face_llama_at_zero3_built_on_the_meta_device_ends_on_the_replay(ray_cluster, tmp_path):
+    """jobs.hf_causal_lm's tiny Llama (tests/test_hf_job.py's) at stage 3: built on the meta
+    device and initialised unit by unit by the model's own ``_init_weights`` (its rotary
+    table a buffer of the factory's), its decoder layers the units, through a kill and a
+    join; the plain replay from the initial weights the run wrote."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from elastic_dp import ClusterConfig, Trainer
+    from jobs.hf_causal_lm import make_task
+    from tests.records import read_lines
+    from tests.reference import max_abs_diff, replay
+    from tests.test_hf_job import TINY
+
+    task = make_task("llama", TINY["llama"], context=16, lr=3e-3)
+    config = dataclasses.replace(task.defaults, steps=6, global_batch=8, micro_batch=4, warmup_steps=2,
+                                 decay_steps=6, zero=3)
+    Trainer(task, train=config, cluster=ClusterConfig(workers=3, min_workers=1), out_dir=str(tmp_path),
+            progress=False, inject=["kill:step=2:rank=1", "join:step=4"]).fit()
+    changes = [e for e in read_lines(tmp_path / "events.jsonl") if e["kind"] == "membership_changed"]
+    assert sum(e["lost"] for e in changes) == 1 and sum(e.get("joined", 0) for e in changes) >= 1
+    initial = load_file(tmp_path / "initial.safetensors")
+    final = load_file(tmp_path / "final.safetensors")
+    assert max_abs_diff(final, replay(task, config, str(tmp_path / "initial.safetensors"))) < TOL
+    assert max_abs_diff(final, initial) > 1e-3
+    std = float(initial["model.layers.0.self_attn.q_proj.weight"].std())
+    assert 0.015 < std < 0.025, std  # the model's own initializer_range (0.02), not an uninitialised buffer
