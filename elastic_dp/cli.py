@@ -40,7 +40,8 @@ _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": i
                 "clip_grad_norm": float,
                 "precision": str, "batch_stats": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int, "init": str,
                 "snapshot_every": int, "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str,
-                "max_staleness": int, "staleness_lr": str, "ps_shards": int, "ps_device": str}
+                "max_staleness": int, "staleness_lr": str, "ps_shards": int, "ps_device": str,
+                "sync_every": int, "outer_lr": float, "outer_momentum": float}
 
 
 def _worker_range(text: str) -> tuple[int, int]:
@@ -63,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2, 3]},
                  "init": {"choices": ["auto", "whole", "units"]},
                  "batch_stats": {"choices": ["local", "global"]},
-                 "on_nonfinite": {"choices": ["skip", "fail"]}, "mode": {"choices": ["sync", "async"]},
+                 "on_nonfinite": {"choices": ["skip", "fail"]}, "mode": {"choices": ["sync", "async", "diloco"]},
                  "staleness_lr": {"choices": ["none", "inverse"]},
                  "lr_schedule": {"choices": list(SCHEDULES)},
                  "ps_device": {"choices": ["cpu", "cuda"]}}.get(name, {})
@@ -73,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="reduce bf16 gradients in bf16 instead of fp32")
     train.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                        default=None, help="--zero 3: keep each unit's gathered parameters from its forward to its backward")
+    train.add_argument("--no-outer-nesterov", dest="outer_nesterov", action="store_false", default=None,
+                       help="--mode diloco: plain momentum in the outer SGD instead of Nesterov's")
     train.add_argument("--activation-checkpointing", action="store_true", default=None,
                        help="recompute each shard unit's activations in its backward (any --zero stage)")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -177,7 +180,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     task = load_task(args.job)
-    flags = [*_TRAIN_FLAGS, "reduce_fp32", "reshard_after_forward", "activation_checkpointing", "prefetch", "balance"]
+    flags = [*_TRAIN_FLAGS, "reduce_fp32", "reshard_after_forward", "activation_checkpointing", "prefetch", "balance",
+             "outer_nesterov"]
     overrides = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
     train = dataclasses.replace(task.defaults, **overrides)
     low, high = args.workers

@@ -105,10 +105,21 @@ class TrainConfig:
     the run naming the step and the rank (``--on-nonfinite``)."""
     max_nonfinite_steps: int = 5
     """With ``skip``: fail after this many consecutive skipped steps (``--max-nonfinite-steps``)."""
-    mode: Literal["sync", "async"] = "sync"
+    mode: Literal["sync", "async", "diloco"] = "sync"
     """``sync``: every worker trains a slice of each step; ``async``: each worker trains
     whole steps on the parameters it pulled from the parameter-server shards, and updates
-    are applied as they come, up to ``max_staleness`` stale (``--mode``; docs/async.md)."""
+    are applied as they come, up to ``max_staleness`` stale (``--mode``; docs/async.md);
+    ``diloco``: each worker takes ``sync_every`` inner steps alone on its slices, then the
+    workers average their pseudo-gradients and an outer optimizer steps the shared
+    parameters (docs/diloco.md)."""
+    sync_every: int = 50
+    """``diloco``: inner steps per outer step, H (``--sync-every``)."""
+    outer_lr: float = 0.7
+    """``diloco``: the outer SGD's learning rate (``--outer-lr``; 1 with no momentum: local SGD)."""
+    outer_momentum: float = 0.9
+    """``diloco``: the outer SGD's momentum (``--outer-momentum``)."""
+    outer_nesterov: bool = True
+    """``diloco``: Nesterov momentum; False (``--no-outer-nesterov``) plain momentum."""
     max_staleness: int = 4
     """``async``: an update computed on a version more than this many updates old is not
     applied; its worker pulls again and recomputes (``--max-staleness``)."""
@@ -158,7 +169,7 @@ class TrainConfig:
                  f"eval_batches must be positive, got {self.eval_batches} (--eval-batches)")
         _require(self.eval_batches is None or self.eval_every is not None,
                  "--eval-batches sets how much of the eval set --eval-every evaluates: add --eval-every or drop it")
-        _require(self.eval_every is None or self.mode == "sync",
+        _require(self.eval_every is None or self.mode != "async",
                  "--eval-every evaluates between synchronous steps; --mode async has none yet: drop it, or use "
                  "--mode sync")
         _require(self.lr_reference_batch is None or self.lr_reference_batch > 0,
@@ -184,7 +195,22 @@ class TrainConfig:
                  "--no-reshard-after-forward is a ZeRO stage 3 setting: add --zero 3 or drop it")
         _require(self.init in ("auto", "whole", "units"),
                  f"init must be 'auto', 'whole' or 'units', got {self.init!r} (--init)")
-        _require(self.mode in ("sync", "async"), f"mode must be sync or async, got {self.mode!r} (--mode)")
+        _require(self.mode in ("sync", "async", "diloco"),
+                 f"mode must be sync, async or diloco, got {self.mode!r} (--mode)")
+        _require(self.sync_every >= 1, f"sync_every must be >= 1, got {self.sync_every} (--sync-every)")
+        _require(self.outer_lr > 0, f"outer_lr must be positive, got {self.outer_lr} (--outer-lr)")
+        _require(0 <= self.outer_momentum < 1,
+                 f"outer_momentum must be in [0, 1), got {self.outer_momentum} (--outer-momentum)")
+        if self.mode == "diloco":
+            _require(not self.zero, f"--mode diloco keeps the outer state whole on every worker: drop --zero "
+                                    f"{self.zero} (or use --mode sync)")
+            _require(not self.balance, "--balance splits a synchronous step between workers; --mode diloco trains "
+                                       "equal slices: drop one of them")
+            _require(self.batch_stats == "local", "--batch-stats global normalises over a synchronous step's "
+                                                  "global batch; --mode diloco's inner steps are each worker's own")
+            _require(not self.eval_every or self.eval_every % self.sync_every == 0,
+                     f"--mode diloco evaluates at outer steps: --eval-every {self.eval_every} must be a multiple "
+                     f"of --sync-every {self.sync_every}")
         _require(self.max_staleness >= 0,
                  f"max_staleness must be >= 0, got {self.max_staleness} (--max-staleness)")
         _require(self.staleness_lr in ("none", "inverse"),

@@ -23,10 +23,11 @@ API_NAMES = {
         "min_lr_ratio", "decay_fraction", "eval_every", "eval_batches", "lr_reference_batch", "clip_grad_norm",
         "precision", "batch_stats", "bucket_mb", "first_bucket_mb", "zero", "init", "snapshot_every", "on_nonfinite",
         "max_nonfinite_steps", "mode", "max_staleness", "staleness_lr", "ps_shards", "ps_device", "prefetch",
-        "balance")},
+        "balance", "sync_every", "outer_lr", "outer_momentum")},
     "--no-reduce-fp32": "TrainConfig(reduce_fp32=False)", "--no-prefetch": "TrainConfig(prefetch=False)",
     "--no-reshard-after-forward": "TrainConfig(reshard_after_forward=False)",
     "--activation-checkpointing": "TrainConfig(activation_checkpointing=True)",
+    "--no-outer-nesterov": "TrainConfig(outer_nesterov=False)",
     "--workers": "ClusterConfig.workers", "--device": "ClusterConfig.device",
     "--gpus-per-worker": "ClusterConfig.gpus_per_worker", "--backend": "ClusterConfig.backend",
     "--address": "ClusterConfig.address", "--placement-timeout": "ClusterConfig.placement_timeout_s",
@@ -46,7 +47,7 @@ API_NAMES = {
 """Each ``elastic-dp train`` flag's name in the Python API (``tests/test_errors.py``
 checks it against the command's flags and the config classes' fields)."""
 
-_WORDS = ("constant", "cosine", "linear", "wsd", "sync", "async", "skip", "fail", "cpu", "cuda", "auto", "gloo", "nccl", "bf16", "fp32", "none",
+_WORDS = ("constant", "cosine", "linear", "wsd", "sync", "async", "diloco", "skip", "fail", "cpu", "cuda", "auto", "gloo", "nccl", "bf16", "fp32", "none",
           "inverse", "latest", "never", "local", "global")
 _FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)"
                    r"(?: (MIN:MAX|-?\d[\w.]*|'[^']*'|[A-Z][A-Z0-9_]*\b|(?:" + "|".join(_WORDS) + r")\b))?")

@@ -154,6 +154,11 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
         if not every or not ((f.step + 1) % every == 0 or f.step + 1 == train.steps):
             refuse(f"no evaluation runs after step {f.step}: --eval-every {every} evaluates after steps whose "
                    "number plus one it divides, and after the last step")
+    if train.mode == "diloco" and f.kind == "join" and f.step % train.sync_every:
+        refuse(f"--mode diloco changes membership at outer steps: join at a multiple of --sync-every "
+               f"{train.sync_every}")
+    if train.mode == "diloco" and f.kind in ("kill", "hang") and f.phase != "forward":
+        refuse("--mode diloco fires faults in its inner steps' forward (phase=forward) only")
     if f.phase in ("gather_forward", "gather_backward") and train.zero != 3:
         refuse(f"phase={f.phase} fires as a unit's parameters are all-gathered, which only --zero 3 does")
     if f.phase == "snapshot" and (not train.zero or (f.step + 1) % train.snapshot_every):

@@ -107,30 +107,40 @@ def replay_updates(task: Task, config: TrainConfig, initial: str, updates: list[
 
 
 def replay_diloco(task: Task, config: TrainConfig, initial: dict[str, torch.Tensor], *, world: int, sync_every: int,
-                  outer_lr: float, outer_momentum: float, nesterov: bool = True,
-                  steps: int | None = None) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
+                  outer_lr: float, outer_momentum: float, nesterov: bool = True, steps: int | None = None,
+                  changes: list[tuple[int, list[int], int]] = ()) -> tuple[dict[str, torch.Tensor],
+                                                                           list[list[torch.Tensor]]]:
     """DiLoCo's replay contract (docs/diloco.md) in one process, the ``world`` replicas
     simulated one after another: each its own model and its own inner optimizer (the
     task's, kept across outer steps), its contiguous slice of each sampler step (as
     ``np.array_split``), its own mean loss, its own clipping, the base rates times the
     configuration's factor of the sampler step; after every ``sync_every`` inner steps
     (and after the last) θ − Σ (n_k / B) θ_k steps θ by torch's SGD as its gradient, and
-    every replica restarts from θ. Returns θ's final state dict and θ after each outer step."""
+    every replica restarts from θ. ``changes``: (outer boundary, lost ranks, joiners) of a
+    run's membership, in order: from that boundary on the lost replicas are gone (the
+    others keep their rank order and their inner optimizers) and the joiners come last,
+    each with a fresh inner optimizer. Returns θ's final state dict and θ after each outer step."""
     import numpy as np
 
     steps = config.steps if steps is None else steps
     dataset = task.dataset()
     sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
-    replicas = []
-    for _ in range(world):
+    def fresh():
         model = task.model()
         model.load_state_dict(initial)
-        replicas.append((model, task.optimizer(model)))
+        return model, task.optimizer(model)
+
+    replicas = [fresh() for _ in range(world)]
+    pending = list(changes)
     base = [g["lr"] for g in replicas[0][1].param_groups]
     theta = [torch.nn.Parameter(p.detach().clone().float()) for p in replicas[0][0].parameters()]
     outer = torch.optim.SGD(theta, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0)
     history = []
     for start in range(0, steps, sync_every):
+        while pending and pending[0][0] <= start:
+            _, lost, joined = pending.pop(0)
+            replicas = [r for i, r in enumerate(replicas) if i not in lost] + [fresh() for _ in range(joined)]
+        world = len(replicas)
         for model, _ in replicas:
             with torch.no_grad():
                 for p, t in zip(model.parameters(), theta):

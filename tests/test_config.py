@@ -208,6 +208,11 @@ def test_a_setting_the_chosen_mode_does_not_read_is_refused_naming_it():
         mode(TrainConfig(mode="async", bucket_mb=4.0))
     with pytest.raises(ConfigError, match=r"ClusterConfig\.backend is a setting that TrainConfig\.mode='async'"):
         mode(TrainConfig(mode="async"), ClusterConfig(backend="gloo"))
+    with pytest.raises(ConfigError, match=r"TrainConfig\.sync_every is a setting that TrainConfig\.mode='sync' "
+                                          r"does not read: drop it, or use TrainConfig\.mode='diloco'"):
+        mode(TrainConfig(sync_every=10))
+    with pytest.raises(ConfigError, match=r"TrainConfig\.outer_lr is a setting that TrainConfig\.mode='async'"):
+        mode(TrainConfig(mode="async", outer_lr=1.0))
     accepted = mode(TrainConfig(mode="async", max_staleness=2, ps_shards=3))
     accepted.close()  # the shard actors it started, where the suite's Ray is up
     assert mode(TrainConfig(bucket_mb=4.0), ClusterConfig(backend="gloo")).generation == -1

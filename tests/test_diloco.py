@@ -132,3 +132,33 @@ def test_the_replicas_follow_the_replay_of_the_contract_and_hold_the_same_theta(
     for t in range(3):
         assert all(torch.equal(thetas[r][t], thetas[0][t]) for r in range(world)), t
         assert float((thetas[0][t] - torch.cat([h.reshape(-1) for h in history[t]])).abs().max()) < 2e-5
+
+
+@pytest.mark.parametrize(("settings", "says"), [
+    (dict(mode="diloco", zero=1), "--mode diloco keeps the outer state whole"),
+    (dict(mode="diloco", balance=True), "--mode diloco trains equal slices"),
+    (dict(mode="diloco", sync_every=4, eval_every=6), "must be a multiple of"),
+    (dict(mode="diloco", outer_momentum=1.0), "outer_momentum must be in [0, 1)"),
+    (dict(mode="diloco", sync_every=0), "sync_every must be >= 1"),
+])
+def test_settings_diloco_cannot_honour_are_refused_naming_them(settings, says):
+    from elastic_dp import ConfigError
+
+    with pytest.raises(ConfigError) as raised:
+        TrainConfig(**settings)
+    assert says in raised.value.args[0]  # the message as the CLI words it (str() words it for the API)
+
+
+def test_a_diloco_run_refuses_checkpoints_and_faults_off_its_outer_boundaries_and_others_its_settings():
+    from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, Trainer
+    from elastic_dp.faults import parse_faults
+
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, mode="diloco", sync_every=4, steps=12)
+    with pytest.raises(ConfigError, match="does not save checkpoints yet"):
+        Trainer(TINY_GPT_TASK, train=config, checkpoint=CheckpointConfig(dir="/nonexistent/x"))
+    cluster = ClusterConfig(workers=3, min_workers=1)
+    with pytest.raises(ConfigError, match="join at a multiple of"):
+        parse_faults(["join:step=6"], config, cluster, CheckpointConfig())
+    with pytest.raises(ConfigError, match=r"phase=forward\) only"):
+        parse_faults(["kill:step=5:rank=1:phase=allreduce"], config, cluster, CheckpointConfig())
+    assert len(parse_faults(["join:step=8", "kill:step=5:rank=1"], config, cluster, CheckpointConfig())) == 2

@@ -32,13 +32,14 @@ from elastic_dp.state.zero.chunks import ChunkState
 from elastic_dp.task import Task
 from elastic_dp.threads import set_os_name
 from elastic_dp.worker.asyncsgd.program import AsyncProgram
+from elastic_dp.worker.diloco import DiLoCoProgram
 from elastic_dp.worker.leave import SigtermLeave, announce
 from elastic_dp.worker.replica import Replica
 from elastic_dp.worker.sync import SyncProgram
 
 logger = logging.getLogger(__name__)
 
-PROGRAMS = {"sync": SyncProgram, "async": AsyncProgram}
+PROGRAMS = {"sync": SyncProgram, "async": AsyncProgram, "diloco": DiLoCoProgram}
 """The worker side of each training mode (``TrainConfig.mode``)."""
 
 
@@ -55,7 +56,7 @@ class WorkerActor:
         self.group = CollectiveGroup(backend=backend, timeout_s=collective_timeout_s)
         self.faults = FaultHook()
         self.replica: Replica | None = None
-        self.program: SyncProgram | AsyncProgram | None = None
+        self.program: SyncProgram | AsyncProgram | DiLoCoProgram | None = None
         self._staged: dict[str, tuple[Part, Fault | None]] = {}
         """Checkpoint parts copied at a step boundary, waiting for their upload."""
         self.sigterm = SigtermLeave(leave_grace_s, self._leaving)
@@ -126,6 +127,22 @@ class WorkerActor:
         self.faults.slow = slow
         report, grads = program.gradient(step, sampler, bounds, list(pieces), buffers)
         return (report, *grads)
+
+    def diloco_window(self, start: int, stop: int, sampler: dict[str, int], faults: dict[int, Fault]) -> dict:
+        """``--mode diloco``: inner steps ``start .. stop - 1`` alone, then the outer step."""
+        set_os_name("edp-train")
+        return self._program(DiLoCoProgram, "diloco_window").window(start, stop, sampler, faults)
+
+    def diloco_held(self) -> int:
+        """``--mode diloco``: the sampler steps this rank's θ has trained."""
+        return self._program(DiLoCoProgram, "diloco_held").step
+
+    def diloco_restore(self, step: int) -> None:
+        self._program(DiLoCoProgram, "diloco_restore").restore(step)
+
+    def diloco_sync_from(self, src: int, step: int) -> None:
+        """A collective: θ and the outer state of rank ``src`` (at outer boundary ``step``)."""
+        self._program(DiLoCoProgram, "diloco_sync_from").sync_from(src, step)
 
     def evaluate(self, start: int, stop: int, fault: Fault | None = None, passes: int = 0) -> tuple[float, int]:
         """The summed eval loss of samples ``start .. stop`` and their count (``Replica.evaluate``;

@@ -1,9 +1,11 @@
 """Local SGD and DiLoCo, worker side: H inner steps alone, then one outer step together.
 
-Issue 29's first part: the replica's program of one outer step, over the collective
-group, tested on thread ranks against the replay contract (docs/diloco.md). The mode
-around it (its driver half, its windows at outer boundaries, the re-run of a failed
-window, joiners, checkpoints, records, ``--mode diloco`` and its flags) is not built yet.
+The worker side of ``--mode diloco`` (its driver half: ``control.modes.diloco``): a
+window is one outer step, its H inner steps granted in one call (``window``). The state
+as of the window's start (θ_t, the outer optimizer's, the inner optimizer's) is kept until
+the next one starts, so that a window a failure interrupted, on any rank and at any point,
+is re-run from it (``restore``); a joiner takes θ_t and the outer state from rank 0
+(``sync_from``) and starts its inner optimizer fresh.
 
 The contract, for the members k = 0 .. N-1 of one outer step t, with slices of n_k of
 the global batch B (``split``: contiguous, as in sync mode):
@@ -24,14 +26,19 @@ the global batch B (``split``: contiguous, as in sync mode):
 
 from __future__ import annotations
 
+import copy
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from elastic_dp.data import ElasticSampler, split
+from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
+from elastic_dp.state.base import broadcast_tensors
 from elastic_dp.task import trainable
-from elastic_dp.worker.replica import Replica
+from elastic_dp.worker.replica import Replica, portable
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +62,10 @@ class DiLoCoProgram:
     """One member's inner steps and its part of the outer step, over a ``Replica`` whose
     group is the outer step's members."""
 
-    def __init__(self, replica: Replica, settings: OuterSettings) -> None:
+    def __init__(self, replica: Replica, settings: OuterSettings | None = None) -> None:
+        config = replica.config
+        settings = settings or OuterSettings(sync_every=config.sync_every, outer_lr=config.outer_lr,
+                                             outer_momentum=config.outer_momentum, nesterov=config.outer_nesterov)
         self.replica, self.settings = replica, settings
         self.params = [p for _, p in trainable(replica.model, replica.optimizer)]
         self.theta = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
@@ -63,6 +73,78 @@ class DiLoCoProgram:
         nesterov = settings.nesterov and settings.outer_momentum > 0
         self.outer = torch.optim.SGD(self.theta, lr=settings.outer_lr, momentum=settings.outer_momentum,
                                      nesterov=nesterov)
+        self.step = 0
+        """The sampler steps θ has trained (an outer boundary)."""
+        self._start: tuple[int, list[torch.Tensor], dict, dict] | None = None
+        """As of the start of the last window: its step, θ, the outer and the inner optimizer's state."""
+
+    def abort(self) -> None:
+        pass  # a window ends with its outer all-reduce, which the group's abort releases
+
+    def window(self, start: int, stop: int, sampler: dict[str, int], faults: dict[int, Fault]) -> dict:
+        """Training thread: inner steps ``start .. stop - 1`` on this rank's slices, then the
+        outer step. Returns, per inner step, the summed loss and the samples, and the outer
+        step's figures; a task error is returned (``error``), not raised, after the outer
+        step's collective is released by the others' failure."""
+        replica = self.replica
+        if start != self.step:
+            raise ValueError(f"a window from step {start}, and theta has trained {self.step} steps")
+        self._keep_start()
+        batches = ElasticSampler(sampler["dataset_len"], global_batch=sampler["global_batch"], seed=sampler["seed"])
+        group = replica.group
+        steps, samples, began = [], 0, time.perf_counter()
+        replica.progress.enter("compute")
+        try:
+            for s in range(start, stop):
+                replica.faults.arm(faults.get(s))
+                mine = split(batches.batch(s), group.world_size)[group.rank]
+                result = self.inner_step(s, mine)
+                replica.faults.disarm()
+                steps.append((s, result.loss_sum, result.samples, result.loss_finite))
+                samples = len(mine)
+            replica.progress.enter("reduce")
+            outer = self.outer_step(samples, sampler["global_batch"])
+        except Exception as exc:  # noqa: BLE001 — the task's, or the group's (a peer lost)
+            raise portable(exc, group.rank, self.step) from None
+        finally:
+            replica.faults.disarm()
+            replica.progress.enter("idle")
+        self.step = stop
+        return {"steps": steps, "outer": outer, "seconds": time.perf_counter() - began}
+
+    def _keep_start(self) -> None:
+        self._start = (self.step, [t.detach().clone() for t in self.theta], copy.deepcopy(self.outer.state_dict()),
+                       copy.deepcopy(self.replica.optimizer.state_dict()))
+
+    @torch.no_grad()
+    def restore(self, step: int) -> None:
+        """Back to the state at outer boundary ``step``: the start of the last window (a
+        window that failed, or that completed on this rank only), or now."""
+        if self._start is not None and self._start[0] == step:
+            _, theta, outer, inner = self._start
+            for t, saved in zip(self.theta, theta):
+                t.copy_(saved)
+            self.outer.load_state_dict(outer)
+            self.replica.optimizer.load_state_dict(inner)
+        elif step != self.step:
+            raise ValueError(f"no state of step {step} here (theta has trained {self.step} steps)")
+        for theta, p in zip(self.theta, self.params):
+            p.copy_(theta)
+        self.step = step
+
+    @torch.no_grad()
+    def sync_from(self, src: int, step: int) -> None:
+        """A collective: θ and the outer optimizer's state from rank ``src`` (a joiner's are
+        not yet anyone's), the model's buffers too; the inner optimizer's stays each rank's."""
+        group, device = self.replica.group, self.replica.device
+        for theta in self.theta:  # before the first outer step: zeros, which torch's first step treats as none
+            if self.outer.state[theta].get("momentum_buffer") is None:
+                self.outer.state[theta]["momentum_buffer"] = torch.zeros_like(theta)
+        buffers = [self.outer.state[t]["momentum_buffer"] for t in self.theta]
+        broadcast_tensors(group, [*self.theta, *buffers, *self.replica.strategy.buffers.tensors()], src, device)
+        for theta, p in zip(self.theta, self.params):
+            p.copy_(theta)
+        self.step, self._start = step, None
 
     def start(self) -> None:
         """θ_t from the model's parameters (equal on every member: after ``broadcast_state``)."""

@@ -7,6 +7,7 @@ which one it has. Every mode is built the same way, from the run's ``ModeContext
     sync/      synchronous data parallelism: one collective group per generation, the state
                replicated (ZeRO-0) or sharded (ZeRO-1/2) by a layout
     asyncsgd/  asynchronous SGD: parameter-server shards, leases, bounded staleness
+    diloco/    DiLoCo / local SGD: windows of one outer step, membership changes at their ends
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 from elastic_dp.control.modes.asyncsgd import AsyncMode
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult, TrainingMode
 from elastic_dp.control.modes.context import ModeContext
+from elastic_dp.control.modes.diloco import DiLoCoMode
 from elastic_dp.control.modes.sync import SyncMode
 
-MODES = {"sync": SyncMode, "async": AsyncMode}
+MODES = {"sync": SyncMode, "async": AsyncMode, "diloco": DiLoCoMode}
 """Each training mode (``TrainConfig.mode``, ``--mode``) by name."""
 
 

@@ -42,12 +42,21 @@ class ModeContext:
         return NonFiniteGuard(self.train.on_nonfinite, self.train.max_nonfinite_steps, self.recorder)
 
 
-def refuse_unread(context: ModeContext, unread: dict[str, str]) -> None:
+DILOCO_SETTINGS = {"sync_every": "--sync-every", "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
+                   "outer_nesterov": "--no-outer-nesterov"}
+"""The outer loop of ``--mode diloco``, which the other modes do not read."""
+
+
+def refuse_unread(context: ModeContext, unread: dict[str, str], reader: str | None = None) -> None:
     """Refuse, naming the flag, each setting of ``unread`` (``TrainConfig`` or
     ``ClusterConfig`` field -> flag) that the run sets and its mode does not read: a
-    setting is honoured by every mode that accepts it, or refused, never ignored."""
+    setting is honoured by every mode that accepts it, or refused, never ignored.
+    ``reader``: the mode that reads them (default: the other of sync and async). The
+    outer loop's settings (``DILOCO_SETTINGS``) are refused in every mode but diloco."""
     mode = context.train.mode
-    other = "sync" if mode == "async" else "async"
+    if reader is None and mode != "diloco":
+        refuse_unread(context, DILOCO_SETTINGS, "diloco")
+    other = reader or ("sync" if mode == "async" else "async")
     for config in (context.train, context.cluster):
         defaults = {f.name: f.default for f in fields(config)}
         for name, flag in unread.items():

@@ -1,0 +1,45 @@
+"""``--mode diloco`` on a local Ray cluster, through a kill inside an outer step's window
+and a join at a boundary: the run ends where the plain replay of the contract ends
+(tests.reference.replay_diloco) over the same membership — the window the kill
+interrupted re-run from the state at its start over who was left (its samples re-split),
+the joiner with θ and the outer state of rank 0 and a fresh inner optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from safetensors.torch import load_file
+
+from elastic_dp import ClusterConfig, Trainer
+from tests.records import read_lines
+from tests.reference import max_abs_diff, replay_diloco
+from tests.tasks import TINY_GPT_TASK
+
+TOL = 2e-5  # AdamW's float32 order noise over 12 inner steps (tests/test_diloco.py measured 2-3e-6)
+
+
+def test_a_kill_inside_a_window_and_a_join_end_on_the_replay_of_the_contract(ray_cluster, tmp_path):
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, steps=12, global_batch=13, micro_batch=None, mode="diloco",
+                                 sync_every=4)
+    summary = Trainer(task, train=config, cluster=ClusterConfig(workers=3, min_workers=1), out_dir=str(tmp_path),
+                      progress=False, inject=["kill:step=5:rank=1", "join:step=8"]).fit()
+    events = read_lines(tmp_path / "events.jsonl")
+    formed = next(e for e in events if e["kind"] == "group_formed")
+    changes = [e for e in events if e["kind"] == "membership_changed"]
+    lost = [e for e in changes if e["lost"]]
+    assert len(lost) == 1 and lost[0]["step"] == 4 and lost[0]["lost_ranks"] == [1], lost  # the window's start
+    assert any(e.get("joined") for e in changes)
+    assert all(e["step"] % 4 == 0 for e in changes)  # at outer boundaries only
+    outer = [e for e in events if e["kind"] == "outer_step"]
+    assert [e["step"] for e in outer] == [4, 8, 12]
+    metrics = read_lines(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(12)) and summary.samples == 12 * 13
+    initial = load_file(tmp_path / "initial.safetensors")
+    expected, _ = replay_diloco(task, config, initial, world=formed["world_size"], sync_every=4, outer_lr=0.7,
+                                outer_momentum=0.9,
+                                changes=[(e["step"], e.get("lost_ranks") or [], e.get("joined") or 0)
+                                         for e in changes])
+    final = load_file(tmp_path / "final.safetensors")
+    assert max_abs_diff(final, initial) > 1e-3
+    assert max_abs_diff(final, expected) < TOL
