@@ -41,7 +41,7 @@ _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": i
                 "precision": str, "batch_stats": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int, "init": str,
                 "snapshot_every": int, "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str,
                 "max_staleness": int, "staleness_lr": str, "ps_shards": int, "ps_device": str,
-                "sync_every": int, "outer_lr": float, "outer_momentum": float}
+                "sync_every": int, "outer_lr": float, "outer_momentum": float, "outer_reduce": str}
 
 
 def _worker_range(text: str) -> tuple[int, int]:
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2, 3]},
                  "init": {"choices": ["auto", "whole", "units"]},
                  "batch_stats": {"choices": ["local", "global"]},
-                 "on_nonfinite": {"choices": ["skip", "fail"]}, "mode": {"choices": ["sync", "async", "diloco"]},
+                 "on_nonfinite": {"choices": ["skip", "fail"]}, "mode": {"choices": ["sync", "async", "diloco"]}, "outer_reduce": {"choices": ["fp32", "bf16"]},
                  "staleness_lr": {"choices": ["none", "inverse"]},
                  "lr_schedule": {"choices": list(SCHEDULES)},
                  "ps_device": {"choices": ["cpu", "cuda"]}}.get(name, {})

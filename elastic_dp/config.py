@@ -120,6 +120,9 @@ class TrainConfig:
     """``diloco``: the outer SGD's momentum (``--outer-momentum``)."""
     outer_nesterov: bool = True
     """``diloco``: Nesterov momentum; False (``--no-outer-nesterov``) plain momentum."""
+    outer_reduce: Literal["fp32", "bf16"] = "fp32"
+    """``diloco``: the dtype the pseudo-gradient is all-reduced in (``--outer-reduce``; bf16
+    halves the bytes, the sum rounded to bf16)."""
     max_staleness: int = 4
     """``async``: an update computed on a version more than this many updates old is not
     applied; its worker pulls again and recomputes (``--max-staleness``)."""
@@ -199,6 +202,8 @@ class TrainConfig:
                  f"mode must be sync, async or diloco, got {self.mode!r} (--mode)")
         _require(self.sync_every >= 1, f"sync_every must be >= 1, got {self.sync_every} (--sync-every)")
         _require(self.outer_lr > 0, f"outer_lr must be positive, got {self.outer_lr} (--outer-lr)")
+        _require(self.outer_reduce in ("fp32", "bf16"),
+                 f"outer_reduce must be fp32 or bf16, got {self.outer_reduce!r} (--outer-reduce)")
         _require(0 <= self.outer_momentum < 1,
                  f"outer_momentum must be in [0, 1), got {self.outer_momentum} (--outer-momentum)")
         if self.mode == "diloco":

@@ -23,7 +23,7 @@ API_NAMES = {
         "min_lr_ratio", "decay_fraction", "eval_every", "eval_batches", "lr_reference_batch", "clip_grad_norm",
         "precision", "batch_stats", "bucket_mb", "first_bucket_mb", "zero", "init", "snapshot_every", "on_nonfinite",
         "max_nonfinite_steps", "mode", "max_staleness", "staleness_lr", "ps_shards", "ps_device", "prefetch",
-        "balance", "sync_every", "outer_lr", "outer_momentum")},
+        "balance", "sync_every", "outer_lr", "outer_momentum", "outer_reduce")},
     "--no-reduce-fp32": "TrainConfig(reduce_fp32=False)", "--no-prefetch": "TrainConfig(prefetch=False)",
     "--no-reshard-after-forward": "TrainConfig(reshard_after_forward=False)",
     "--activation-checkpointing": "TrainConfig(activation_checkpointing=True)",

@@ -17,7 +17,7 @@ the global batch B (``split``: contiguous, as in sync mode):
   across outer steps.
 - The pseudo-gradient Δ = θ_t − Σ_k (n_k / B)·θ_k (the sample-weighted mean: uneven
   slices count by their samples) is one SUM all-reduce of each member's (n_k / B)(θ_t − θ_k),
-  in fp32.
+  in fp32 (in bf16 with ``--outer-reduce bf16``: half the bytes, the sum rounded).
 - The outer optimizer, torch's SGD (``outer_lr``, ``outer_momentum``; Nesterov unless
   plain momentum is asked; a momentum of 0 is plain SGD), steps θ_t with Δ as its
   gradient; every member then restarts from θ_{t+1}, identical on every member, and so
@@ -49,6 +49,8 @@ class OuterSettings:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
+    reduce: str = "fp32"
+    """The dtype of the pseudo-gradient's all-reduce (``--outer-reduce``)."""
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -65,7 +67,8 @@ class DiLoCoProgram:
     def __init__(self, replica: Replica, settings: OuterSettings | None = None) -> None:
         config = replica.config
         settings = settings or OuterSettings(sync_every=config.sync_every, outer_lr=config.outer_lr,
-                                             outer_momentum=config.outer_momentum, nesterov=config.outer_nesterov)
+                                             outer_momentum=config.outer_momentum, nesterov=config.outer_nesterov,
+                                             reduce=config.outer_reduce)
         self.replica, self.settings = replica, settings
         self.params = [p for _, p in trainable(replica.model, replica.optimizer)]
         self.theta = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
@@ -174,7 +177,10 @@ class DiLoCoProgram:
         restarted from it. Returns the bytes this member's all-reduce carried and ‖Δ‖."""
         share = samples / global_batch
         delta = torch.cat([(theta - p.detach().float()).reshape(-1) * share for theta, p in zip(self.theta, self.params)])
-        self.replica.group.all_reduce(delta)
+        sent = delta.to(torch.bfloat16) if self.settings.reduce == "bf16" else delta
+        self.replica.group.all_reduce(sent)
+        if sent is not delta:
+            delta.copy_(sent)
         offset = 0
         for theta in self.theta:
             theta.grad = delta[offset:offset + theta.numel()].view_as(theta)
@@ -183,4 +189,4 @@ class DiLoCoProgram:
         for theta, p in zip(self.theta, self.params):
             theta.grad = None
             p.copy_(theta)
-        return {"bytes": delta.numel() * delta.element_size(), "pseudo_gradient_norm": float(delta.norm())}
+        return {"bytes": sent.numel() * sent.element_size(), "pseudo_gradient_norm": float(delta.norm())}
