@@ -27,6 +27,15 @@ def test_a_drain_under_zero3_lets_the_leavers_export_their_parameter_chunks(tmp_
     assert sorted(change["left_ranks"]) == [0, 2]
 
 
+def test_a_drain_in_diloco_mode_lets_the_worker_go_at_an_outer_boundary(tmp_path):
+    """``--mode diloco`` (H = 4): the drained node's worker leaves at the end of the window
+    in flight, an outer boundary; the survivor trains on alone, on the replay of the
+    contract over that membership."""
+    report = run_scenario(tmp_path / "out", "drain_diloco")
+    change = check_planned_leave(report, left=1, cause="drain of node")
+    assert change["step"] % 4 == 0
+
+
 def test_a_drain_in_async_mode_lets_the_worker_finish_its_gradient_and_moves_the_shard(tmp_path):
     """The parameter-server shard is on the drained node too: it hands its state to a new
     shard at the quiescent point, and nothing is rebuilt from snapshots. Checked on the

@@ -32,7 +32,7 @@ import ray
 from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, Trainer
-from tests.reference import max_abs_diff, replay, replay_updates
+from tests.reference import max_abs_diff, replay, replay_diloco, replay_updates
 from tests.scripts.scenario import autoscaler_request, drain_node, lines, local_cluster, training, wait_for
 from tests.tasks import PacedLoss, paced_task
 
@@ -44,6 +44,7 @@ SCENARIOS = {
     "drain2": dict(head=1, second=2, zero=2, mode="sync", pace=0.15, deadline=8, notice="drain"),
     "drain3": dict(head=1, second=2, zero=3, mode="sync", pace=0.15, deadline=8, notice="drain"),
     "drain_async": dict(head=1, second=1, zero=0, mode="async", pace=0.15, deadline=8, notice="drain"),
+    "drain_diloco": dict(head=1, second=1, zero=0, mode="diloco", pace=0.15, deadline=8, notice="drain"),
     "sigterm": dict(head=1, second=1, zero=0, mode="sync", pace=0.15, deadline=None, notice="sigterm"),
     "release": dict(head=1, second=1, zero=0, mode="sync", pace=0.15, deadline=None, notice="release"),
     "short": dict(head=1, second=1, zero=0, mode="sync", pace=1.0, deadline=1, notice="drain", after=2),
@@ -84,7 +85,8 @@ def main(out: Path, scenario: str) -> None:
         _first_shard_on(second.node_id)
     task = paced_task(PacedLoss(seconds=s["pace"], until=str(FAST)))
     config = dataclasses.replace(task.defaults, steps=STEPS, zero=s["zero"], mode=s["mode"],
-                                 micro_batch=None if s["zero"] == 3 else task.defaults.micro_batch)
+                                 micro_batch=None if s["zero"] == 3 else task.defaults.micro_batch,
+                                 **({"sync_every": 4} if s["mode"] == "diloco" else {}))
     workers = s["head"] + s["second"]
     facts = {}
 
@@ -125,6 +127,12 @@ def main(out: Path, scenario: str) -> None:
     unpaced = dataclasses.replace(task, loss=PacedLoss())
     if s["mode"] == "async":
         expected = replay_updates(unpaced, config, str(out / "initial.safetensors"), lines(out / "updates.jsonl"))
+    elif s["mode"] == "diloco":  # over the run's membership: the leavers gone from their boundary on
+        changes = [(e["step"], e.get("lost_ranks") or e.get("left_ranks") or [], e.get("joined") or 0)
+                   for e in lines(out / "events.jsonl") if e["kind"] == "membership_changed"]
+        expected, _ = replay_diloco(unpaced, config, load_file(out / "initial.safetensors"), world=workers,
+                                    sync_every=4, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
+                                    changes=changes)
     else:
         expected = replay(unpaced, config, str(out / "initial.safetensors"))
     print(json.dumps({"diff": max_abs_diff(load_file(out / "final.safetensors"), expected), **facts,
