@@ -31,7 +31,7 @@ from elastic_dp.control.membership import Membership
 from elastic_dp.control.membership.pool import WorkerPool
 from elastic_dp.control.modes import ModeContext, make_mode
 from elastic_dp.control.modes.asyncsgd.mode import PS_GPU_SHARE
-from elastic_dp.control.modes.diloco.mode import refuse_checkpoints
+from elastic_dp.control.modes.diloco.mode import check_checkpoints
 from elastic_dp.durable.checkpoint import CheckpointStore
 from elastic_dp.durable.storage import Storage
 from elastic_dp.errors import ClusterError, ConfigError, ElasticDPError
@@ -63,7 +63,7 @@ class Trainer:
         self.metrics = metrics or MetricsConfig()
         check_batch_fits(self.train, self.cluster)
         check_sources(task, self.train)
-        refuse_checkpoints(self.train, self.checkpoint)
+        check_checkpoints(self.train, self.checkpoint)
         if self.train.eval_every and task.eval_dataset is None:
             raise ConfigError("--eval-every evaluates the task's Task.eval_dataset, and this task has none: give it "
                               "one (a factory of a held-out dataset), or drop --eval-every")

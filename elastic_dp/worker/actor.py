@@ -199,7 +199,8 @@ class WorkerActor:
         self.faults.arm(fault)
         self.faults.at("checkpoint")
         self.faults.disarm(SAVE_PHASES)  # one of phase upload is armed again as its part is written
-        part = self.replica.checkpoint_part(step, sampler)
+        owner = self.program if isinstance(self.program, DiLoCoProgram) else self.replica  # diloco's rows its own
+        part = owner.checkpoint_part(step, sampler)
         self._staged[directory] = part, fault
         return sum(t.numel() * t.element_size() for f in part.files.values() for t in f.values())
 
@@ -221,7 +222,7 @@ class WorkerActor:
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Read this rank's needs of ``checkpoint`` from its storage and load them (with ZeRO
         a collective)."""
-        self.replica.load_checkpoint(checkpoint)
+        (self.program if isinstance(self.program, DiLoCoProgram) else self.replica).load_checkpoint(checkpoint)
 
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
         return self.replica.training_state(step, sampler)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from elastic_dp.data import ElasticSampler, split
+from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, cut_part
 from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
 from elastic_dp.state.base import broadcast_tensors
@@ -70,7 +71,9 @@ class DiLoCoProgram:
                                              outer_momentum=config.outer_momentum, nesterov=config.outer_nesterov,
                                              reduce=config.outer_reduce)
         self.replica, self.settings = replica, settings
-        self.params = [p for _, p in trainable(replica.model, replica.optimizer)]
+        named = trainable(replica.model, replica.optimizer)
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.theta = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
         """θ_t, the outer parameters, fp32."""
         nesterov = settings.nesterov and settings.outer_momentum > 0
@@ -190,3 +193,57 @@ class DiLoCoProgram:
             theta.grad = None
             p.copy_(theta)
         return {"bytes": sent.numel() * sent.element_size(), "pseudo_gradient_norm": float(delta.norm())}
+
+    # -- checkpoints, at outer boundaries --------------------------------------------------------
+    def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
+        """This rank's share of a checkpoint after outer boundary ``step``: its range of θ
+        (the model's state dict) and of the outer momentum, as every rank holds them, and its
+        own row of each inner optimizer-state tensor (``inner/<name>/<key>``, of shape
+        ``[N, *shape]``: one row a rank)."""
+        replica, group = self.replica, self.replica.group
+        if step != self.step:
+            raise ValueError(f"a checkpoint of step {step}, and theta has trained {self.step} steps")
+        tensors, slices = {}, {}
+        for name, p, theta in zip(self.names, self.params, self.theta):
+            buffer = self.outer.state[theta].get("momentum_buffer")
+            if buffer is not None:
+                tensors[f"outer/{name}/momentum_buffer"] = buffer.detach().to("cpu", copy=True)
+            for key, value in replica.optimizer.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                value = value.detach().to("cpu", copy=True)
+                tensors[f"inner/{name}/{key}"] = value if value.dim() == 0 else value.reshape(-1)
+                if value.dim():
+                    slices[f"inner/{name}/{key}"] = [group.rank * value.numel(), [group.world_size, *value.shape]]
+        meta = {"diloco": {"world_size": group.world_size}, "slices": slices}
+        part = cut_part(TrainingState(step=step, model=replica.model.state_dict(), optimizer_tensors=tensors,
+                                      optimizer_meta=meta, sampler=sampler, world_size=group.world_size,
+                                      rng=torch.get_rng_state()), group.rank, group.world_size)
+        if part.meta:  # rank 0's: the scheduler's state beside the run's layout
+            replica._add_scheduler(part.meta, step)
+        return part
+
+    @torch.no_grad()
+    def load_checkpoint(self, checkpoint: Checkpoint) -> TrainingState:
+        """θ and the outer momentum from ``checkpoint``; this rank's inner optimizer state
+        where it was saved at this world size (each rank its own row), else a fresh one (the
+        rows belong to slices of another world size)."""
+        replica, group = self.replica, self.replica.group
+        state = checkpoint.read()
+        replica.model.load_state_dict({k: v.to(replica.device) for k, v in state.model.items()})
+        saved = state.optimizer_tensors
+        same = state.optimizer_meta["diloco"]["world_size"] == group.world_size
+        replica.optimizer.state.clear()
+        for name, p, theta in zip(self.names, self.params, self.theta):
+            theta.copy_(p)
+            buffer = saved.get(f"outer/{name}/momentum_buffer")
+            self.outer.state[theta] = {} if buffer is None else {"momentum_buffer": buffer.to(theta.device).clone()}
+            prefix = f"inner/{name}/"
+            inner = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)} if same else {}
+            if inner:
+                replica.optimizer.state[p] = {k: v.clone() if v.dim() == 0 else v[group.rank].to(p.device).clone()
+                                              for k, v in inner.items()}
+        torch.set_rng_state(state.rng)
+        self.step, self._start = state.step, None
+        replica._load_scheduler(state)
+        return state

@@ -75,9 +75,15 @@ def dataset_length(members: Sequence[Any]) -> int:
 
 
 def check_resume(resume: Any, train: TrainConfig, dataset_len: int) -> None:
-    """Refuse a checkpoint this run cannot continue (another global batch, another dataset)."""
+    """Refuse a checkpoint this run cannot continue (another global batch, another dataset,
+    another mode's layout: ``--mode diloco``'s holds inner states the others do not)."""
     if resume is not None:
         check_resumable(resume.sampler, train, dataset_len=dataset_len)
+        diloco = "diloco" in (resume.manifest.get("optimizer") or {})
+        if diloco != (train.mode == "diloco"):
+            saved = "--mode diloco" if diloco else "another mode"
+            raise ConfigError(f"{resume.url} was saved by {saved}: resume it with the mode that saved it "
+                              f"(this run is --mode {train.mode})")
 
 
 def record_resume(recorder: RunRecorder, resume: Any, world_size: int) -> None:

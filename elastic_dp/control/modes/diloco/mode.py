@@ -25,11 +25,11 @@ from elastic_dp.faults import STEP_PHASES
 from elastic_dp.messages import StepResult
 
 
-def refuse_checkpoints(train: TrainConfig, checkpoint: CheckpointConfig) -> None:
-    """``--mode diloco`` saves no checkpoints yet: a run that asks for them is refused."""
-    if train.mode == "diloco" and checkpoint.enabled:
-        raise ConfigError("--mode diloco does not save checkpoints yet: drop --checkpoint-dir / --storage "
-                          "(or use --mode sync)")
+def check_checkpoints(train: TrainConfig, checkpoint: CheckpointConfig) -> None:
+    """``--mode diloco`` saves at outer boundaries: ``--checkpoint-every`` a multiple of H."""
+    if train.mode == "diloco" and checkpoint.enabled and checkpoint.every % train.sync_every:
+        raise ConfigError(f"--mode diloco saves checkpoints at outer steps: --checkpoint-every {checkpoint.every} "
+                          f"must be a multiple of --sync-every {train.sync_every}")
 
 
 class DiLoCoMode(SyncMode):
@@ -37,7 +37,7 @@ class DiLoCoMode(SyncMode):
 
     def __init__(self, context: ModeContext) -> None:
         super().__init__(context)
-        refuse_checkpoints(context.train, context.checkpoint)
+        check_checkpoints(context.train, context.checkpoint)
         self.every = context.train.sync_every
 
     def start(self, members: list[Any], resume: Checkpoint | None) -> int:
@@ -112,4 +112,6 @@ class DiLoCoMode(SyncMode):
         self.gens.call_all("diloco_sync_from", 0, step)
 
     def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
-        raise ConfigError("--mode diloco does not restore from checkpoints yet")
+        """Every member loads θ and the outer state (and, at the saved world size, its own
+        inner state) from ``checkpoint``."""
+        self.layout.restore(members, checkpoint)
