@@ -12,7 +12,10 @@ at each ``--sync-every`` H of ``--h``. Reported for each:
   outer all-reduce of its ``outer_step`` events spread over their inner steps (async
   exchanges parameters and gradients with its shards instead: its pulls and pushes, 8
   bytes a parameter a step, are reported for reference);
-- samples/s over the run (the driver's wall clock, start-up excluded).
+- samples/s over the run (the driver's wall clock, start-up excluded);
+- and then, on a slow link (``--inject slowlink:ms=M``: every all-reduce, reduce-scatter
+  and all-gather takes at least M ms, ``--slowlink-ms``), samples/s of sync and of DiLoCo
+  at the ``--h`` values above 1 over ``--slow-steps`` steps.
 
     .venv/bin/python -m benchmarks.bench_diloco --workers 2 --steps 200 --h 1,10,50
 """
@@ -50,11 +53,12 @@ def held_out_loss(weights: dict[str, torch.Tensor], batches: int) -> float:
     return total / n
 
 
-def run(name: str, args: argparse.Namespace, **train) -> dict:
+def run(name: str, args: argparse.Namespace, steps: int | None = None, inject: tuple[str, ...] = (),
+        **train) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"edp-diloco-{name}-", dir="/tmp"))
-    config = dataclasses.replace(TASK.defaults, steps=args.steps, **train)
+    config = dataclasses.replace(TASK.defaults, steps=steps or args.steps, **train)
     summary = Trainer(TASK, train=config, cluster=ClusterConfig(workers=args.workers), out_dir=str(out),
-                      progress=False).fit()
+                      progress=False, inject=list(inject)).fit()
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     params = sum(p.numel() for p in TASK.model().parameters())
     outer = [e for e in events if e["kind"] == "outer_step"]
@@ -75,16 +79,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--h", default="1,10,50", help="the --sync-every values of the DiLoCo runs")
     parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--slowlink-ms", type=float, default=50.0)
+    parser.add_argument("--slow-steps", type=int, default=100)
     args = parser.parse_args()
     with local_ray(num_cpus=max(4, args.workers + 2)):
         rows = [run("sync", args), run("async", args, mode="async")]
         rows += [run(f"diloco_h{h}", args, mode="diloco", sync_every=int(h)) for h in args.h.split(",")]
+        slow = (f"slowlink:ms={args.slowlink_ms:g}",)
+        slowed = [run("sync_slowlink", args, args.slow_steps, slow)]
+        slowed += [run(f"diloco_h{h}_slowlink", args, args.slow_steps, slow, mode="diloco", sync_every=int(h))
+                   for h in args.h.split(",") if int(h) > 1]
     sync = next(r for r in rows if r["variant"] == "sync")
     for r in rows:
         r["loss_vs_sync"] = round(r["held_out_loss"] / sync["held_out_loss"], 4)
         r["bytes_vs_sync"] = round(r["bytes_per_inner_step"] / sync["bytes_per_inner_step"], 4)
+    for r in slowed:
+        r["samples_per_s_vs_sync"] = round(r["samples_per_s"] / slowed[0]["samples_per_s"], 3)
     print(json.dumps({"date": datetime.date.today().isoformat(), "torch": torch.__version__, "ray": ray.__version__,
-                      "workers": args.workers, "steps": args.steps, "rows": rows}, indent=1))
+                      "workers": args.workers, "steps": args.steps, "rows": rows,
+                      "slowlink": {"ms": args.slowlink_ms, "steps": args.slow_steps, "rows": slowed}}, indent=1))
 
 
 if __name__ == "__main__":

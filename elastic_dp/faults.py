@@ -17,6 +17,9 @@
                                    rank R computes F times slower in steps S..S2-1 (default:
                                    from 0, to the end): after its forward and backward it
                                    sleeps F-1 times as long as they took (a straggler)
+    slowlink:ms=M                  a slow link: every all-reduce, reduce-scatter and
+                                   all-gather of the workers' groups ends M ms after it
+                                   started at the earliest (a latency; not --mode async)
 
 ``parse_faults`` refuses, with the reason, a fault that can never fire in the configured
 run. The modes hand each fault to its worker once; a fault whose worker came back without
@@ -41,7 +44,7 @@ SAVE_PHASES = ("checkpoint", "upload")
 PHASES = (*STEP_PHASES, *SAVE_PHASES, "eval", "reform", "shard")
 _CALL_OF = {"checkpoint": "checkpoint", "upload": "checkpoint", "reform": "reform", "eval": "eval"}
 """The call a fault of a phase outside the step fires in (``FaultPlan._why``)."""
-KINDS = ("kill", "hang", "join", "slow")
+KINDS = ("kill", "hang", "join", "slow", "slowlink")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +55,15 @@ class Fault:
     rank: int | None = None
     phase: str = "forward"
     factor: float = 1.0
-    """``slow``: how many times longer the rank's compute takes."""
+    """``slow``: how many times longer the rank's compute takes; ``slowlink``: the ms."""
     until: int | None = None
     """``slow``: the first step it no longer slows (None: to the end)."""
 
     def __str__(self) -> str:
         if self.kind == "join":
             return f"join:step={self.step}"
+        if self.kind == "slowlink":
+            return f"slowlink:ms={self.factor:g}"
         if self.kind == "slow":
             return (f"slow:rank={self.rank}:factor={self.factor:g}:from={self.step}"
                     + (f":to={self.until}" if self.until is not None else ""))
@@ -72,11 +77,12 @@ class Fault:
     def parse(cls, spec: str) -> "Fault":
         kind, *fields = spec.split(":")
         usage = (f"--inject takes kill:step=S:rank=R[:phase={'|'.join(PHASES)}], "
-                 f"hang:step=S:rank=R, join:step=S or slow:rank=R:factor=F[:from=S][:to=S2]; got {spec!r}")
+                 f"hang:step=S:rank=R, join:step=S, slow:rank=R:factor=F[:from=S][:to=S2] or slowlink:ms=M; "
+                 f"got {spec!r}")
         if kind not in KINDS:
             raise ConfigError(usage)
         values: dict[str, str] = {}
-        keys = ("rank", "factor", "from", "to") if kind == "slow" else ("step", "rank", "phase")
+        keys = {"slow": ("rank", "factor", "from", "to"), "slowlink": ("ms",)}.get(kind, ("step", "rank", "phase"))
         for f in fields:
             key, sep, value = f.partition("=")
             if not sep or key not in keys or key in values:
@@ -84,6 +90,14 @@ class Fault:
             values[key] = value
         if kind == "slow":
             return cls._parse_slow(values, usage)
+        if kind == "slowlink":
+            try:
+                ms = float(values["ms"])
+            except (KeyError, ValueError):
+                raise ConfigError(usage) from None
+            if not ms > 0:
+                raise ConfigError(f"{usage} (ms > 0)")
+            return cls(kind="slowlink", step=0, factor=ms)
         try:
             step = int(values["step"])
             rank = int(values["rank"]) if "rank" in values else None
@@ -115,6 +129,8 @@ def parse_faults(specs: Iterable[str | Fault], train: TrainConfig, cluster: Clus
     faults = [f if isinstance(f, Fault) else Fault.parse(f) for f in specs]
     for f in faults:
         _check(f, faults, train, cluster, checkpoint)
+    if sum(f.kind == "slowlink" for f in faults) > 1:
+        raise ConfigError("--inject slowlink: one spec (the link's latency)")
     slow = [f.rank for f in faults if f.kind == "slow"]
     if len(slow) != len(set(slow)):
         raise ConfigError("--inject slow: one spec per rank (give a rank one factor, from and to)")
@@ -132,6 +148,10 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
     def refuse(why: str) -> None:
         raise ConfigError(f"--inject {f} can never fire: {why}")
 
+    if f.kind == "slowlink":
+        if train.mode == "async":
+            refuse("--mode async has no collective group: its workers exchange with the parameter servers")
+        return
     if f.step >= train.steps:
         refuse(f"the run trains steps 0..{train.steps - 1} (--steps {train.steps})")
     if f.phase == "shard":
@@ -221,7 +241,9 @@ class FaultPlan:
         faults = list(faults)
         self.slow = {f.rank: f for f in faults if f.kind == "slow"}
         """Stragglers, by rank: they apply for a range of steps and are never used up."""
-        self._pending = [f for f in faults if f.kind != "slow"]
+        self.link_delay_s = max((f.factor / 1000 for f in faults if f.kind == "slowlink"), default=0.0)
+        """``slowlink``: the least time each collective of the workers' groups takes."""
+        self._pending = [f for f in faults if f.kind not in ("slow", "slowlink")]
         self._sizes: dict[tuple[str, int], set[int]] = defaultdict(set)  # (what, step) -> world sizes
 
     def take(self, step: int, rank: int, phases: tuple[str, ...]) -> Fault | None:

@@ -115,3 +115,47 @@ def test_reduce_scatter_and_all_gather_equal_plain_sums_and_concatenations(world
         assert torch.equal(in_place, total[r * n:(r + 1) * n])
         assert torch.equal(gathered, torch.cat([x[:n] for x in inputs]))
         assert torch.equal(own, torch.cat([x[n:2 * n] for x in inputs]))
+
+
+def test_a_slow_link_delays_each_collective_and_changes_no_result():
+    """``--inject slowlink:ms=M``: an all-reduce, a reduce-scatter and an all-gather each
+    end no sooner than M ms after they started, with the same results."""
+    import time
+
+    import torch
+
+    from tests.ranks import run_ranks
+
+    def rank_fn(group):
+        group.delay_s = 0.05
+        took, x = [], torch.full((4,), float(group.rank + 1))
+        start = time.monotonic()
+        group.all_reduce(x)
+        took.append(time.monotonic() - start)
+        out, start = torch.empty(2), time.monotonic()
+        group.reduce_scatter_async(out, torch.arange(4, dtype=torch.float32)).wait()
+        took.append(time.monotonic() - start)
+        gathered, start = torch.empty(4), time.monotonic()
+        group.all_gather_async(gathered, torch.full((2,), float(group.rank))).wait()
+        took.append(time.monotonic() - start)
+        return x, out, gathered, took
+
+    for rank, (x, out, gathered, took) in enumerate(run_ranks(2, rank_fn)):
+        assert x.tolist() == [3.0] * 4
+        assert out.tolist() == [2 * float(2 * rank), 2 * float(2 * rank + 1)]
+        assert gathered.tolist() == [0.0, 0.0, 1.0, 1.0]
+        assert all(t >= 0.05 for t in took), took
+
+
+def test_a_slow_link_is_one_spec_and_refused_where_there_is_no_group():
+    from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, TrainConfig
+    from elastic_dp.faults import FaultPlan, parse_faults
+
+    faults = parse_faults(["slowlink:ms=50"], TrainConfig(), ClusterConfig(), CheckpointConfig())
+    assert FaultPlan(faults).link_delay_s == 0.05 and FaultPlan(faults).unfired() == []
+    with pytest.raises(ConfigError, match="one spec"):
+        parse_faults(["slowlink:ms=50", "slowlink:ms=5"], TrainConfig(), ClusterConfig(), CheckpointConfig())
+    with pytest.raises(ConfigError, match="no collective group"):
+        parse_faults(["slowlink:ms=50"], TrainConfig(mode="async"), ClusterConfig(), CheckpointConfig())
+    with pytest.raises(ConfigError, match="ms > 0"):
+        parse_faults(["slowlink:ms=0"], TrainConfig(), ClusterConfig(), CheckpointConfig())

@@ -32,6 +32,7 @@ nothing to the rank itself, so the chunk goes straight from the caller's tensor.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import socket
@@ -102,6 +103,27 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
+class _Delayed:
+    """A collective on a slow link (``--inject slowlink``): done no earlier than ``until``."""
+
+    def __init__(self, work, until: float) -> None:
+        self.work, self.until = work, until
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        time.sleep(max(0.0, self.until - time.monotonic()))
+        return done
+
+
+def _link(method):
+    """The collective ``method``, its handle delayed by the group's ``delay_s``."""
+    @functools.wraps(method)
+    def delayed(self, *args):
+        work = method(self, *args)
+        return _Delayed(work, time.monotonic() + self.delay_s) if self.delay_s else work
+    return delayed
+
+
 class CollectiveGroup:
     """A process group for one generation, with configure / abort / destroy."""
 
@@ -110,6 +132,8 @@ class CollectiveGroup:
             raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.delay_s = 0.0
+        """``--inject slowlink``: the least time an all-reduce, reduce-scatter or all-gather takes."""
         self.generation = -1
         self.rank = 0
         self.world_size = 0
@@ -216,6 +240,7 @@ class CollectiveGroup:
     def _staging(self, tensor: torch.Tensor) -> bool:
         return self.backend == "gloo" and tensor.is_cuda
 
+    @_link
     def all_reduce_async(self, tensor: torch.Tensor):
         """Start a SUM all-reduce of ``tensor`` in place; returns a handle with ``wait()``."""
         pg = self._require()
@@ -245,6 +270,7 @@ class CollectiveGroup:
             self._side_pg.allreduce([tensor]).wait()
         return tensor
 
+    @_link
     def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor):
         """Start a SUM reduce-scatter: ``output`` gets this rank's chunk of the sum of ``input``.
 
@@ -278,6 +304,7 @@ class CollectiveGroup:
             return _Summed(work, list(received), output)
         return pg._reduce_scatter_base(output, input)
 
+    @_link
     def all_gather_async(self, output: torch.Tensor, input: torch.Tensor):
         """Start an all-gather: ``output`` gets every rank's ``input``, in rank order.
 

@@ -81,8 +81,10 @@ class WorkerActor:
                                    device_name=name)
 
     def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int,
-                        fault: Fault | None = None) -> None:
-        """Join ``generation`` as ``rank`` (``fault``: phase ``reform``, fired first)."""
+                        fault: Fault | None = None, link_delay_s: float = 0.0) -> None:
+        """Join ``generation`` as ``rank`` (``fault``: phase ``reform``, fired first;
+        ``link_delay_s``: ``--inject slowlink``'s least time of each collective)."""
+        self.group.delay_s = link_delay_s
         self.faults.arm(fault)
         self.faults.at("reform")
         if self.replica is not None:

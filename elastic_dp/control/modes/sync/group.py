@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 class Generations:
     """Forms each generation's group over its members and runs calls on the members."""
 
-    def __init__(self, calls: Calls) -> None:
+    def __init__(self, calls: Calls, link_delay_s: float = 0.0) -> None:
         self.calls = calls
+        self.link_delay_s = link_delay_s  # --inject slowlink: each member's collectives' least time
         self.generation = -1
         self.members: list[Any] = []
         """The current generation, in rank order."""
@@ -38,7 +39,7 @@ class Generations:
         self.generation += 1
         host, faults = ray.util.get_node_ip_address(), faults or {}
         calls = {m.actor.configure_group.remote(host, self._store.port, self.generation, rank, len(members),
-                                                faults.get(rank)): m
+                                                faults.get(rank), self.link_delay_s): m
                  for rank, m in enumerate(members)}
         self.run(members, calls)
         self.members = list(members)

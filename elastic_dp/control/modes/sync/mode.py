@@ -56,7 +56,7 @@ class SyncMode:
         bounds = HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s, stall_floor_s=cluster.stall_floor_s,
                             stall_factor=cluster.stall_factor)
         self.gens = Generations(Calls(deadline_s=cluster.step_timeout_s, grace_s=cluster.abort_grace_s,
-                                      bounds=bounds))
+                                      bounds=bounds), context.faults.link_delay_s)
         self._step_times: deque[float] = deque(maxlen=50)  # the last committed steps, for the hang bound
         self.layout = make_layout(train.zero, self.gens, self._sampler_state)
         self.guard = context.guard()
