@@ -213,6 +213,8 @@ class TrainConfig:
                                        "equal slices: drop one of them")
             _require(self.batch_stats == "local", "--batch-stats global normalises over a synchronous step's "
                                                   "global batch; --mode diloco's inner steps are each worker's own")
+            _require(not self.prefetch, "--prefetch collates a synchronous step's slice ahead; --mode diloco's "
+                                        "windows collate each inner step's: drop one of them")
             _require(not self.eval_every or self.eval_every % self.sync_every == 0,
                      f"--mode diloco evaluates at outer steps: --eval-every {self.eval_every} must be a multiple "
                      f"of --sync-every {self.sync_every}")

@@ -140,6 +140,7 @@ def test_the_replicas_follow_the_replay_of_the_contract_and_hold_the_same_theta(
     (dict(mode="diloco", sync_every=4, eval_every=6), "must be a multiple of"),
     (dict(mode="diloco", outer_momentum=1.0), "outer_momentum must be in [0, 1)"),
     (dict(mode="diloco", sync_every=0), "sync_every must be >= 1"),
+    (dict(mode="diloco", prefetch=True), "--mode diloco's windows collate"),
 ])
 def test_settings_diloco_cannot_honour_are_refused_naming_them(settings, says):
     from elastic_dp import ConfigError
