@@ -160,9 +160,9 @@ def replay_diloco(task: Task, config: TrainConfig, initial: dict[str, torch.Tens
                     group["lr"] = lr * config.lr_factor(step)
                 optimizer.step()
         with torch.no_grad():
+            params = [list(model.parameters()) for model, _ in replicas]
             for i, t in enumerate(theta):
-                mean = sum(n / config.global_batch * list(model.parameters())[i].detach().float()
-                           for (model, _), n in zip(replicas, sizes))
+                mean = sum(n / config.global_batch * ps[i].detach().float() for ps, n in zip(params, sizes))
                 t.grad = t.detach() - mean
         outer.step()
         history.append([t.detach().clone() for t in theta])

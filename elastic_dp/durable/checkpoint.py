@@ -218,23 +218,14 @@ def read_state(storage: Storage, directory: str, manifest: dict[str, Any],
                wanted: Wanted | None = None) -> TrainingState:
     """Read a checkpoint's files (only those holding a ``wanted`` piece), verify each
     against its sha256, and assemble whole tensors; pieces not read stay zero."""
-    def load(file: str) -> dict[str, torch.Tensor]:
-        return load_bytes(_read_verified(storage, directory, file, manifest["files"][file]))
-    return assemble(manifest, load, wanted)
+    return assemble(manifest, _verified_loader(storage, directory, manifest), wanted)
 
 
 def assemble(manifest: dict[str, Any], load: Callable[[str], dict[str, torch.Tensor]],
              wanted: Wanted | None = None) -> TrainingState:
     """The whole training state of ``manifest``, its files' tensors given by ``load(file)``."""
-    needed = sorted({file for key, entry in manifest["tensors"].items() for file, start, numel in entry["pieces"]
-                     if wanted is None or wanted(key, start, numel)})
-    flat = {key: torch.zeros(math.prod(entry["shape"]), dtype=_dtype(entry["dtype"]))
-            for key, entry in manifest["tensors"].items()}
-    for file in needed:
-        for key, value in load(file).items():
-            start = next(s for f, s, _ in manifest["tensors"][key]["pieces"] if f == file)
-            flat[key][start:start + value.numel()] = value
-    return _state_of(manifest, {key: value.reshape(manifest["tensors"][key]["shape"]) for key, value in flat.items()})
+    return _collect(manifest, load, lambda key, start, numel: wanted is None or wanted(key, start, numel),
+                    whole=lambda key: True, ranges={})[1]
 
 
 def read_ranges(storage: Storage, directory: str, manifest: dict[str, Any], ranges: dict[str, list[tuple[int, int]]],
@@ -244,19 +235,34 @@ def read_ranges(storage: Storage, directory: str, manifest: dict[str, Any], rang
     selects (in the TrainingState returned, the others absent from it): only the files
     holding a piece of them are read (each verified against its sha256), one at a time,
     and nothing else of the tensors is allocated."""
+    def needed(key: str, start: int, numel: int) -> bool:
+        return whole(key) or any(a < start + numel and start < e for a, e in ranges.get(key, ()))
+
+    return _collect(manifest, _verified_loader(storage, directory, manifest), needed, whole=whole, ranges=ranges)
+
+
+def _verified_loader(storage: Storage, directory: str, manifest: dict[str, Any]) -> Callable[[str], dict]:
+    def load(file: str) -> dict[str, torch.Tensor]:
+        return load_bytes(_read_verified(storage, directory, file, manifest["files"][file]))
+    return load
+
+
+def _collect(manifest: dict[str, Any], load: Callable[[str], dict[str, torch.Tensor]],
+             needed: Callable[[str, int, int], bool], *, whole: Callable[[str], bool],
+             ranges: dict[str, list[tuple[int, int]]]) -> tuple[dict[tuple[str, int, int], torch.Tensor],
+                                                              TrainingState]:
+    """The files holding a ``needed`` piece, loaded one at a time: the tensors ``whole``
+    selects assembled whole (pieces not read stay zero), and the element ranges ``ranges``
+    asks for, each a tensor of its own keyed ``(key, start, stop)``."""
     tensors = manifest["tensors"]
-
-    def overlaps(key: str, start: int, numel: int) -> bool:
-        return any(a < start + numel and start < e for a, e in ranges.get(key, ()))
-
-    needed = sorted({file for key, entry in tensors.items() for file, start, numel in entry["pieces"]
-                     if whole(key) or overlaps(key, start, numel)})
+    files = sorted({file for key, entry in tensors.items() for file, start, numel in entry["pieces"]
+                    if needed(key, start, numel)})
     got = {(key, a, e): torch.zeros(e - a, dtype=_dtype(tensors[key]["dtype"]))
            for key, spans in ranges.items() if key in tensors for a, e in spans}
     flat = {key: torch.zeros(math.prod(entry["shape"]), dtype=_dtype(entry["dtype"]))
             for key, entry in tensors.items() if whole(key)}
-    for file in needed:
-        for key, value in load_bytes(_read_verified(storage, directory, file, manifest["files"][file])).items():
+    for file in files:
+        for key, value in load(file).items():
             start = next(s for f, s, _ in tensors[key]["pieces"] if f == file)
             value = value.reshape(-1)
             if key in flat:

@@ -194,6 +194,12 @@ class WorkerActor:
         return part if self.group.rank == 0 else {}
 
     # -- checkpoints: every rank writes its own part --------------------------------------
+    @property
+    def _checkpoints(self) -> Replica | DiLoCoProgram:
+        """What saves and loads this rank's part: the replica, or diloco's program (whose
+        inner optimizer state is each rank's own, beside the shared θ)."""
+        return self.program if isinstance(self.program, DiLoCoProgram) else self.replica
+
     def stage_checkpoint(self, directory: str, step: int, sampler: dict[str, int],
                          fault: Fault | None = None) -> int:
         """Training thread, between steps: copy this rank's share of the checkpoint into
@@ -201,8 +207,7 @@ class WorkerActor:
         self.faults.arm(fault)
         self.faults.at("checkpoint")
         self.faults.disarm(SAVE_PHASES)  # one of phase upload is armed again as its part is written
-        owner = self.program if isinstance(self.program, DiLoCoProgram) else self.replica  # diloco's rows its own
-        part = owner.checkpoint_part(step, sampler)
+        part = self._checkpoints.checkpoint_part(step, sampler)
         self._staged[directory] = part, fault
         return sum(t.numel() * t.element_size() for f in part.files.values() for t in f.values())
 
@@ -224,7 +229,7 @@ class WorkerActor:
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Read this rank's needs of ``checkpoint`` from its storage and load them (with ZeRO
         a collective)."""
-        (self.program if isinstance(self.program, DiLoCoProgram) else self.replica).load_checkpoint(checkpoint)
+        self._checkpoints.load_checkpoint(checkpoint)
 
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
         return self.replica.training_state(step, sampler)

@@ -82,9 +82,7 @@ class FullyShardedState:
                 for name, p in self.model.named_parameters():
                     if name in state.model:
                         p.copy_(state.model[name].to(p.device))
-                for name, buffer in zip(self.buffers.names, self.buffers.tensors()):
-                    if name in state.model:
-                        buffer.copy_(state.model[name].to(buffer.device))
+            self._load_buffers(state.model)
             self.load_named(state.optimizer_tensors, state.step)  # from the full buffers just loaded
         finally:
             self._free_all()
@@ -92,6 +90,13 @@ class FullyShardedState:
 
     def load(self, state: TrainingState) -> None:
         self.load_state(state)
+
+    @torch.no_grad()
+    def _load_buffers(self, model: dict[str, torch.Tensor]) -> None:
+        """The model's buffers from a state dict's (those it has)."""
+        for name, buffer in zip(self.buffers.names, self.buffers.tensors()):
+            if name in model:
+                buffer.copy_(model[name].to(buffer.device))
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> TrainingState:
         """A collective: load ``checkpoint`` (saved at any stage and world size) reading only
@@ -109,10 +114,7 @@ class FullyShardedState:
         params = {f"model/{k}" for k, v in self.model.state_dict(keep_vars=True).items() if id(v) in self.unit_of}
         got, state = checkpoint.read_ranges(ranges, whole=lambda k: k == "rng" or (k.startswith("model/")
                                                                                   and k not in params))
-        with torch.no_grad():
-            for name, buffer in zip(self.buffers.names, self.buffers.tensors()):
-                if name in state.model:
-                    buffer.copy_(state.model[name].to(buffer.device))
+        self._load_buffers(state.model)
         chunk = [zero_format.chunk_from_ranges(self.buckets, self.chunks, self.names, r, self.world_size,
                                                state.step, got, fields, state.optimizer_tensors) for r in ranks]
         for c in chunk:
