@@ -41,7 +41,8 @@ _TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": i
                 "precision": str, "batch_stats": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int, "init": str,
                 "snapshot_every": int, "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str,
                 "max_staleness": int, "staleness_lr": str, "ps_shards": int, "ps_device": str,
-                "sync_every": int, "outer_lr": float, "outer_momentum": float, "outer_reduce": str}
+                "sync_every": int, "outer_lr": float, "outer_momentum": float, "outer_reduce": str,
+                "fragments": int, "fragment_delay": int}
 
 
 def _worker_range(text: str) -> tuple[int, int]:

@@ -123,6 +123,13 @@ class TrainConfig:
     outer_reduce: Literal["fp32", "bf16"] = "fp32"
     """``diloco``: the dtype the pseudo-gradient is all-reduced in (``--outer-reduce``; bf16
     halves the bytes, the sum rounded to bf16)."""
+    fragments: int = 1
+    """``diloco``: Streaming DiLoCo's fragments, F (``--fragments``): the parameters cut into
+    F runs of about equal size, each synced once every ``sync_every`` inner steps, at
+    staggered steps of the window (docs/diloco.md); 1 syncs them all at the window's end."""
+    fragment_delay: int = 0
+    """``diloco``: τ, the inner steps between a fragment's send and its use
+    (``--fragment-delay``): its all-reduce overlaps them; under ``sync_every // fragments``."""
     max_staleness: int = 4
     """``async``: an update computed on a version more than this many updates old is not
     applied; its worker pulls again and recomputes (``--max-staleness``)."""
@@ -206,6 +213,8 @@ class TrainConfig:
                  f"outer_reduce must be fp32 or bf16, got {self.outer_reduce!r} (--outer-reduce)")
         _require(0 <= self.outer_momentum < 1,
                  f"outer_momentum must be in [0, 1), got {self.outer_momentum} (--outer-momentum)")
+        _require(self.fragments >= 1, f"fragments must be >= 1, got {self.fragments} (--fragments)")
+        _require(self.fragment_delay >= 0, f"fragment_delay must be >= 0, got {self.fragment_delay} (--fragment-delay)")
         if self.mode == "diloco":
             _require(not self.zero, f"--mode diloco keeps the outer state whole on every worker: drop --zero "
                                     f"{self.zero} (or use --mode sync)")
@@ -218,6 +227,13 @@ class TrainConfig:
             _require(not self.eval_every or self.eval_every % self.sync_every == 0,
                      f"--mode diloco evaluates at outer steps: --eval-every {self.eval_every} must be a multiple "
                      f"of --sync-every {self.sync_every}")
+            _require(self.fragments <= self.sync_every,
+                     f"--fragments {self.fragments} syncs each fragment at its own inner step of a window: at most "
+                     f"--sync-every {self.sync_every} of them")
+            _require(self.fragment_delay < self.sync_every // self.fragments,
+                     f"--fragment-delay {self.fragment_delay} must be under the inner steps between two fragments' "
+                     f"syncs, --sync-every {self.sync_every} // --fragments {self.fragments} = "
+                     f"{self.sync_every // self.fragments}")
         _require(self.max_staleness >= 0,
                  f"max_staleness must be >= 0, got {self.max_staleness} (--max-staleness)")
         _require(self.staleness_lr in ("none", "inverse"),

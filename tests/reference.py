@@ -108,45 +108,84 @@ def replay_updates(task: Task, config: TrainConfig, initial: str, updates: list[
 
 def replay_diloco(task: Task, config: TrainConfig, initial: dict[str, torch.Tensor], *, world: int, sync_every: int,
                   outer_lr: float, outer_momentum: float, nesterov: bool = True, steps: int | None = None,
-                  changes: list[tuple[int, list[int], int]] = ()) -> tuple[dict[str, torch.Tensor],
-                                                                           list[list[torch.Tensor]]]:
+                  changes: list[tuple[int, list[int], int]] = (), fragments: int = 1,
+                  delay: int = 0) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
     """DiLoCo's replay contract (docs/diloco.md) in one process, the ``world`` replicas
     simulated one after another: each its own model and its own inner optimizer (the
     task's, kept across outer steps), its contiguous slice of each sampler step (as
     ``np.array_split``), its own mean loss, its own clipping, the base rates times the
-    configuration's factor of the sampler step; after every ``sync_every`` inner steps
-    (and after the last) θ − Σ (n_k / B) θ_k steps θ by torch's SGD as its gradient, and
-    every replica restarts from θ. ``changes``: (outer boundary, lost ranks, joiners) of a
+    configuration's factor of the sampler step. The parameters, in order, are cut into
+    ``fragments`` runs by size (a parameter belongs where its middle element falls); in each
+    window of ``sync_every`` inner steps fragment f's Δ = Σ (n_k / B)(θ_f − θ_k,f) is taken
+    after inner step ⌊(f+1)·H/F⌋ − ``delay`` and used ``delay`` steps later: torch's SGD
+    steps θ_f with it as its gradient, and each replica's fragment becomes θ_f plus what it
+    trained since the send. After the run's last step every fragment not taken at that step
+    is synced once more (no delay). ``changes``: (outer boundary, lost ranks, joiners) of a
     run's membership, in order: from that boundary on the lost replicas are gone (the
-    others keep their rank order and their inner optimizers) and the joiners come last,
-    each with a fresh inner optimizer. Returns θ's final state dict and θ after each outer step."""
+    others keep their rank order, parameters and inner optimizers) and the joiners come
+    last, each starting from θ with a fresh inner optimizer. Returns θ's final state dict
+    and θ after each outer step (of a fragment)."""
+    from fractions import Fraction
+
     import numpy as np
 
     steps = config.steps if steps is None else steps
     dataset = task.dataset()
     sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
-    def fresh():
+    first = task.model()
+    first.load_state_dict(initial)
+    theta = [torch.nn.Parameter(p.detach().clone().float()) for p in first.parameters()]
+    outer = torch.optim.SGD(theta, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0)
+
+    def fresh():  # a replica starting from θ
         model = task.model()
         model.load_state_dict(initial)
+        with torch.no_grad():
+            for p, t in zip(model.parameters(), theta):
+                p.copy_(t)
         return model, task.optimizer(model)
+
+    total, before, fragment_of = sum(t.numel() for t in theta), 0, []
+    for t in theta:
+        fragment_of.append(min(fragments - 1, int(fragments * (before + Fraction(t.numel(), 2)) / total)))
+        before += t.numel()
+    members = [[i for i, f in enumerate(fragment_of) if f == g] for g in range(fragments)]
+    sends = {(f + 1) * sync_every // fragments - delay: f for f in range(fragments)}
+    uses = {(f + 1) * sync_every // fragments: f for f in range(fragments)}
 
     replicas = [fresh() for _ in range(world)]
     pending = list(changes)
     base = [g["lr"] for g in replicas[0][1].param_groups]
-    theta = [torch.nn.Parameter(p.detach().clone().float()) for p in replicas[0][0].parameters()]
-    outer = torch.optim.SGD(theta, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0)
     history = []
+
+    def send(f, sizes):
+        params = [list(model.parameters()) for model, _ in replicas]
+        delta = {i: sum(n / config.global_batch * (theta[i].detach() - ps[i].detach().float())
+                        for ps, n in zip(params, sizes)) for i in members[f]}
+        snapshot = [{i: ps[i].detach().clone() for i in members[f]} for ps in params]
+        return f, delta, snapshot
+
+    @torch.no_grad()
+    def use(flight):
+        f, delta, snapshot = flight
+        for i in members[f]:
+            theta[i].grad = delta[i]
+        outer.step()
+        for (model, _), kept in zip(replicas, snapshot):
+            ps = list(model.parameters())
+            for i in members[f]:
+                ps[i].copy_(theta[i] + (ps[i] - kept[i]) if delay else theta[i])
+        for i in members[f]:
+            theta[i].grad = None
+        history.append([t.detach().clone() for t in theta])
+
     for start in range(0, steps, sync_every):
         while pending and pending[0][0] <= start:
             _, lost, joined = pending.pop(0)
             replicas = [r for i, r in enumerate(replicas) if i not in lost] + [fresh() for _ in range(joined)]
         world = len(replicas)
-        for model, _ in replicas:
-            with torch.no_grad():
-                for p, t in zip(model.parameters(), theta):
-                    p.copy_(t)
-        sizes = []
-        for step in range(start, min(start + sync_every, steps)):
+        stop, flight, sizes = min(start + sync_every, steps), None, []
+        for done, step in enumerate(range(start, stop), start=1):
             slices = np.array_split(sampler.batch(step), world)
             sizes = [len(s) for s in slices]
             for (model, optimizer), mine in zip(replicas, slices):
@@ -159,13 +198,17 @@ def replay_diloco(task: Task, config: TrainConfig, initial: dict[str, torch.Tens
                 for group, lr in zip(optimizer.param_groups, base):
                     group["lr"] = lr * config.lr_factor(step)
                 optimizer.step()
-        with torch.no_grad():
-            params = [list(model.parameters()) for model, _ in replicas]
-            for i, t in enumerate(theta):
-                mean = sum(n / config.global_batch * ps[i].detach().float() for ps, n in zip(params, sizes))
-                t.grad = t.detach() - mean
-        outer.step()
-        history.append([t.detach().clone() for t in theta])
+            if done in sends:
+                flight = send(sends[done], sizes)
+            if done in uses:
+                use(flight)
+                flight = None
+        if flight is not None:
+            use(flight)
+        if stop == steps:
+            for f in range(fragments):
+                if (f + 1) * sync_every // fragments - delay != stop - start:
+                    use(send(f, sizes))
     final = replicas[0][0]
     with torch.no_grad():
         for p, t in zip(final.parameters(), theta):

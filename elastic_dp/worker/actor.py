@@ -10,6 +10,7 @@ in the process's ``FaultHook``, and each phase's code fires them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -151,8 +152,10 @@ class WorkerActor:
         ``fault``: phase ``eval``; ``passes``: at least this many forwards)."""
         self.faults.arm(fault)
         self.replica.progress.enter("eval")
+        shared = self.program.at_theta() if isinstance(self.program, DiLoCoProgram) else contextlib.nullcontext()
         try:
-            return self.replica.evaluate(start, stop, passes)
+            with shared:  # --mode diloco evaluates θ, which a member's own parameters can differ from
+                return self.replica.evaluate(start, stop, passes)
         finally:
             self.faults.disarm()
             self.replica.progress.enter("idle")

@@ -22,19 +22,32 @@ the global batch B (``split``: contiguous, as in sync mode):
   plain momentum is asked; a momentum of 0 is plain SGD), steps θ_t with Δ as its
   gradient; every member then restarts from θ_{t+1}, identical on every member, and so
   is the outer optimizer's state. Local SGD is ``outer_lr=1, outer_momentum=0``.
+
+Streaming (``fragments`` F, ``fragment_delay`` τ; F = 1, τ = 0 is the above): the
+parameters are cut into F fragments (``fragments_of``) and fragment f is synced once a
+window, sent after the window's inner step ⌊(f+1)·H/F⌋ − τ and used τ steps later: its Δ
+from the parameters at the send, all-reduced while the τ steps train, θ_f stepped by the
+outer SGD, and the member's fragment set to θ_f + (its parameters now − at the send), so
+that no inner step's progress is dropped or counted twice. A member's parameters differ
+from θ at a window's end in the fragments synced before it (they are kept, and saved).
+After the run's last inner step every fragment not sent at that step is synced once more
+(τ = 0): the final parameters are θ on every member. A joiner starts from θ.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from elastic_dp.data import ElasticSampler, split
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, cut_part
+from elastic_dp.errors import TaskError
 from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
 from elastic_dp.state.base import broadcast_tensors
@@ -52,6 +65,8 @@ class OuterSettings:
     nesterov: bool = True
     reduce: str = "fp32"
     """The dtype of the pseudo-gradient's all-reduce (``--outer-reduce``)."""
+    fragments: int = 1
+    fragment_delay: int = 0
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -59,6 +74,48 @@ class OuterSettings:
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_lr must be > 0 and outer_momentum in [0, 1), got {self.outer_lr}, "
                              f"{self.outer_momentum}")
+        if not 1 <= self.fragments <= self.sync_every or not 0 <= self.fragment_delay < self.sync_every // self.fragments:
+            raise ValueError(f"fragments must be in [1, sync_every] and fragment_delay in [0, sync_every // "
+                             f"fragments), got {self.fragments}, {self.fragment_delay} (sync_every {self.sync_every})")
+
+    @property
+    def streaming(self) -> bool:
+        """Whether a member's parameters can differ from θ at a window's end."""
+        return self.fragments > 1 or self.fragment_delay > 0
+
+    def schedule(self) -> list[tuple[int, int]]:
+        """Fragment f's (send, use): after how many of a window's inner steps it is sent and used."""
+        return [((f + 1) * self.sync_every // self.fragments - self.fragment_delay,
+                 (f + 1) * self.sync_every // self.fragments) for f in range(self.fragments)]
+
+
+def fragments_of(sizes: list[int], count: int) -> list[int]:
+    """Each parameter's fragment: the parameters in order (of ``trainable``), cut into
+    ``count`` runs of about equal size: a parameter of ``sizes[i]`` elements, with ``c``
+    elements before it of ``C``, is in fragment ⌊count·(c + sizes[i]/2) / C⌋. Raises
+    ``TaskError`` if a fragment is left empty (a parameter larger than a fragment's share)."""
+    total, before, out = sum(sizes), 0, []
+    for n in sizes:
+        out.append(min(count - 1, count * (2 * before + n) // (2 * total)))
+        before += n
+    if len(set(out)) != count:
+        empty = min(set(range(count)) - set(out))
+        raise TaskError(f"--fragments {count}: cutting the model's {len(sizes)} parameters ({total} elements) by size "
+                        f"leaves fragment {empty} empty; use fewer fragments")
+    return out
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A fragment's pseudo-gradient on its way: sent, not yet used."""
+
+    fragment: int
+    handle: Any
+    sent: torch.Tensor
+    delta: torch.Tensor
+    at_send: list[torch.Tensor] | None
+    """The fragment's parameters at the send (with a delay: the steps after it are kept)."""
+    step: int
 
 
 class DiLoCoProgram:
@@ -69,11 +126,15 @@ class DiLoCoProgram:
         config = replica.config
         settings = settings or OuterSettings(sync_every=config.sync_every, outer_lr=config.outer_lr,
                                              outer_momentum=config.outer_momentum, nesterov=config.outer_nesterov,
-                                             reduce=config.outer_reduce)
+                                             reduce=config.outer_reduce, fragments=config.fragments,
+                                             fragment_delay=config.fragment_delay)
         self.replica, self.settings = replica, settings
         named = trainable(replica.model, replica.optimizer)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        of = fragments_of([p.numel() for p in self.params], settings.fragments)
+        self.fragments = [[i for i, g in enumerate(of) if g == f] for f in range(settings.fragments)]
+        """The indices (into ``params``) of each fragment's parameters."""
         self.theta = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
         """θ_t, the outer parameters, fp32."""
         nesterov = settings.nesterov and settings.outer_momentum > 0
@@ -81,76 +142,92 @@ class DiLoCoProgram:
                                      nesterov=nesterov)
         self.step = 0
         """The sampler steps θ has trained (an outer boundary)."""
-        self._start: tuple[int, list[torch.Tensor], dict, dict] | None = None
-        """As of the start of the last window: its step, θ, the outer and the inner optimizer's state."""
+        self._start: tuple[int, list[torch.Tensor], dict, dict, list[torch.Tensor] | None] | None = None
+        """As of the start of the last window: its step, θ, the outer and the inner
+        optimizer's state, and (streaming) the member's parameters."""
+        self._fresh = True
+        """Not yet started from any θ: a joiner's parameters become θ at ``sync_from``."""
 
     def abort(self) -> None:
         pass  # a window ends with its outer all-reduce, which the group's abort releases
 
     def window(self, start: int, stop: int, sampler: dict[str, int], faults: dict[int, Fault]) -> dict:
-        """Training thread: inner steps ``start .. stop - 1`` on this rank's slices, then the
-        outer step. Returns, per inner step, the summed loss and the samples, and the outer
-        step's figures; a task error is returned (``error``), not raised, after the outer
-        step's collective is released by the others' failure."""
+        """Training thread: inner steps ``start .. stop - 1`` on this rank's slices, with
+        each fragment's outer step at its point of the window (the last one's at its end),
+        and after the run's last step the final sync. Returns, per inner step, the summed
+        loss and the samples, and each outer step's figures (``outer``)."""
         replica = self.replica
         if start != self.step:
             raise ValueError(f"a window from step {start}, and theta has trained {self.step} steps")
         self._keep_start()
         batches = ElasticSampler(sampler["dataset_len"], global_batch=sampler["global_batch"], seed=sampler["seed"])
-        group = replica.group
-        steps, samples, began = [], 0, time.perf_counter()
+        group, batch, plan = replica.group, sampler["global_batch"], self.settings.schedule()
+        steps, outer, samples, flight, began = [], [], 0, None, time.perf_counter()
         replica.progress.enter("compute")
         try:
-            for s in range(start, stop):
+            for done, s in enumerate(range(start, stop), start=1):
                 replica.faults.arm(faults.get(s))
                 mine = split(batches.batch(s), group.world_size)[group.rank]
                 result = self.inner_step(s, mine)
                 replica.faults.disarm()
                 steps.append((s, result.loss_sum, result.samples, result.loss_finite))
                 samples = len(mine)
-            replica.progress.enter("reduce")
-            outer = self.outer_step(samples, sampler["global_batch"])
+                for f, (send, use) in enumerate(plan):
+                    if send == done:
+                        flight = self._send(f, samples, batch, s + 1)
+                    if use == done:
+                        outer.append(self._use(flight, s + 1))
+                        flight = None
+            if flight is not None:  # a short last window: the fragment in flight is used at its end
+                outer.append(self._use(flight, stop))
+            if stop == replica.config.steps:  # the final sync: every fragment not sent at the last step
+                for f, (send, _) in enumerate(plan):
+                    if send != stop - start:
+                        outer.append(self._use(self._send(f, samples, batch, stop), stop))
         except Exception as exc:  # noqa: BLE001 — the task's, or the group's (a peer lost)
             raise portable(exc, group.rank, self.step) from None
         finally:
             replica.faults.disarm()
             replica.progress.enter("idle")
-        self.step = stop
+        self.step, self._fresh = stop, False
         return {"steps": steps, "outer": outer, "seconds": time.perf_counter() - began}
 
     def _keep_start(self) -> None:
+        local = [p.detach().clone() for p in self.params] if self.settings.streaming else None
         self._start = (self.step, [t.detach().clone() for t in self.theta], copy.deepcopy(self.outer.state_dict()),
-                       copy.deepcopy(self.replica.optimizer.state_dict()))
+                       copy.deepcopy(self.replica.optimizer.state_dict()), local)
 
     @torch.no_grad()
     def restore(self, step: int) -> None:
         """Back to the state at outer boundary ``step``: the start of the last window (a
         window that failed, or that completed on this rank only), or now."""
         if self._start is not None and self._start[0] == step:
-            _, theta, outer, inner = self._start
+            _, theta, outer, inner, local = self._start
             for t, saved in zip(self.theta, theta):
                 t.copy_(saved)
             self.outer.load_state_dict(outer)
             self.replica.optimizer.load_state_dict(inner)
+            for p, saved in zip(self.params, local or self.theta):
+                p.copy_(saved)
         elif step != self.step:
             raise ValueError(f"no state of step {step} here (theta has trained {self.step} steps)")
-        for theta, p in zip(self.theta, self.params):
-            p.copy_(theta)
         self.step = step
 
     @torch.no_grad()
     def sync_from(self, src: int, step: int) -> None:
         """A collective: θ and the outer optimizer's state from rank ``src`` (a joiner's are
-        not yet anyone's), the model's buffers too; the inner optimizer's stays each rank's."""
+        not yet anyone's), the model's buffers too; the inner optimizer's stays each rank's,
+        and so do (streaming) a member's parameters; a joiner's become θ."""
         group, device = self.replica.group, self.replica.device
         for theta in self.theta:  # before the first outer step: zeros, which torch's first step treats as none
             if self.outer.state[theta].get("momentum_buffer") is None:
                 self.outer.state[theta]["momentum_buffer"] = torch.zeros_like(theta)
         buffers = [self.outer.state[t]["momentum_buffer"] for t in self.theta]
         broadcast_tensors(group, [*self.theta, *buffers, *self.replica.strategy.buffers.tensors()], src, device)
-        for theta, p in zip(self.theta, self.params):
-            p.copy_(theta)
-        self.step, self._start = step, None
+        if self._fresh or not self.settings.streaming:
+            for theta, p in zip(self.theta, self.params):
+                p.copy_(theta)
+        self.step, self._start, self._fresh = step, None, False
 
     def start(self) -> None:
         """θ_t from the model's parameters (equal on every member: after ``broadcast_state``)."""
@@ -175,24 +252,61 @@ class DiLoCoProgram:
 
     @torch.no_grad()
     def outer_step(self, samples: int, global_batch: int) -> dict[str, float]:
-        """A collective of the members: this member trained ``samples`` of each of the outer
-        step's ``global_batch``-sample steps. Δ all-reduced, θ stepped, every member
-        restarted from it. Returns the bytes this member's all-reduce carried and ‖Δ‖."""
-        share = samples / global_batch
-        delta = torch.cat([(theta - p.detach().float()).reshape(-1) * share for theta, p in zip(self.theta, self.params)])
+        """Every fragment's outer step at once (a collective of the members), this member
+        having trained ``samples`` of each ``global_batch``-sample step since θ."""
+        records = [self._use(self._send(f, samples, global_batch, self.step), self.step)
+                   for f in range(len(self.fragments))]
+        return {"bytes": sum(r["bytes"] for r in records),
+                "pseudo_gradient_norm": sum(r["pseudo_gradient_norm"] ** 2 for r in records) ** 0.5}
+
+    @torch.no_grad()
+    def _send(self, f: int, samples: int, global_batch: int, step: int) -> _Flight:
+        """Start fragment ``f``'s all-reduce of this member's (n_k / B)(θ_f − its parameters)."""
+        share, index = samples / global_batch, self.fragments[f]
+        delta = torch.cat([(self.theta[i] - self.params[i].detach().float()).reshape(-1) * share for i in index])
         sent = delta.to(torch.bfloat16) if self.settings.reduce == "bf16" else delta
-        self.replica.group.all_reduce(sent)
-        if sent is not delta:
-            delta.copy_(sent)
+        at_send = [self.params[i].detach().clone() for i in index] if self.settings.fragment_delay else None
+        return _Flight(f, self.replica.group.all_reduce_async(sent), sent, delta, at_send, step)
+
+    @torch.no_grad()
+    def _use(self, flight: _Flight, step: int) -> dict[str, float]:
+        """Wait for ``flight``'s Δ, step θ_f with it, and set the member's fragment to θ_f
+        plus what it trained since the send. Returns the bytes its all-reduce carried and ‖Δ‖."""
+        progress = self.replica.progress
+        progress.enter("reduce")
+        flight.handle.wait()
+        progress.enter("compute")
+        delta, index = flight.delta, self.fragments[flight.fragment]
+        if flight.sent is not delta:
+            delta.copy_(flight.sent)
         offset = 0
-        for theta in self.theta:
-            theta.grad = delta[offset:offset + theta.numel()].view_as(theta)
-            offset += theta.numel()
-        self.outer.step()
-        for theta, p in zip(self.theta, self.params):
+        for i in index:
+            self.theta[i].grad = delta[offset:offset + self.theta[i].numel()].view_as(self.theta[i])
+            offset += self.theta[i].numel()
+        self.outer.step()  # the parameters without a gradient (the other fragments) are not stepped
+        for j, i in enumerate(index):
+            theta, p = self.theta[i], self.params[i]
             theta.grad = None
-            p.copy_(theta)
-        return {"bytes": sent.numel() * sent.element_size(), "pseudo_gradient_norm": float(delta.norm())}
+            p.copy_(theta if flight.at_send is None else theta + (p - flight.at_send[j]))
+        return {"fragment": flight.fragment, "sent_step": flight.step, "step": step,
+                "bytes": flight.sent.numel() * flight.sent.element_size(), "pseudo_gradient_norm": float(delta.norm())}
+
+    @contextmanager
+    def at_theta(self) -> Iterator[None]:
+        """The model's parameters are θ inside (streaming: a member's own are put back after)."""
+        if not self.settings.streaming:
+            yield
+            return
+        local = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for theta, p in zip(self.theta, self.params):
+                p.copy_(theta)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for saved, p in zip(local, self.params):
+                    p.copy_(saved)
 
     # -- checkpoints, at outer boundaries --------------------------------------------------------
     def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
@@ -204,19 +318,26 @@ class DiLoCoProgram:
         if step != self.step:
             raise ValueError(f"a checkpoint of step {step}, and theta has trained {self.step} steps")
         tensors, slices = {}, {}
+
+        def row(key: str, value: torch.Tensor) -> None:  # this rank's row of an [N, *shape] tensor
+            tensors[key] = value.detach().to("cpu", copy=True).reshape(-1)
+            slices[key] = [group.rank * value.numel(), [group.world_size, *value.shape]]
+
         for name, p, theta in zip(self.names, self.params, self.theta):
             buffer = self.outer.state[theta].get("momentum_buffer")
             if buffer is not None:
                 tensors[f"outer/{name}/momentum_buffer"] = buffer.detach().to("cpu", copy=True)
             for key, value in replica.optimizer.state.get(p, {}).items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                value = value.detach().to("cpu", copy=True)
-                tensors[f"inner/{name}/{key}"] = value if value.dim() == 0 else value.reshape(-1)
-                if value.dim():
-                    slices[f"inner/{name}/{key}"] = [group.rank * value.numel(), [group.world_size, *value.shape]]
+                if isinstance(value, torch.Tensor) and value.dim():
+                    row(f"inner/{name}/{key}", value)
+                elif isinstance(value, torch.Tensor):
+                    tensors[f"inner/{name}/{key}"] = value.detach().to("cpu", copy=True)
+            if self.settings.streaming:
+                row(f"local/{name}", p)
         meta = {"diloco": {"world_size": group.world_size}, "slices": slices}
-        part = cut_part(TrainingState(step=step, model=replica.model.state_dict(), optimizer_tensors=tensors,
+        with self.at_theta():  # the model's state dict holds θ
+            model = {k: v.detach().to("cpu", copy=True) for k, v in replica.model.state_dict().items()}
+        part = cut_part(TrainingState(step=step, model=model, optimizer_tensors=tensors,
                                       optimizer_meta=meta, sampler=sampler, world_size=group.world_size,
                                       rng=torch.get_rng_state()), group.rank, group.world_size)
         if part.meta:  # rank 0's: the scheduler's state beside the run's layout
@@ -226,8 +347,9 @@ class DiLoCoProgram:
     @torch.no_grad()
     def load_checkpoint(self, checkpoint: Checkpoint) -> TrainingState:
         """θ and the outer momentum from ``checkpoint``; this rank's inner optimizer state
-        where it was saved at this world size (each rank its own row), else a fresh one (the
-        rows belong to slices of another world size)."""
+        and (streaming) its parameters where they were saved at this world size (each rank
+        its own row), else a fresh optimizer and θ (the rows belong to slices of another
+        world size; what they had trained since their fragments' last syncs is not in θ)."""
         replica, group = self.replica, self.replica.group
         state = checkpoint.read()
         replica.model.load_state_dict({k: v.to(replica.device) for k, v in state.model.items()})
@@ -243,7 +365,10 @@ class DiLoCoProgram:
             if inner:
                 replica.optimizer.state[p] = {k: v.clone() if v.dim() == 0 else v[group.rank].to(p.device).clone()
                                               for k, v in inner.items()}
+            local = saved.get(f"local/{name}") if same and self.settings.streaming else None
+            if local is not None:
+                p.copy_(local[group.rank])
         torch.set_rng_state(state.rng)
-        self.step, self._start = state.step, None
+        self.step, self._start, self._fresh = state.step, None, False
         replica._load_scheduler(state)
         return state

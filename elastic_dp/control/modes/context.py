@@ -43,7 +43,8 @@ class ModeContext:
 
 
 DILOCO_SETTINGS = {"sync_every": "--sync-every", "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
-                   "outer_nesterov": "--no-outer-nesterov", "outer_reduce": "--outer-reduce"}
+                   "outer_nesterov": "--no-outer-nesterov", "outer_reduce": "--outer-reduce",
+                   "fragments": "--fragments", "fragment_delay": "--fragment-delay"}
 """The outer loop of ``--mode diloco``, which the other modes do not read."""
 
 

@@ -77,9 +77,10 @@ class DiLoCoMode(SyncMode):
                                   loss_finite=reports[m]["steps"][i][3], step_s=seconds)
                        for r, m in enumerate(members)]
             self._record(s, results)
-        outer = reports[members[0]]["outer"]
-        self.recorder.event("outer_step", step=stop, generation=self.generation, inner_steps=stop - start,
-                            bytes_sent=outer["bytes"], pseudo_gradient_norm=round(outer["pseudo_gradient_norm"], 6))
+        for outer in reports[members[0]]["outer"]:  # a fragment's outer step each (one unless streaming)
+            self.recorder.event("outer_step", step=outer["step"], generation=self.generation,
+                                fragment=outer["fragment"], sent_step=outer["sent_step"], bytes_sent=outer["bytes"],
+                                pseudo_gradient_norm=round(outer["pseudo_gradient_norm"], 6))
         return stop
 
     # -- membership changes, at outer boundaries -----------------------------------------------
