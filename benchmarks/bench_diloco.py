@@ -16,8 +16,11 @@ at each ``--sync-every`` H of ``--h``. Reported for each:
 - and then, on a slow link (``--inject slowlink:ms=M``: every all-reduce, reduce-scatter
   and all-gather takes at least M ms, ``--slowlink-ms``), samples/s of sync and of DiLoCo
   at the ``--h`` values above 1 over ``--slow-steps`` steps.
+- Streaming DiLoCo (``--fragments F --fragment-delay τ``, each ``--streaming F:τ``) at the
+  ``--h`` values above 1 where F ≤ H: the same figures, and the largest all-reduce of a sync
+  (``peak_bytes``: a fragment's, against the whole pseudo-gradient of plain DiLoCo).
 
-    .venv/bin/python -m benchmarks.bench_diloco --workers 2 --steps 200 --h 1,10,50
+    .venv/bin/python -m benchmarks.bench_diloco --workers 2 --steps 200 --h 1,10,50 --streaming 5:1
 """
 
 from __future__ import annotations
@@ -63,12 +66,14 @@ def run(name: str, args: argparse.Namespace, steps: int | None = None, inject: t
     params = sum(p.numel() for p in TASK.model().parameters())
     outer = [e for e in events if e["kind"] == "outer_step"]
     if outer:
-        per_step = sum(e["bytes_sent"] for e in outer) / sum(e["inner_steps"] for e in outer)
+        per_step = sum(e["bytes_sent"] for e in outer) / config.steps
     else:
         per_step = (8 if train.get("mode") == "async" else 4) * params
     row = {"variant": name, "held_out_loss": round(held_out_loss(load_file(out / "final.safetensors"),
                                                                  args.eval_batches), 4),
-           "bytes_per_inner_step": int(per_step), "samples_per_s": round(summary.samples / summary.seconds, 1)}
+           "bytes_per_inner_step": int(per_step), "samples_per_s": round(summary.samples / summary.seconds, 1),
+           "peak_bytes": max((e["bytes_sent"] for e in outer), default=(8 if train.get("mode") == "async" else 4)
+                             * params)}
     print(json.dumps(row), flush=True)
     return row
 
@@ -81,14 +86,22 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--slowlink-ms", type=float, default=50.0)
     parser.add_argument("--slow-steps", type=int, default=100)
+    parser.add_argument("--streaming", default="", help="F:τ pairs, comma-separated: Streaming DiLoCo variants")
     args = parser.parse_args()
+    streams = [tuple(int(x) for x in pair.split(":")) for pair in args.streaming.split(",") if pair]
+    hs = [int(h) for h in args.h.split(",")]
+    streamed = [(h, f, d) for h in hs for f, d in streams if 1 < h and f <= h and d < h // f]
     with local_ray(num_cpus=max(4, args.workers + 2)):
         rows = [run("sync", args), run("async", args, mode="async")]
         rows += [run(f"diloco_h{h}", args, mode="diloco", sync_every=int(h)) for h in args.h.split(",")]
+        rows += [run(f"diloco_h{h}_f{f}_d{d}", args, mode="diloco", sync_every=h, fragments=f, fragment_delay=d)
+                 for h, f, d in streamed]
         slow = (f"slowlink:ms={args.slowlink_ms:g}",)
         slowed = [run("sync_slowlink", args, args.slow_steps, slow)]
         slowed += [run(f"diloco_h{h}_slowlink", args, args.slow_steps, slow, mode="diloco", sync_every=int(h))
                    for h in args.h.split(",") if int(h) > 1]
+        slowed += [run(f"diloco_h{h}_f{f}_d{d}_slowlink", args, args.slow_steps, slow, mode="diloco", sync_every=h,
+                       fragments=f, fragment_delay=d) for h, f, d in streamed]
     sync = next(r for r in rows if r["variant"] == "sync")
     for r in rows:
         r["loss_vs_sync"] = round(r["held_out_loss"] / sync["held_out_loss"], 4)
