@@ -109,27 +109,19 @@ class TrainConfig:
     """``sync``: every worker trains a slice of each step; ``async``: each worker trains
     whole steps on the parameters it pulled from the parameter-server shards, and updates
     are applied as they come, up to ``max_staleness`` stale (``--mode``; docs/async.md);
-    ``diloco``: each worker takes ``sync_every`` inner steps alone on its slices, then the
-    workers average their pseudo-gradients and an outer optimizer steps the shared
-    parameters (docs/diloco.md)."""
+    ``diloco``: ``sync_every`` inner steps alone, then an outer step together (docs/diloco.md)."""
     sync_every: int = 50
     """``diloco``: inner steps per outer step, H (``--sync-every``)."""
     outer_lr: float = 0.7
-    """``diloco``: the outer SGD's learning rate (``--outer-lr``; 1 with no momentum: local SGD)."""
+    """``diloco``: the outer SGD's rate and momentum (``--outer-lr``, ``--outer-momentum``, Nesterov's
+    unless not ``outer_nesterov``); local SGD is rate 1 without momentum."""
     outer_momentum: float = 0.9
-    """``diloco``: the outer SGD's momentum (``--outer-momentum``)."""
     outer_nesterov: bool = True
-    """``diloco``: Nesterov momentum; False (``--no-outer-nesterov``) plain momentum."""
     outer_reduce: Literal["fp32", "bf16"] = "fp32"
-    """``diloco``: the dtype the pseudo-gradient is all-reduced in (``--outer-reduce``; bf16
-    halves the bytes, the sum rounded to bf16)."""
+    """``diloco``: the pseudo-gradient's all-reduce dtype (``--outer-reduce``; bf16 halves it)."""
     fragments: int = 1
-    """``diloco``: Streaming DiLoCo's fragments, F (``--fragments``): the parameters cut into
-    F runs of about equal size, each synced once every ``sync_every`` inner steps, at
-    staggered steps of the window (docs/diloco.md); 1 syncs them all at the window's end."""
+    """``diloco``: Streaming DiLoCo (``--fragments F``, ``--fragment-delay τ``; docs/diloco.md)."""
     fragment_delay: int = 0
-    """``diloco``: τ, the inner steps between a fragment's send and its use
-    (``--fragment-delay``): its all-reduce overlaps them; under ``sync_every // fragments``."""
     max_staleness: int = 4
     """``async``: an update computed on a version more than this many updates old is not
     applied; its worker pulls again and recomputes (``--max-staleness``)."""
@@ -227,13 +219,11 @@ class TrainConfig:
             _require(not self.eval_every or self.eval_every % self.sync_every == 0,
                      f"--mode diloco evaluates at outer steps: --eval-every {self.eval_every} must be a multiple "
                      f"of --sync-every {self.sync_every}")
-            _require(self.fragments <= self.sync_every,
-                     f"--fragments {self.fragments} syncs each fragment at its own inner step of a window: at most "
-                     f"--sync-every {self.sync_every} of them")
-            _require(self.fragment_delay < self.sync_every // self.fragments,
-                     f"--fragment-delay {self.fragment_delay} must be under the inner steps between two fragments' "
-                     f"syncs, --sync-every {self.sync_every} // --fragments {self.fragments} = "
-                     f"{self.sync_every // self.fragments}")
+            _require(self.fragments <= self.sync_every, f"--fragments {self.fragments} syncs each fragment at its "
+                     f"own inner step of a window: at most --sync-every {self.sync_every} of them")
+            _require(self.fragment_delay < self.sync_every // self.fragments, f"--fragment-delay "
+                     f"{self.fragment_delay} must be under the inner steps between two fragments' syncs, --sync-every "
+                     f"{self.sync_every} // --fragments {self.fragments} = {self.sync_every // self.fragments}")
         _require(self.max_staleness >= 0,
                  f"max_staleness must be >= 0, got {self.max_staleness} (--max-staleness)")
         _require(self.staleness_lr in ("none", "inverse"),
