@@ -113,7 +113,7 @@ class TrainConfig:
     sync_every: int = 50
     """``diloco``: inner steps per outer step, H (``--sync-every``)."""
     outer_lr: float = 0.7
-    """``diloco``: the outer SGD's rate, momentum (``--outer-lr``, ``--outer-momentum``), Nesterov's?"""
+    """``diloco``: the outer SGD's rate and momentum (``--outer-lr``, ``--outer-momentum``)."""
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
     outer_reduce: Literal["fp32", "bf16"] = "fp32"
