@@ -65,15 +65,12 @@ def run(name: str, args: argparse.Namespace, steps: int | None = None, inject: t
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     params = sum(p.numel() for p in TASK.model().parameters())
     outer = [e for e in events if e["kind"] == "outer_step"]
-    if outer:
-        per_step = sum(e["bytes_sent"] for e in outer) / config.steps
-    else:
-        per_step = (8 if train.get("mode") == "async" else 4) * params
+    every_step = (8 if train.get("mode") == "async" else 4) * params  # sync's gradients, async's pull and push
+    per_step = sum(e["bytes_sent"] for e in outer) / config.steps if outer else every_step
     row = {"variant": name, "held_out_loss": round(held_out_loss(load_file(out / "final.safetensors"),
                                                                  args.eval_batches), 4),
            "bytes_per_inner_step": int(per_step), "samples_per_s": round(summary.samples / summary.seconds, 1),
-           "peak_bytes": max((e["bytes_sent"] for e in outer), default=(8 if train.get("mode") == "async" else 4)
-                             * params)}
+           "peak_bytes": max((e["bytes_sent"] for e in outer), default=every_step)}
     print(json.dumps(row), flush=True)
     return row
 

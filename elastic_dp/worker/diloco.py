@@ -320,26 +320,26 @@ class DiLoCoProgram:
         tensors, slices = {}, {}
 
         def row(key: str, value: torch.Tensor) -> None:  # this rank's row of an [N, *shape] tensor
-            tensors[key] = value.detach().to("cpu", copy=True).reshape(-1)
+            tensors[key] = value.detach().reshape(-1)
             slices[key] = [group.rank * value.numel(), [group.world_size, *value.shape]]
 
+        # cut_part copies every piece it keeps to host memory
         for name, p, theta in zip(self.names, self.params, self.theta):
             buffer = self.outer.state[theta].get("momentum_buffer")
             if buffer is not None:
-                tensors[f"outer/{name}/momentum_buffer"] = buffer.detach().to("cpu", copy=True)
+                tensors[f"outer/{name}/momentum_buffer"] = buffer.detach()
             for key, value in replica.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.dim():
                     row(f"inner/{name}/{key}", value)
                 elif isinstance(value, torch.Tensor):
-                    tensors[f"inner/{name}/{key}"] = value.detach().to("cpu", copy=True)
-            if self.settings.streaming:
-                row(f"local/{name}", p)
+                    tensors[f"inner/{name}/{key}"] = value.detach()
+            if self.settings.streaming:  # a copy: at_theta puts θ in p while the pieces are cut
+                row(f"local/{name}", p.detach().clone())
         meta = {"diloco": {"world_size": group.world_size}, "slices": slices}
-        with self.at_theta():  # the model's state dict holds θ
-            model = {k: v.detach().to("cpu", copy=True) for k, v in replica.model.state_dict().items()}
-        part = cut_part(TrainingState(step=step, model=model, optimizer_tensors=tensors,
-                                      optimizer_meta=meta, sampler=sampler, world_size=group.world_size,
-                                      rng=torch.get_rng_state()), group.rank, group.world_size)
+        with self.at_theta():  # the model's state dict holds θ while its pieces are cut
+            part = cut_part(TrainingState(step=step, model=replica.model.state_dict(), optimizer_tensors=tensors,
+                                          optimizer_meta=meta, sampler=sampler, world_size=group.world_size,
+                                          rng=torch.get_rng_state()), group.rank, group.world_size)
         if part.meta:  # rank 0's: the scheduler's state beside the run's layout
             replica._add_scheduler(part.meta, step)
         return part
