@@ -53,9 +53,9 @@ def main() -> None:
         for round_ in range(args.rounds):
             for mode, times in (("sync", sync), ("async", asynchronous)):
                 out = f"{tmp}/{mode}{round_}"
-                shards = {"ps_shards": args.ps_shards} if mode == "async" else {}  # sync has no parameter servers
-                config = dataclasses.replace(task.defaults, steps=args.steps, mode=mode,
-                                             snapshot_every=args.snapshot_every, **shards)
+                # the parameter servers' settings: sync (ZeRO 0) has neither the servers nor a peer copy
+                servers = {"ps_shards": args.ps_shards, "snapshot_every": args.snapshot_every} if mode == "async" else {}
+                config = dataclasses.replace(task.defaults, steps=args.steps, mode=mode, **servers)
                 Trainer(task, train=config, cluster=ClusterConfig(workers=1), out_dir=out,
                         progress=False).fit()
                 times.append(median_step_ms(out, args.warmup))

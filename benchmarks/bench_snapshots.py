@@ -50,7 +50,8 @@ def _rank(rank: int, world: int, port: int, rounds: int, steps: int, out: str) -
 
     replicas = {}
     for generation, (name, (zero, _)) in enumerate(VARIANTS.items()):  # one group each
-        config = dataclasses.replace(TASK.defaults, steps=10**9, zero=zero, snapshot_every=1)
+        config = dataclasses.replace(TASK.defaults, steps=10**9, zero=zero,
+                                     **({"snapshot_every": 1} if zero else {}))  # stage 0 keeps no peer copy
         group = CollectiveGroup(backend="gloo", timeout_s=120)
         group.configure("127.0.0.1", port, generation=generation, rank=rank, world_size=world)
         replicas[name] = Replica(TASK, config, torch.device("cpu"), group)

@@ -61,7 +61,7 @@ class DDPWorker:
         self.task, self.rank, self.world = task, rank, world
         torch.manual_seed(task.defaults.seed)
         self.model = task.model()
-        self.ddp = DDP(self.model, bucket_cap_mb=task.defaults.bucket_mb)
+        self.ddp = DDP(self.model, bucket_cap_mb=task.defaults.buckets.bucket_mb)
         self.dataset = task.dataset()
         self.optimizer = task.optimizer(self.model)
         if zero:

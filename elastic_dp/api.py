@@ -29,7 +29,8 @@ from elastic_dp.config import (
 from elastic_dp.control.coordinator import Coordinator
 from elastic_dp.control.membership import Membership
 from elastic_dp.control.membership.pool import WorkerPool
-from elastic_dp.control.modes import ModeContext, make_mode
+from elastic_dp.control.modes.context import ModeContext
+from elastic_dp.control.modes.registry import make_mode
 from elastic_dp.control.modes.asyncsgd.mode import PS_GPU_SHARE
 from elastic_dp.control.modes.diloco.mode import check_checkpoints
 from elastic_dp.durable.checkpoint import CheckpointStore
@@ -122,7 +123,7 @@ def build_coordinator(task: Task, train: TrainConfig, cluster: ClusterConfig, ch
     elif checkpoint.storage is not None:
         store = CheckpointStore(Storage(checkpoint.storage, "--storage").child(name or run_name(settings)),
                                 keep=checkpoint.keep)
-    if train.ps_device == "cuda" and ray.cluster_resources().get("GPU", 0) < PS_GPU_SHARE:
+    if getattr(train.mode, "ps_device", "cpu") == "cuda" and ray.cluster_resources().get("GPU", 0) < PS_GPU_SHARE:
         raise ConfigError("--ps-device cuda puts the parameter servers on a GPU, and the Ray cluster has none: "
                           "use --ps-device cpu or attach to a cluster with GPUs (--address)")
     mode = make_mode(ModeContext(train=train, cluster=cluster, recorder=recorder, faults=plan, task=task,

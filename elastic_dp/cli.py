@@ -25,25 +25,16 @@ import os
 import sys
 
 from elastic_dp.api import Trainer
-from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig
+from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig
 from elastic_dp.errors import SURFACE, ConfigError, ElasticDPError, TaskError
 from elastic_dp.observe.plan import MemoryPlan, parse_size, render
-from elastic_dp.schedules import SCHEDULES
+from elastic_dp.settings import arguments, declarations
 from elastic_dp.task import load_task
 
+CONFIGS = (TrainConfig, ClusterConfig, CheckpointConfig, MetricsConfig)
+"""The configs whose declared settings are ``elastic-dp train``'s flags."""
+
 logger = logging.getLogger("elastic_dp.cli")
-
-# flag -> TrainConfig field; absent flags keep the job's defaults
-_TRAIN_FLAGS = {"steps": int, "global_batch": int, "micro_batch": int, "seed": int,
-                "warmup_steps": int, "lr_schedule": str, "decay_steps": int, "min_lr_ratio": float,
-                "decay_fraction": float, "eval_every": int, "eval_batches": int, "lr_reference_batch": int,
-                "clip_grad_norm": float,
-                "precision": str, "batch_stats": str, "bucket_mb": float, "first_bucket_mb": float, "zero": int, "init": str,
-                "snapshot_every": int, "on_nonfinite": str, "max_nonfinite_steps": int, "mode": str,
-                "max_staleness": int, "staleness_lr": str, "ps_shards": int, "ps_device": str,
-                "sync_every": int, "outer_lr": float, "outer_momentum": float, "outer_reduce": str,
-                "fragments": int, "fragment_delay": int}
-
 
 def _worker_range(text: str) -> tuple[int, int]:
     """``N`` or ``MIN:MAX``."""
@@ -61,79 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("job", help="job module that defines TASK, e.g. jobs.gpt")
     train.add_argument("--workers", type=_worker_range, default=(2, 2), metavar="N|MIN:MAX",
                        help="worker actors: N, or an elastic range MIN:MAX (default 2)")
-    for name, kind in _TRAIN_FLAGS.items():
-        extra = {"precision": {"choices": ["fp32", "bf16"]}, "zero": {"choices": [0, 1, 2, 3]},
-                 "init": {"choices": ["auto", "whole", "units"]},
-                 "batch_stats": {"choices": ["local", "global"]},
-                 "on_nonfinite": {"choices": ["skip", "fail"]}, "mode": {"choices": ["sync", "async", "diloco"]}, "outer_reduce": {"choices": ["fp32", "bf16"]},
-                 "staleness_lr": {"choices": ["none", "inverse"]},
-                 "lr_schedule": {"choices": list(SCHEDULES)},
-                 "ps_device": {"choices": ["cpu", "cuda"]}}.get(name, {})
-        train.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                           help=f"override the job's {name}", **extra)
-    train.add_argument("--no-reduce-fp32", dest="reduce_fp32", action="store_false", default=None,
-                       help="reduce bf16 gradients in bf16 instead of fp32")
-    train.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
-                       default=None, help="--zero 3: keep each unit's gathered parameters from its forward to its backward")
-    train.add_argument("--no-outer-nesterov", dest="outer_nesterov", action="store_false", default=None,
-                       help="--mode diloco: plain momentum in the outer SGD instead of Nesterov's")
-    train.add_argument("--activation-checkpointing", action="store_true", default=None,
-                       help="recompute each shard unit's activations in its backward (any --zero stage)")
-    train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    train.add_argument("--gpus-per-worker", type=float, default=1.0,
-                       help="with cuda, each worker's share of a GPU in (0, 1]; below 1 workers share GPUs over gloo")
-    train.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                       help="collective backend (auto: NCCL for whole GPUs, else gloo)")
-    train.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or embedded local Ray)")
-    train.add_argument("--placement-timeout", type=float, default=60.0, help="seconds to wait for worker slots")
-    train.add_argument("--step-timeout", type=float, default=600.0,
-                       help="deadline of one step, seconds: the last backstop behind hang detection")
-    train.add_argument("--heartbeat-timeout", type=float, default=5.0,
-                       help="seconds a worker may leave a heartbeat unanswered before it counts as frozen")
-    train.add_argument("--stall-floor", type=float, default=5.0,
-                       help="a worker that makes no progress while its peers wait for it is hung after "
-                            "max(this, --stall-factor x median step time) seconds (async: in a gradient, "
-                            "x the larger of the run's and its own median gradient time)")
-    train.add_argument("--stall-factor", type=float, default=4.0, help="see --stall-floor")
-    train.add_argument("--collective-timeout", type=float, default=300.0, help="timeout of one collective, seconds")
-    train.add_argument("--min-wait-timeout", type=float, default=300.0,
-                       help="below MIN workers, seconds to wait for capacity before failing")
-    train.add_argument("--abort-grace", type=float, default=10.0,
-                       help="seconds a worker may take to leave an aborted step before it counts as hung")
-    train.add_argument("--leave-grace", type=float, default=25.0,
-                       help="a worker sent SIGTERM leaves at the next step boundary; seconds it waits to be let "
-                            "go before it exits on its own")
-    train.add_argument("--prefetch", dest="prefetch", action="store_true", default=None,
-                       help="collate the next step's batch on a background thread (default: on a GPU only)")
-    train.add_argument("--no-prefetch", dest="prefetch", action="store_false")
-    train.add_argument("--balance", dest="balance", action="store_true", default=None,
-                       help="slices of each step's batch follow the workers' measured speed (stragglers get fewer)")
+    for config in CONFIGS:
+        arguments(train, config)  # each setting's flag, from its declaration (elastic_dp.settings)
     train.add_argument("--inject", action="append", default=[], metavar="SPEC",
-                       help="fault injection, repeatable: kill:step=S:rank=R[:phase=forward|allreduce|"
-                            "optimizer|snapshot|checkpoint|upload|reform], hang:step=S:rank=R, join:step=S, "
-                            "slow:rank=R:factor=F[:from=S][:to=S2]")
-    train.add_argument("--checkpoint-dir", default=None, help="local directory (or shared mount) for checkpoints")
-    train.add_argument("--storage", default=None, metavar="URI",
-                       help="checkpoints under URI/RUN_NAME: a path or a pyarrow filesystem URI such as "
-                            "s3://bucket/prefix?endpoint_override=host:port (implies --resume auto)")
-    train.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
-    train.add_argument("--checkpoint-keep", type=int, default=3)
-    train.add_argument("--sync-checkpoints", dest="async_checkpoints", action="store_false",
-                       help="write checkpoints on the training thread (default: in the background)")
-    train.add_argument("--resume", nargs="?", const="latest", default=None, choices=["latest", "auto", "never"],
-                       help="continue from the latest checkpoint (which must exist); 'auto': from this run's latest "
-                            "if there is one, else start fresh (the default with --storage); 'never'")
+                       help="fault injection, repeatable: kill:step=S:rank=R[:phase=forward|gather_forward|"
+                            "gather_backward|allreduce|optimizer|snapshot|checkpoint|upload|eval|reform], "
+                            "hang:step=S:rank=R, join:step=S, slow:rank=R:factor=F[:from=S][:to=S2], slowlink:ms=M")
     train.add_argument("--out", default=None, help="write initial/final weights, metrics.jsonl, events.jsonl here")
-    train.add_argument("--tensorboard", default=None, metavar="DIR",
-                       help="also write TensorBoard event files (scalars per step, membership changes) here")
-    train.add_argument("--run-name", default=None,
-                       help="the run's name: its checkpoints' prefix under --storage and the run tag of its Ray "
-                            "metrics (default: the job's name and a hash of the settings that make it this run)")
-    train.add_argument("--no-ray-metrics", dest="ray_metrics", action="store_false",
-                       help="do not export the run's figures as Ray metrics")
-    train.add_argument("--peak-tflops", type=float, default=None,
-                       help="peak dense TFLOP/s of one worker's device, for model FLOPs utilisation "
-                            "(default: known GPUs' bf16 peak; none on CPUs)")
     train.add_argument("--progress", dest="progress", action="store_true", default=None,
                        help="force the progress bar (default: when stderr is a terminal)")
     train.add_argument("--no-progress", dest="progress", action="store_false")
@@ -179,27 +104,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _given(args: argparse.Namespace, config: type) -> dict:
+    """The settings of ``config`` given on the command line (absent flags are None)."""
+    return {name: getattr(args, name) for name, declared in declarations(config).items()
+            if (declared.flag or declared.off) and getattr(args, name) is not None}
+
+
 def _train(args: argparse.Namespace) -> int:
     task = load_task(args.job)
-    flags = [*_TRAIN_FLAGS, "reduce_fp32", "reshard_after_forward", "activation_checkpointing", "prefetch", "balance",
-             "outer_nesterov"]
-    overrides = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
-    train = dataclasses.replace(task.defaults, **overrides)
+    # absent flags keep the job's defaults; a --mode or --zero that changes the part starts it afresh
+    train = dataclasses.replace(task.defaults, **_given(args, TrainConfig))
     low, high = args.workers
-    cluster = ClusterConfig(workers=high, min_workers=low, device=args.device, address=args.address,
-                            gpus_per_worker=args.gpus_per_worker, backend=args.backend,
-                            placement_timeout_s=args.placement_timeout, step_timeout_s=args.step_timeout,
-                            collective_timeout_s=args.collective_timeout, min_wait_timeout_s=args.min_wait_timeout,
-                            abort_grace_s=args.abort_grace, heartbeat_timeout_s=args.heartbeat_timeout,
-                            stall_floor_s=args.stall_floor, stall_factor=args.stall_factor,
-                            leave_grace_s=args.leave_grace)
-    checkpoint = CheckpointConfig(dir=args.checkpoint_dir, storage=args.storage, every=args.checkpoint_every,
-                                  resume=args.resume, keep=args.checkpoint_keep,
-                                  asynchronous=args.async_checkpoints)
+    cluster = ClusterConfig(workers=high, min_workers=low, **_given(args, ClusterConfig))
+    checkpoint = CheckpointConfig(**_given(args, CheckpointConfig))
     summary = Trainer(task, train=train, cluster=cluster, checkpoint=checkpoint,
                       out_dir=args.out, progress=args.progress, inject=args.inject,
-                      metrics=MetricsConfig(peak_tflops=args.peak_tflops, tensorboard=args.tensorboard,
-                                            ray_metrics=args.ray_metrics, name=args.run_name)).fit()
+                      metrics=MetricsConfig(**_given(args, MetricsConfig))).fit()
     print(summary.render())
     return 0
 

@@ -5,13 +5,23 @@ Each error names the field and the CLI flag that sets it, so a user knows what t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from elastic_dp.errors import ConfigError
+from elastic_dp.comm.settings import Buckets
+from elastic_dp.control.modes.asyncsgd.settings import AsyncSettings
+from elastic_dp.control.modes.diloco.settings import DiLoCoSettings
+from elastic_dp.control.modes.sync.settings import SyncSettings
+from elastic_dp.errors import API_NAMES, ConfigError
 from elastic_dp.schedules import SCHEDULES, schedule_factor
+from elastic_dp.settings import OMIT, api_names, build, choice, identity, refuse_unplaced, setting
+
+MODES = {"sync": SyncSettings, "async": AsyncSettings, "diloco": DiLoCoSettings}
+"""Each training mode's settings, by its name (``--mode``; its driver: ``control.modes.MODES``,
+its worker side: ``worker.actor.PROGRAMS``)."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -19,132 +29,90 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-@dataclass(kw_only=True, slots=True)
+def _unless_constant(value: Any, train: "TrainConfig") -> Any:
+    """A decay's setting names the run only where the schedule decays."""
+    return OMIT if train.lr_schedule == "constant" else value
+
+
+@dataclass(kw_only=True, slots=True, init=False)
 class TrainConfig:
-    """Hyper-parameters of a run. None of them depends on the number of workers."""
+    """A run's settings: its core (steps, batch, seed, learning-rate schedule, precision,
+    evaluation, the non-finite guard, how the model is built), declared here, and its
+    training mode's part (``mode``), which holds the mode's settings and its own parts
+    (sync: the ZeRO stage's and the gradient buckets'). None depends on the number of workers.
 
-    steps: int = 100
-    """Optimizer steps to train (``--steps``)."""
-    global_batch: int = 32
-    """Samples per step, summed over all workers (``--global-batch``). Fixed for the run."""
-    micro_batch: int | None = None
-    """Most samples one worker puts through one forward/backward (``--micro-batch``);
-    a larger slice is split and its gradients accumulated. None: the whole slice at once."""
-    seed: int = 0
-    """Seeds model initialisation and the sampler's shuffles (``--seed``)."""
-    warmup_steps: int = 0
-    """Linear learning-rate warmup from 0 over this many steps (``--warmup-steps``)."""
-    lr_schedule: Literal["constant", "cosine", "linear", "wsd"] = "constant"
-    """After the warmup: ``constant``; ``cosine`` or ``linear`` decay to ``min_lr_ratio`` at
-    ``decay_steps``; ``wsd`` (warmup, stable, decay) constant, then a linear decay over the
-    last ``decay_fraction`` of ``decay_steps`` (``--lr-schedule``; the rules:
-    ``elastic_dp.schedules.schedule_factor``, README)."""
-    decay_steps: int | None = None
-    """The step at which the decay reaches ``min_lr_ratio`` (``--decay-steps``). None: ``steps``."""
-    min_lr_ratio: float = 0.1
-    """The decayed rate, as a fraction of the base rate (``--min-lr-ratio``)."""
-    decay_fraction: float = 0.1
-    """``wsd``: the fraction of ``decay_steps`` that the decay takes (``--decay-fraction``)."""
-    eval_every: int | None = None
-    """Evaluate ``Task.eval_dataset`` after every this many committed steps, and after the
-    last (``--eval-every``). None: no evaluation."""
-    eval_batches: int | None = None
-    """Evaluate on the first this many global batches of the eval set (``--eval-batches``).
-    None: the whole eval set."""
-    lr_reference_batch: int | None = None
-    """Linear scaling rule: the optimizer's learning rates are multiplied by
-    ``global_batch / lr_reference_batch`` (``--lr-reference-batch``). None: no scaling."""
-    clip_grad_norm: float | None = None
-    """Clip gradients to this global L2 norm before each update (``--clip-grad-norm``)."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """``bf16`` runs forward/backward under bf16 autocast (``--precision``)."""
-    batch_stats: Literal["local", "global"] = "local"
-    """Batch-norm statistics in training (``--batch-stats``): ``local`` over each worker's
-    slice, as DDP (the trajectory then depends on the worker count, and the run says which
-    modules make it so); ``global`` over the step's global batch across the members, as
-    SyncBatchNorm, on gloo and NCCL alike (``elastic_dp.comm.batchnorm``), so that the run
-    does not depend on the worker count. Either way the replicas agree on the running
-    statistics after every step (``elastic_dp.state.buffers``)."""
-    reduce_fp32: bool = True
-    """Reduce gradients in fp32 even when parameters are bf16 (``--no-reduce-fp32``)."""
-    bucket_mb: float = 25.0
-    """Gradient bucket size in MiB; each full bucket is all-reduced while backward goes
-    on (``--bucket-mb``). Buckets are also ZeRO's unit of sharding."""
-    first_bucket_mb: float | None = None
-    """The first bucket (the last layers' gradients, the first that backward produces)
-    closes at this many MiB, so that their reduction starts while backward goes on through
-    the rest (``--first-bucket-mb``). None: 1 MiB on a GPU (as DDP's default), where the
-    collective runs beside the compute; on a CPU, no smaller first bucket: gloo's threads
-    take their CPU from the cores the compute needs, and the second collective cost more
-    than the overlap gave (docs/sync.md)."""
-    zero: int = 0
-    """ZeRO stage (``--zero``): 0 replicates everything; 1 shards the optimizer state (and
-    the fp32 master weights of bf16/fp16 parameters); 2 also shards the gradients; 3 also
-    the parameters, gathered unit by unit for the forward and the backward (docs/zero.md)."""
-    reshard_after_forward: bool = True
-    """ZeRO stage 3: free each unit's gathered parameters after its forward and gather them
-    again for its backward; False (``--no-reshard-after-forward``) keeps them from the
-    forward to the backward: one all-gather a unit less per step, for the memory of the
-    whole model's parameters at the end of the forward."""
-    init: Literal["auto", "whole", "units"] = "auto"
-    """How the model's initial parameters are made (``--init``): ``whole`` runs the task's
-    model factory as it is, on every worker; ``units`` runs it on the meta device and
-    materialises and initialises each shard unit on its own under the unit's seed
-    (docs/zero.md, the initialisation rule), so that at ``--zero 3`` no worker ever holds
-    the whole model; ``auto``: ``units`` at ``--zero 3``, ``whole`` at the other stages."""
-    activation_checkpointing: bool = False
-    """Recompute each shard unit's activations in its backward instead of keeping them from
-    the forward (``--activation-checkpointing``; the units of ``--zero 3``, at any stage)."""
-    snapshot_every: int = 1
-    """With ZeRO, every how many committed steps each worker copies its chunk to its
-    neighbour's host memory (``--snapshot-every``). A worker lost k steps after the
-    last snapshot costs a rollback and replay of those k steps."""
-    on_nonfinite: Literal["skip", "fail"] = "skip"
-    """A step whose loss or gradient is not finite makes no update on any rank; ``skip``
-    goes on with the next step (the skipped one counts as trained, a no-op), ``fail`` ends
-    the run naming the step and the rank (``--on-nonfinite``)."""
-    max_nonfinite_steps: int = 5
-    """With ``skip``: fail after this many consecutive skipped steps (``--max-nonfinite-steps``)."""
-    mode: Literal["sync", "async", "diloco"] = "sync"
-    """``sync``: every worker trains a slice of each step; ``async``: each worker trains
-    whole steps on the parameters it pulled from the parameter-server shards, and updates
-    are applied as they come, up to ``max_staleness`` stale (``--mode``; docs/async.md);
-    ``diloco``: ``sync_every`` inner steps alone, then an outer step together (docs/diloco.md)."""
-    sync_every: int = 50
-    """``diloco``: inner steps per outer step, H (``--sync-every``)."""
-    outer_lr: float = 0.7
-    """``diloco``: the outer SGD's rate and momentum (``--outer-lr``, ``--outer-momentum``)."""
-    outer_momentum: float = 0.9
-    outer_nesterov: bool = True
-    outer_reduce: Literal["fp32", "bf16"] = "fp32"
-    """``diloco``: the pseudo-gradient's all-reduce dtype (``--outer-reduce``; bf16 halves it)."""
-    fragments: int = 1
-    """``diloco``: Streaming DiLoCo (``--fragments F``, ``--fragment-delay τ``; docs/diloco.md)."""
-    fragment_delay: int = 0
-    max_staleness: int = 4
-    """``async``: an update computed on a version more than this many updates old is not
-    applied; its worker pulls again and recomputes (``--max-staleness``)."""
-    staleness_lr: Literal["none", "inverse"] = "none"
-    """``async``: ``inverse`` divides an update's learning rate by staleness + 1
-    (``--staleness-lr``)."""
-    ps_shards: int = 1
-    """``async``: parameter-server shards, each a Ray actor holding a contiguous part of the
-    parameters and its optimizer state (``--ps-shards``)."""
-    ps_device: Literal["cpu", "cuda"] = "cpu"
-    """``async``: where the shards keep that state: ``cuda`` runs their optimizer steps on a
-    GPU (each shard takes ``PS_GPU_SHARE`` of one), at the price of GPU memory and capacity
-    the workers then do not have (``--ps-device``; docs/async.md)."""
-    balance: bool = False
-    """Split each step's global batch in proportion to the workers' measured speed, so that
-    a slow worker gets fewer samples; the result is the same as with equal slices
-    (``--balance``; docs/sync.md)."""
-    prefetch: bool | None = None
-    """Collate the next step's batch on a background thread while the current step computes
-    (``--prefetch`` / ``--no-prefetch``). None: on a GPU, where the training thread waits for
-    the device and the copy from pinned memory overlaps; not on a CPU, where the two threads
-    contend for Python's GIL (measured: docs/BENCHMARKS.md)."""
+    Every setting is given by its name, wherever it is declared: ``TrainConfig(zero=2,
+    bucket_mb=5)`` puts ``zero`` and ``bucket_mb`` in the sync mode's part (the default
+    mode). A part may also be given whole (``mode=DiLoCoSettings(sync_every=10)``). A
+    setting that no chosen part reads is refused, naming it (``elastic_dp.settings``);
+    ``dataclasses.replace`` routes the same way, and a new mode or stage starts from its
+    own defaults."""
 
-    def __post_init__(self) -> None:
+    steps: int = setting(100, "--steps", "optimizer steps to reach (a resumed run continues to S)")
+    global_batch: int = setting(32, "--global-batch", "samples per step over all workers; fixed for the run, "
+                                "whatever the worker count", identity=True)
+    micro_batch: int | None = setting(None, "--micro-batch", "most samples one worker puts through one "
+                                      "forward/backward; a larger slice accumulates (default: the whole slice)",
+                                      kind=int)
+    seed: int = setting(0, "--seed", "seeds model initialisation and the sampler's shuffles", identity=True)
+    warmup_steps: int = setting(0, "--warmup-steps", "linear learning-rate warmup from 0 over this many steps",
+                                identity=True)
+    lr_schedule: Literal["constant", "cosine", "linear", "wsd"] = setting(
+        "constant", "--lr-schedule", choices=tuple(SCHEDULES), identity=_unless_constant, help=(
+            "after the warmup: constant (default); cosine or linear decay to --min-lr-ratio at --decay-steps; wsd: "
+            "constant, then a linear decay over the last --decay-fraction of --decay-steps "
+            "(elastic_dp.schedules.schedule_factor)"))
+    decay_steps: int | None = setting(
+        None, "--decay-steps", "the step at which the decay reaches --min-lr-ratio (default: --steps)", kind=int,
+        identity=lambda value, train: _unless_constant(train.decay_end(), train))
+    min_lr_ratio: float = setting(0.1, "--min-lr-ratio", "the decayed rate, as a fraction of the base rate "
+                                  "(default 0.1)", identity=lambda value, train: _unless_constant(value, train))
+    decay_fraction: float = setting(
+        0.1, "--decay-fraction", "wsd: the fraction of --decay-steps that the decay takes (default 0.1)",
+        identity=lambda value, train: value if train.lr_schedule == "wsd" else OMIT)
+    eval_every: int | None = setting(
+        None, "--eval-every", "evaluate Task.eval_dataset after every this many committed steps, and after the "
+        "last (default: no evaluation)", kind=int)
+    eval_batches: int | None = setting(None, "--eval-batches", "evaluate on the first this many global batches of "
+                                       "the eval set (default: all of it)", kind=int)
+    lr_reference_batch: int | None = setting(
+        None, "--lr-reference-batch", "linear scaling rule: the optimizer's learning rates times "
+        "--global-batch / this", kind=int, identity=True)
+    clip_grad_norm: float | None = setting(None, "--clip-grad-norm", "clip gradients to this global L2 norm before "
+                                           "each update", kind=float, identity=True)
+    precision: Literal["fp32", "bf16"] = setting("fp32", "--precision", "bf16: forward/backward under bf16 autocast",
+                                                 choices=("fp32", "bf16"), identity=True)
+    on_nonfinite: Literal["skip", "fail"] = setting(
+        "skip", "--on-nonfinite", choices=("skip", "fail"), help=(
+            "a step whose loss or gradient is not finite makes no update on any rank; skip (default) goes on with "
+            "the next step (the skipped one counts as trained, a no-op), fail ends the run naming the step and rank"))
+    max_nonfinite_steps: int = setting(5, "--max-nonfinite-steps", "with skip: fail after this many consecutive "
+                                       "skipped steps (default 5)")
+    init: Literal["auto", "whole", "units"] = setting(
+        "auto", "--init", choices=("auto", "whole", "units"), help=(
+            "how the initial parameters are made: whole runs the task's model factory as it is; units builds it on "
+            "the meta device and materialises and initialises each shard unit on its own under its seed "
+            "(docs/zero.md, the initialisation rule), so that at --zero 3 no worker holds the whole model; auto "
+            "(default): units at --zero 3, whole otherwise"))
+    activation_checkpointing: bool = setting(False, "--activation-checkpointing", help=(
+        "recompute each shard unit's activations in its backward instead of keeping them (any --zero stage)"))
+    mode: Any = choice(MODES, "sync", "--mode", help=(
+        "sync: every worker trains a slice of each step; async: each worker trains whole steps on parameters "
+        "pulled from parameter-server shards, applied as they come (docs/async.md); diloco: --sync-every inner "
+        "steps alone, then an outer step together (docs/diloco.md)"))
+
+    def __init__(self, **given: Any) -> None:
+        given = dict(given)
+        for name, value in build(TrainConfig, given).items():
+            setattr(self, name, value)
+        refuse_unplaced(self, given)
+        self._check()
+        for part_of_run in parts_of(self):
+            check = getattr(part_of_run, "check", None)
+            if check is not None:
+                check(self)
+
+    def _check(self) -> None:
         _require(self.steps >= 0, f"steps must be >= 0, got {self.steps} (--steps)")
         _require(self.global_batch > 0,
                  f"global_batch must be positive, got {self.global_batch} (--global-batch)")
@@ -170,9 +138,6 @@ class TrainConfig:
                  f"eval_batches must be positive, got {self.eval_batches} (--eval-batches)")
         _require(self.eval_batches is None or self.eval_every is not None,
                  "--eval-batches sets how much of the eval set --eval-every evaluates: add --eval-every or drop it")
-        _require(self.eval_every is None or self.mode != "async",
-                 "--eval-every evaluates between synchronous steps; --mode async has none yet: drop it, or use "
-                 "--mode sync")
         _require(self.lr_reference_batch is None or self.lr_reference_batch > 0,
                  f"lr_reference_batch must be positive, got {self.lr_reference_batch} "
                  "(--lr-reference-batch)")
@@ -180,80 +145,30 @@ class TrainConfig:
                  f"clip_grad_norm must be positive, got {self.clip_grad_norm} (--clip-grad-norm)")
         _require(self.precision in ("fp32", "bf16"),
                  f"precision must be 'fp32' or 'bf16', got {self.precision!r} (--precision)")
-        _require(self.batch_stats in ("local", "global"),
-                 f"batch_stats must be 'local' or 'global', got {self.batch_stats!r} (--batch-stats)")
-        _require(self.batch_stats == "local" or self.micro_batch is None,
-                 "--batch-stats global computes batch-norm statistics over the global batch in one forward per "
-                 "worker: drop --micro-batch, or use --batch-stats local")
-        _require(self.batch_stats == "local" or self.mode == "sync",
-                 "--batch-stats global normalises over a synchronous step's global batch; --mode async trains "
-                 "whole steps on one worker, whose statistics are the global batch's already: drop it")
-        _require(self.bucket_mb > 0, f"bucket_mb must be positive, got {self.bucket_mb} (--bucket-mb)")
-        _require(self.first_bucket_mb is None or self.first_bucket_mb > 0,
-                 f"first_bucket_mb must be positive, got {self.first_bucket_mb} (--first-bucket-mb)")
-        _require(self.zero in (0, 1, 2, 3), f"zero must be stage 0, 1, 2 or 3, got {self.zero!r} (--zero)")
-        _require(self.reshard_after_forward or self.zero == 3,
-                 "--no-reshard-after-forward is a ZeRO stage 3 setting: add --zero 3 or drop it")
         _require(self.init in ("auto", "whole", "units"),
                  f"init must be 'auto', 'whole' or 'units', got {self.init!r} (--init)")
-        _require(self.mode in ("sync", "async", "diloco"),
-                 f"mode must be sync, async or diloco, got {self.mode!r} (--mode)")
-        _require(self.sync_every >= 1, f"sync_every must be >= 1, got {self.sync_every} (--sync-every)")
-        _require(self.outer_lr > 0, f"outer_lr must be positive, got {self.outer_lr} (--outer-lr)")
-        _require(self.outer_reduce in ("fp32", "bf16"),
-                 f"outer_reduce must be fp32 or bf16, got {self.outer_reduce!r} (--outer-reduce)")
-        _require(0 <= self.outer_momentum < 1,
-                 f"outer_momentum must be in [0, 1), got {self.outer_momentum} (--outer-momentum)")
-        _require(self.fragments >= 1, f"fragments must be >= 1, got {self.fragments} (--fragments)")
-        _require(self.fragment_delay >= 0, f"fragment_delay must be >= 0, got {self.fragment_delay} (--fragment-delay)")
-        if self.mode == "diloco":
-            _require(not self.zero, f"--mode diloco keeps the outer state whole on every worker: drop --zero "
-                                    f"{self.zero} (or use --mode sync)")
-            _require(not self.balance, "--balance splits a synchronous step between workers; --mode diloco trains "
-                                       "equal slices: drop one of them")
-            _require(self.batch_stats == "local", "--batch-stats global normalises over a synchronous step's "
-                                                  "global batch; --mode diloco's inner steps are each worker's own")
-            _require(not self.prefetch, "--prefetch collates a synchronous step's slice ahead; --mode diloco's "
-                                        "windows collate each inner step's: drop one of them")
-            _require(not self.eval_every or self.eval_every % self.sync_every == 0,
-                     f"--mode diloco evaluates at outer steps: --eval-every {self.eval_every} must be a multiple "
-                     f"of --sync-every {self.sync_every}")
-            _require(self.fragments <= self.sync_every, f"--fragments {self.fragments} syncs each fragment at its "
-                     f"own inner step of a window: at most --sync-every {self.sync_every} of them")
-            _require(self.fragment_delay < self.sync_every // self.fragments, f"--fragment-delay "
-                     f"{self.fragment_delay} must be under the inner steps between two fragments' syncs, --sync-every "
-                     f"{self.sync_every} // --fragments {self.fragments} = {self.sync_every // self.fragments}")
-        _require(self.max_staleness >= 0,
-                 f"max_staleness must be >= 0, got {self.max_staleness} (--max-staleness)")
-        _require(self.staleness_lr in ("none", "inverse"),
-                 f"staleness_lr must be none or inverse, got {self.staleness_lr!r} (--staleness-lr)")
-        _require(self.ps_shards >= 1, f"ps_shards must be >= 1, got {self.ps_shards} (--ps-shards)")
-        _require(self.ps_device in ("cpu", "cuda"), f"ps_device must be cpu or cuda, got {self.ps_device!r} (--ps-device)")
-        _require(self.ps_device == "cpu" or self.mode == "async",
-                 "--ps-device places the parameter servers of --mode async: add --mode async or drop it")
-        _require(not (self.mode == "async" and self.zero),
-                 f"--mode async shards the optimizer state on its parameter servers already: drop --zero "
-                 f"{self.zero} (or use --mode sync)")
-        _require(not (self.mode == "async" and self.prefetch),
-                 "--prefetch collates a synchronous step's slice ahead; --mode async computes one whole step per "
-                 "lease: drop one of them")
-        _require(not (self.mode == "async" and self.balance),
-                 "--balance splits a synchronous step between workers; --mode async trains whole steps per "
-                 "worker: drop one of them")
-        _require(self.snapshot_every >= 1,
-                 f"snapshot_every must be >= 1, got {self.snapshot_every} (--snapshot-every)")
         _require(self.on_nonfinite in ("skip", "fail"),
                  f"on_nonfinite must be 'skip' or 'fail', got {self.on_nonfinite!r} (--on-nonfinite)")
         _require(self.max_nonfinite_steps >= 1,
                  f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps} (--max-nonfinite-steps)")
 
-    def first_bucket_bytes(self, device_type: str) -> int:
-        """Where the first gradient bucket closes, in bytes, for workers on ``device_type``
-        (``first_bucket_mb``; at most ``bucket_mb``)."""
-        mb = self.first_bucket_mb
-        if mb is None:
-            mb = 1.0 if device_type == "cuda" else self.bucket_mb
-        return int(min(mb, self.bucket_mb) * 2**20)
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage the state is sharded at (``--zero``): the sync mode's; 0 in the
+        modes that shard nothing (async keeps its state on parameter servers, diloco whole)."""
+        zero = getattr(self.mode, "zero", None)
+        return 0 if zero is None else zero.stage
+
+    @property
+    def buckets(self) -> Buckets:
+        """The gradient buckets' settings: the sync mode's; their defaults in the modes that
+        reduce no gradients (whose replicas still build a reducer they never launch)."""
+        return getattr(self.mode, "buckets", None) or Buckets()
+
+    @property
+    def global_batch_stats(self) -> bool:
+        """``--batch-stats global`` (a sync setting; the other modes' statistics are local)."""
+        return getattr(self.mode, "batch_stats", "local") == "global"
 
     def decay_end(self) -> int:
         """``decay_steps``, or ``steps`` when it is None."""
@@ -273,59 +188,58 @@ class TrainConfig:
     @property
     def init_by_units(self) -> bool:
         """The meta-device rule (``--init units``, or ``auto`` at ``--zero 3``)."""
-        return self.init == "units" or (self.init == "auto" and self.zero == 3)
+        return self.init == "units" or (self.init == "auto" and self.stage == 3)
+
+
+def parts_of(section: Any) -> list[Any]:
+    """``section`` and every part under it (a run's mode, its stage, its buckets)."""
+    out = [section]
+    for f in dataclasses.fields(section):
+        if "part" in f.metadata or "choice" in f.metadata:
+            out += parts_of(getattr(section, f.name))
+    return out
 
 
 @dataclass(kw_only=True, slots=True)
 class ClusterConfig:
     """Where and how the workers run."""
 
-    workers: int = 2
-    """Worker actors, one model replica each; the most the run uses (``--workers N`` or the
-    MAX of ``--workers MIN:MAX``)."""
-    min_workers: int | None = None
-    """Fewest workers the run trains with (MIN of ``--workers MIN:MAX``); None: ``workers``.
-    Training starts once this many are placed and continues while this many are alive."""
-    min_wait_timeout_s: float = 300.0
-    """Below ``min_workers``, how long to wait for capacity to return before failing
-    (``--min-wait-timeout``)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """``cuda``: one GPU per worker with NCCL; ``cpu``: one CPU slot per worker with gloo;
-    ``auto``: cuda when the cluster has GPUs (``--device``)."""
-    gpus_per_worker: float = 1.0
-    """With ``cuda``: the share of a GPU each worker holds, in (0, 1]; below 1, several
-    workers share one GPU and talk through gloo, since NCCL refuses two ranks on one
-    device (``--gpus-per-worker``)."""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """The collective backend: ``auto`` is NCCL for workers that each hold a whole GPU,
-    gloo otherwise; gloo with CUDA tensors stages them through host memory (``--backend``)."""
-    address: str | None = None
-    """Ray cluster to attach to; None: ``RAY_ADDRESS`` if set, else an embedded local
-    Ray (``--address``)."""
-    placement_timeout_s: float = 60.0
-    """How long to wait for the cluster to place every worker (``--placement-timeout``)."""
-    step_timeout_s: float = 600.0
-    """Deadline for one step (or one call of a re-formation) on every worker: the last
-    backstop behind the hang detection below (``--step-timeout``)."""
-    heartbeat_timeout_s: float = 5.0
-    """A worker whose control thread does not answer a heartbeat for this long is a frozen
-    process, and is replaced (``--heartbeat-timeout``)."""
-    stall_floor_s: float = 5.0
-    """A worker whose training thread makes no progress while its peers wait for it is
-    hung after ``max(stall_floor_s, stall_factor × median step time)`` (``--stall-floor``).
-    In async mode: no progress in a gradient for ``max(stall_floor_s, stall_factor ×`` the
-    larger of the run's and its own median gradient time``)``."""
-    stall_factor: float = 4.0
-    """See ``stall_floor_s`` (``--stall-factor``)."""
-    collective_timeout_s: float = 300.0
-    """Timeout of each collective in the process group (``--collective-timeout``)."""
-    abort_grace_s: float = 10.0
-    """After a failure signal, how long a worker still in the step may take to return
-    once its group is aborted; one that does not is hung and is replaced (``--abort-grace``)."""
-    leave_grace_s: float = 25.0
-    """A worker sent SIGTERM asks to leave at the next step boundary and exits on its own
-    after this long if it was not let go by then (``--leave-grace``; a container runtime
-    kills after its own grace period, Kubernetes' default is 30 s)."""
+    workers: int = setting(2, help="worker actors, one model replica each; the most the run uses (--workers N, "
+                           "or the MAX of --workers MIN:MAX)")
+    min_workers: int | None = setting(None, help="fewest workers the run trains with (MIN of --workers MIN:MAX; "
+                                      "None: workers): training starts once this many are placed and goes on "
+                                      "while this many are alive")
+    min_wait_timeout_s: float = setting(300.0, "--min-wait-timeout", "below MIN workers, seconds to wait for "
+                                        "capacity before failing (default 300)")
+    device: Literal["auto", "cpu", "cuda"] = setting(
+        "auto", "--device", "cuda: one GPU per worker, NCCL; cpu: one CPU slot per worker, gloo; auto (default): "
+        "cuda when the cluster has GPUs", choices=("auto", "cpu", "cuda"))
+    gpus_per_worker: float = setting(
+        1.0, "--gpus-per-worker", "with cuda, each worker's share of a GPU, in (0, 1] (default 1); below 1 several "
+        "workers share a GPU and talk through gloo (NCCL refuses two ranks on one device)")
+    backend: Literal["auto", "nccl", "gloo"] = setting(
+        "auto", "--backend", "the collective backend (default auto: NCCL when each worker holds a whole GPU, else "
+        "gloo; gloo stages CUDA tensors through host memory)", choices=("auto", "nccl", "gloo"))
+    address: str | None = setting(None, "--address", "Ray cluster to attach to (default: RAY_ADDRESS, else an "
+                                  "embedded local Ray)")
+    placement_timeout_s: float = setting(60.0, "--placement-timeout", "seconds to wait for the cluster to place "
+                                         "every worker (default 60)")
+    step_timeout_s: float = setting(600.0, "--step-timeout", "deadline of one step (or one call of a "
+                                    "re-formation), seconds: the last backstop behind hang detection")
+    heartbeat_timeout_s: float = setting(5.0, "--heartbeat-timeout", "a worker whose control thread leaves "
+                                         "heartbeats unanswered this long is a frozen process (default 5)")
+    stall_floor_s: float = setting(
+        5.0, "--stall-floor", "a worker that makes no progress while its peers wait for it is hung after "
+        "max(this, --stall-factor x median step time) seconds (async: in a gradient, x the larger of the run's and "
+        "its own median gradient time; default 5)")
+    stall_factor: float = setting(4.0, "--stall-factor", "see --stall-floor (default 4)")
+    collective_timeout_s: float = setting(300.0, "--collective-timeout", "timeout of one collective in the "
+                                          "process group, seconds")
+    abort_grace_s: float = setting(10.0, "--abort-grace", "after a failure, seconds a worker may take to leave the "
+                                   "aborted step before it counts as hung (default 10)")
+    leave_grace_s: float = setting(
+        25.0, "--leave-grace", "a worker sent SIGTERM leaves at the next step boundary, and exits on its own after "
+        "this many seconds if it was not let go (default 25; Kubernetes' grace period is 30 s)")
 
     def __post_init__(self) -> None:
         _require(self.workers > 0, f"workers must be positive, got {self.workers} (--workers)")
@@ -365,25 +279,21 @@ class ClusterConfig:
 class CheckpointConfig:
     """Durable checkpoints (see elastic_dp.durable.checkpoint for the format)."""
 
-    dir: str | None = None
-    """Local directory (or shared mount) that holds the checkpoints (``--checkpoint-dir``)."""
-    storage: str | None = None
-    """Storage URI for this and other runs' checkpoints (``--storage``): a path, or a
-    pyarrow filesystem URI such as ``s3://bucket/prefix?endpoint_override=host:port``.
-    Each run keeps its checkpoints under its name (``--run-name``). Use ``dir`` or
-    ``storage``; neither: no checkpoints."""
-    every: int = 0
-    """Save after every ``every`` committed steps and after the last one
-    (``--checkpoint-every``); 0: only after the last step."""
-    resume: bool | str | None = None
-    """``never``; ``latest`` (or True: ``--resume``): continue from the latest checkpoint,
-    which must exist; ``auto``: continue from this run's latest checkpoint if there is one,
-    else start fresh (``--resume auto``). None: ``auto`` with ``storage``, else ``never``."""
-    keep: int = 3
-    """How many of the newest checkpoints to keep (``--checkpoint-keep``)."""
-    asynchronous: bool = True
-    """Write checkpoints in the background while training goes on; training waits only
-    for each rank's copy into host memory (``--sync-checkpoints`` turns it off)."""
+    dir: str | None = setting(None, "--checkpoint-dir", "local directory (or shared mount) for checkpoints")
+    storage: str | None = setting(
+        None, "--storage", "checkpoints under URI/RUN_NAME: a path or a pyarrow filesystem URI such as "
+        "s3://bucket/prefix?endpoint_override=host:port (credentials from the environment); implies --resume auto",
+        metavar="URI")
+    every: int = setting(0, "--checkpoint-every", "save after every K committed steps and after the last one "
+                         "(0: after the last only)")
+    resume: bool | str | None = setting(
+        None, "--resume", "continue from the latest checkpoint, which must exist (True or latest); auto: from this "
+        "run's latest if there is one, else start fresh (the default with --storage); never", kind=str,
+        choices=("latest", "auto", "never"), const="latest")
+    keep: int = setting(3, "--checkpoint-keep", "how many of the newest checkpoints to keep (default 3)")
+    asynchronous: bool = setting(True, off="--sync-checkpoints", help=(
+        "write checkpoints on the training thread (default: in the background; training waits only for each "
+        "rank's copy into host memory)"))
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, f"checkpoint every must be >= 0, got {self.every} (--checkpoint-every)")
@@ -407,17 +317,16 @@ class CheckpointConfig:
 class MetricsConfig:
     """What a run reports besides metrics.jsonl and events.jsonl."""
 
-    peak_tflops: float | None = None
-    """Peak dense TFLOP/s of one worker's device, for model FLOPs utilisation
-    (``--peak-tflops``). None: from a table of known GPUs (bf16); no MFU on CPUs."""
-    tensorboard: str | None = None
-    """Write TensorBoard event files here (``--tensorboard``). None: none."""
-    ray_metrics: bool = True
-    """Export the figures as Ray metrics for Prometheus (``--no-ray-metrics`` turns it off)."""
-    name: str | None = None
-    """The run's name (``--run-name``): where its checkpoints live under ``--storage``, and
-    the ``run`` tag of its Ray metrics. None: derived from the job and the settings that
-    make it this run (``run_name``), so the same command resumes the same run."""
+    peak_tflops: float | None = setting(None, "--peak-tflops", "peak dense TFLOP/s of one worker's device, for "
+                                        "model FLOPs utilisation (default: known GPUs' bf16 peak; none on CPUs)",
+                                        kind=float)
+    tensorboard: str | None = setting(None, "--tensorboard", "also write TensorBoard event files (scalars per "
+                                      "step, membership changes) here", metavar="DIR")
+    ray_metrics: bool = setting(True, off="--no-ray-metrics", help="do not export the run's figures as Ray "
+                                "(Prometheus) metrics")
+    name: str | None = setting(
+        None, "--run-name", "the run's name: its checkpoints' prefix under --storage and the run tag of its Ray "
+        "metrics (default: the job's name and a hash of the settings that make it this run)")
 
     def __post_init__(self) -> None:
         _require(self.peak_tflops is None or self.peak_tflops > 0,
@@ -433,18 +342,17 @@ def check_batch_fits(train: TrainConfig, cluster: ClusterConfig) -> None:
 
 def run_settings(job: str, train: TrainConfig) -> dict[str, object]:
     """The settings that make a run this run: a checkpoint of another run is not resumed
-    by ``--resume auto``. The worker count, ZeRO stage, micro-batch and ``--steps`` are
-    not among them: a run may continue at any of those."""
-    return {"job": job, "global_batch": train.global_batch, "seed": train.seed,
-            "warmup_steps": train.warmup_steps, "lr_reference_batch": train.lr_reference_batch,
-            **({} if train.lr_schedule == "constant" else {
-                "lr_schedule": train.lr_schedule, "decay_steps": train.decay_end(), "min_lr_ratio": train.min_lr_ratio,
-                **({"decay_fraction": train.decay_fraction} if train.lr_schedule == "wsd" else {})}),
-            "clip_grad_norm": train.clip_grad_norm, "precision": train.precision,
-            **({} if train.batch_stats == "local" else {"batch_stats": train.batch_stats})}
+    by ``--resume auto``. Those declared with an ``identity`` (``elastic_dp.settings``): the
+    worker count, the mode, the ZeRO stage, the micro-batch and ``--steps`` are not among
+    them, so that a run may continue at any of those."""
+    return {"job": job, **identity(train)}
 
 
 def run_name(settings: dict[str, object]) -> str:
     """The default run name: the job's short name and a hash of ``settings``."""
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
     return f"{str(settings['job']).split(':')[0].rsplit('.', 1)[-1]}-{digest}"
+
+
+API_NAMES.update({**api_names(TrainConfig), **api_names(ClusterConfig), **api_names(CheckpointConfig),
+                  **api_names(MetricsConfig)})

@@ -18,35 +18,13 @@ SURFACE: contextvars.ContextVar[str] = contextvars.ContextVar("elastic_dp_surfac
 """Who is calling: ``api`` (Python) or ``cli`` (``elastic-dp``, which sets it)."""
 
 API_NAMES = {
-    **{f"--{f.replace('_', '-')}": f"TrainConfig.{f}" for f in (
-        "steps", "global_batch", "micro_batch", "seed", "warmup_steps", "lr_schedule", "decay_steps",
-        "min_lr_ratio", "decay_fraction", "eval_every", "eval_batches", "lr_reference_batch", "clip_grad_norm",
-        "precision", "batch_stats", "bucket_mb", "first_bucket_mb", "zero", "init", "snapshot_every", "on_nonfinite",
-        "max_nonfinite_steps", "mode", "max_staleness", "staleness_lr", "ps_shards", "ps_device", "prefetch",
-        "balance", "sync_every", "outer_lr", "outer_momentum", "outer_reduce",
-        "fragments", "fragment_delay")},
-    "--no-reduce-fp32": "TrainConfig(reduce_fp32=False)", "--no-prefetch": "TrainConfig(prefetch=False)",
-    "--no-reshard-after-forward": "TrainConfig(reshard_after_forward=False)",
-    "--activation-checkpointing": "TrainConfig(activation_checkpointing=True)",
-    "--no-outer-nesterov": "TrainConfig(outer_nesterov=False)",
-    "--workers": "ClusterConfig.workers", "--device": "ClusterConfig.device",
-    "--gpus-per-worker": "ClusterConfig.gpus_per_worker", "--backend": "ClusterConfig.backend",
-    "--address": "ClusterConfig.address", "--placement-timeout": "ClusterConfig.placement_timeout_s",
-    "--step-timeout": "ClusterConfig.step_timeout_s", "--heartbeat-timeout": "ClusterConfig.heartbeat_timeout_s",
-    "--stall-floor": "ClusterConfig.stall_floor_s", "--stall-factor": "ClusterConfig.stall_factor",
-    "--collective-timeout": "ClusterConfig.collective_timeout_s",
-    "--min-wait-timeout": "ClusterConfig.min_wait_timeout_s", "--abort-grace": "ClusterConfig.abort_grace_s",
-    "--leave-grace": "ClusterConfig.leave_grace_s",
-    "--checkpoint-dir": "CheckpointConfig.dir", "--storage": "CheckpointConfig.storage",
-    "--checkpoint-every": "CheckpointConfig.every", "--checkpoint-keep": "CheckpointConfig.keep",
-    "--sync-checkpoints": "CheckpointConfig(asynchronous=False)", "--resume": "CheckpointConfig.resume",
-    "--tensorboard": "MetricsConfig.tensorboard", "--run-name": "MetricsConfig.name",
-    "--peak-tflops": "MetricsConfig.peak_tflops", "--no-ray-metrics": "MetricsConfig(ray_metrics=False)",
+    "--workers": "ClusterConfig.workers",
     "--inject": "Trainer's inject", "--out": "Trainer's out_dir", "--progress": "Trainer(progress=True)",
     "--no-progress": "Trainer(progress=False)",
 }
-"""Each ``elastic-dp train`` flag's name in the Python API (``tests/test_errors.py``
-checks it against the command's flags and the config classes' fields)."""
+"""Each ``elastic-dp train`` flag's name in the Python API: the ``Trainer``'s own here, each
+config's added from its declarations where the config is defined (``settings.api_names``;
+``tests/test_settings.py`` checks them against the command's flags)."""
 
 _WORDS = ("constant", "cosine", "linear", "wsd", "sync", "async", "diloco", "skip", "fail", "cpu", "cuda", "auto", "gloo", "nccl", "bf16", "fp32", "none",
           "inverse", "latest", "never", "local", "global")

@@ -148,16 +148,18 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
     def refuse(why: str) -> None:
         raise ConfigError(f"--inject {f} can never fire: {why}")
 
+    mode = train.mode.name
     if f.kind == "slowlink":
-        if train.mode == "async":
+        if mode == "async":
             refuse("--mode async has no collective group: its workers exchange with the parameter servers")
         return
     if f.step >= train.steps:
         refuse(f"the run trains steps 0..{train.steps - 1} (--steps {train.steps})")
     if f.phase == "shard":
-        if train.mode != "async" or f.rank >= train.ps_shards:
+        shards = train.mode.ps_shards if mode == "async" else 0
+        if f.rank >= shards:
             refuse(f"phase=shard kills parameter-server shard R of --mode async: the run has "
-                   f"{train.ps_shards if train.mode == 'async' else 'no'} shards (--ps-shards, --mode)")
+                   f"{shards or 'no'} shards (--ps-shards, --mode)")
     elif f.rank is not None and f.rank >= cluster.workers:
         refuse(f"the run has at most {cluster.workers} workers, ranks 0..{cluster.workers - 1} (--workers)")
     if f.phase in SAVE_PHASES:
@@ -174,16 +176,17 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
         if not every or not ((f.step + 1) % every == 0 or f.step + 1 == train.steps):
             refuse(f"no evaluation runs after step {f.step}: --eval-every {every} evaluates after steps whose "
                    "number plus one it divides, and after the last step")
-    if train.mode == "diloco" and f.kind == "join" and f.step % train.sync_every:
+    if mode == "diloco" and f.kind == "join" and f.step % train.mode.sync_every:
         refuse(f"--mode diloco changes membership at outer steps: join at a multiple of --sync-every "
-               f"{train.sync_every}")
-    if train.mode == "diloco" and f.kind in ("kill", "hang") and f.phase != "forward":
+               f"{train.mode.sync_every}")
+    if mode == "diloco" and f.kind in ("kill", "hang") and f.phase != "forward":
         refuse("--mode diloco fires faults in its inner steps' forward (phase=forward) only")
-    if f.phase in ("gather_forward", "gather_backward") and train.zero != 3:
+    if f.phase in ("gather_forward", "gather_backward") and train.stage != 3:
         refuse(f"phase={f.phase} fires as a unit's parameters are all-gathered, which only --zero 3 does")
-    if f.phase == "snapshot" and (not train.zero or (f.step + 1) % train.snapshot_every):
+    if f.phase == "snapshot" and (not train.stage or (f.step + 1) % train.mode.zero.snapshot_every):
+        every = train.mode.zero.snapshot_every if train.stage else 1
         refuse(f"phase=snapshot needs --zero 1, 2 or 3 and a step after which a snapshot is taken: (step + 1) "
-               f"divisible by --snapshot-every {train.snapshot_every}")
+               f"divisible by --snapshot-every {every}")
     if f.phase == "reform" and not any(g.kind != "join" and g.step == f.step and g.phase in STEP_PHASES
                                        for g in faults):
         refuse(f"phase=reform fires while the group re-forms after another fault in step {f.step}: add a "

@@ -47,13 +47,13 @@ def test_workers_sharing_a_gpu_talk_through_gloo():
 
 def test_the_first_bucket_closes_early_on_a_gpu_not_on_a_cpu():
     mib = 2**20
-    assert TrainConfig().first_bucket_bytes("cpu") == 25 * mib  # the whole bucket: one all-reduce
-    assert TrainConfig(zero=2).first_bucket_bytes("cpu") == 25 * mib
-    assert TrainConfig().first_bucket_bytes("cuda") == mib
-    assert TrainConfig(zero=1).first_bucket_bytes("cuda") == mib
-    assert TrainConfig(first_bucket_mb=4.0).first_bucket_bytes("cpu") == 4 * mib  # set: everywhere
-    assert TrainConfig(first_bucket_mb=4.0, zero=2).first_bucket_bytes("cuda") == 4 * mib
-    assert TrainConfig(bucket_mb=0.5).first_bucket_bytes("cuda") == mib // 2  # never past a bucket
+    assert TrainConfig().buckets.first_bucket_bytes("cpu") == 25 * mib  # the whole bucket: one all-reduce
+    assert TrainConfig(zero=2).buckets.first_bucket_bytes("cpu") == 25 * mib
+    assert TrainConfig().buckets.first_bucket_bytes("cuda") == mib
+    assert TrainConfig(zero=1).buckets.first_bucket_bytes("cuda") == mib
+    assert TrainConfig(first_bucket_mb=4.0).buckets.first_bucket_bytes("cpu") == 4 * mib  # set: everywhere
+    assert TrainConfig(first_bucket_mb=4.0, zero=2).buckets.first_bucket_bytes("cuda") == 4 * mib
+    assert TrainConfig(bucket_mb=0.5).buckets.first_bucket_bytes("cuda") == mib // 2  # never past a bucket
 
 
 def test_lr_factor_warmup_and_linear_scaling():
@@ -167,52 +167,3 @@ def test_stragglers_that_cannot_slow_anything_are_refused():
     with pytest.raises(ConfigError, match="one spec per rank"):
         parse_faults(["slow:rank=0:factor=2", "slow:rank=0:factor=3"], TrainConfig(steps=4),
                      ClusterConfig(workers=2), CheckpointConfig())
-
-
-@pytest.mark.parametrize("fields, name", [
-    ({"mode": "async", "max_staleness": -1}, r"TrainConfig\.max_staleness"),
-    ({"mode": "async", "ps_shards": 0}, r"TrainConfig\.ps_shards"),
-    ({"mode": "async", "zero": 2}, r"drop TrainConfig\.zero=2"), ({"mode": "async", "balance": True}, r"TrainConfig\.balance"),
-    ({"mode": "hogwild"}, r"TrainConfig\.mode"), ({"mode": "async", "staleness_lr": "sqrt"}, r"TrainConfig\.staleness_lr"),
-    ({"mode": "async", "prefetch": True}, r"TrainConfig\.prefetch collates a synchronous step"),
-])
-def test_async_settings_are_checked_naming_the_field(fields, name):
-    with pytest.raises(ConfigError, match=name):
-        TrainConfig(**fields)
-
-
-def test_the_parameter_servers_device_is_an_async_setting():
-    with pytest.raises(ConfigError, match=r"TrainConfig\.ps_device places the parameter servers of TrainConfig\.mode='async'"):
-        TrainConfig(ps_device="cuda")
-    with pytest.raises(ConfigError, match=r"TrainConfig\.ps_device"):
-        TrainConfig(mode="async", ps_device="tpu")
-    assert TrainConfig(mode="async", ps_device="cuda").ps_device == "cuda"
-
-
-def test_a_setting_the_chosen_mode_does_not_read_is_refused_naming_it():
-    """No setting is ignored: the synchronous mode refuses the parameter servers' settings,
-    the asynchronous mode those of the gradient reduction and the collective group."""
-    from elastic_dp.control.modes import ModeContext, make_mode
-    from elastic_dp.observe.metrics import RunRecorder
-
-    def mode(train, cluster=ClusterConfig()):
-        return make_mode(ModeContext(train=train, cluster=cluster, faults=FaultPlan(),
-                                     recorder=RunRecorder(None, total_steps=train.steps, progress=False)))
-
-    with pytest.raises(ConfigError, match=r"TrainConfig\.max_staleness is a setting that TrainConfig\.mode='sync' "
-                                          r"does not read: drop it, or use TrainConfig\.mode='async'"):
-        mode(TrainConfig(max_staleness=2))
-    with pytest.raises(ConfigError, match=r"TrainConfig\.ps_shards is a setting that TrainConfig\.mode='sync'"):
-        mode(TrainConfig(ps_shards=3))
-    with pytest.raises(ConfigError, match=r"TrainConfig\.bucket_mb is a setting that TrainConfig\.mode='async'"):
-        mode(TrainConfig(mode="async", bucket_mb=4.0))
-    with pytest.raises(ConfigError, match=r"ClusterConfig\.backend is a setting that TrainConfig\.mode='async'"):
-        mode(TrainConfig(mode="async"), ClusterConfig(backend="gloo"))
-    with pytest.raises(ConfigError, match=r"TrainConfig\.sync_every is a setting that TrainConfig\.mode='sync' "
-                                          r"does not read: drop it, or use TrainConfig\.mode='diloco'"):
-        mode(TrainConfig(sync_every=10))
-    with pytest.raises(ConfigError, match=r"TrainConfig\.outer_lr is a setting that TrainConfig\.mode='async'"):
-        mode(TrainConfig(mode="async", outer_lr=1.0))
-    accepted = mode(TrainConfig(mode="async", max_staleness=2, ps_shards=3))
-    accepted.close()  # the shard actors it started, where the suite's Ray is up
-    assert mode(TrainConfig(bucket_mb=4.0), ClusterConfig(backend="gloo")).generation == -1

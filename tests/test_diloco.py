@@ -18,7 +18,8 @@ from torch import nn
 
 from elastic_dp import ElasticSampler, Task, TrainConfig
 from elastic_dp.data import split
-from elastic_dp.worker.diloco import DiLoCoProgram, OuterSettings
+from elastic_dp.control.modes.diloco.settings import DiLoCoSettings
+from elastic_dp.worker.diloco import DiLoCoProgram
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
 from tests.reference import replay, replay_diloco
@@ -26,7 +27,7 @@ from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression
 from tests.zero_runs import CPU, initial_weights, max_diff
 
 
-def run(task: Task, config: TrainConfig, world: int, settings: OuterSettings, initial):
+def run(task: Task, config: TrainConfig, world: int, settings: DiLoCoSettings, initial):
     """``config.steps`` inner steps on ``world`` thread ranks; rank 0's final weights and
     every rank's flat θ after each outer step."""
     dataset_len = len(task.dataset())
@@ -64,7 +65,7 @@ def test_one_inner_step_of_plain_sgd_and_an_outer_rate_of_1_is_synchronous_data_
     task = dataclasses.replace(MLP_TASK, optimizer=_sgd)
     config = dataclasses.replace(task.defaults, steps=8, micro_batch=None)
     initial = initial_weights(task, config.seed)
-    ours, _ = run(task, config, 3, OuterSettings(sync_every=1, outer_lr=1.0, outer_momentum=0.0), initial)
+    ours, _ = run(task, config, 3, DiLoCoSettings(sync_every=1, outer_lr=1.0, outer_momentum=0.0), initial)
     save_file(initial, tmp_path / "initial.safetensors")
     sync = replay(task, config, str(tmp_path / "initial.safetensors"))
     assert max_diff(ours, initial) > 1e-3
@@ -77,7 +78,7 @@ def test_one_replica_with_an_outer_rate_of_1_and_no_momentum_is_plain_training(t
     task = TINY_GPT_TASK
     config = dataclasses.replace(task.defaults, steps=10, micro_batch=None)
     initial = initial_weights(task, config.seed)
-    ours, _ = run(task, config, 1, OuterSettings(sync_every=4, outer_lr=1.0, outer_momentum=0.0), initial)
+    ours, _ = run(task, config, 1, DiLoCoSettings(sync_every=4, outer_lr=1.0, outer_momentum=0.0), initial)
     save_file(initial, tmp_path / "initial.safetensors")
     assert max_diff(ours, replay(task, config, str(tmp_path / "initial.safetensors"))) < 2e-5
 
@@ -106,7 +107,7 @@ def test_a_constant_gradient_gives_the_closed_form_of_the_outer_nesterov_update(
                 defaults=TrainConfig(steps=6, global_batch=5, seed=0))
     lr, mu, H = 0.7, 0.9, 2
     initial = initial_weights(task, 0)
-    ours, _ = run(task, task.defaults, 2, OuterSettings(sync_every=H, outer_lr=lr, outer_momentum=mu), initial)
+    ours, _ = run(task, task.defaults, 2, DiLoCoSettings(sync_every=H, outer_lr=lr, outer_momentum=mu), initial)
     g = H * 0.1 * C
     moved = sum(lr * (g + mu * g * (1 - mu ** t) / (1 - mu)) for t in (1, 2, 3))
     assert torch.allclose(ours["w"], initial["w"] - moved, atol=1e-6), (ours["w"], initial["w"] - moved)
@@ -122,7 +123,7 @@ def test_the_replicas_follow_the_replay_of_the_contract_and_hold_the_same_theta(
     config = dataclasses.replace(task.defaults, steps=12, global_batch=13, micro_batch=None)
     assert len({len(s) for s in split(np.arange(13), world)}) == 2
     initial = initial_weights(task, config.seed)
-    settings = OuterSettings(sync_every=4)
+    settings = DiLoCoSettings(sync_every=4)
     ours, thetas = run(task, config, world, settings, initial)
     expected, history = replay_diloco(task, config, initial, world=world, sync_every=4, outer_lr=0.7,
                                       outer_momentum=0.9)
@@ -135,12 +136,12 @@ def test_the_replicas_follow_the_replay_of_the_contract_and_hold_the_same_theta(
 
 
 @pytest.mark.parametrize(("settings", "says"), [
-    (dict(mode="diloco", zero=1), "--mode diloco keeps the outer state whole"),
-    (dict(mode="diloco", balance=True), "--mode diloco trains equal slices"),
+    (dict(mode="diloco", zero=1), "--zero is read only with --mode sync, and this run is --mode diloco"),
+    (dict(mode="diloco", balance=True), "--balance is read only with --mode sync"),
     (dict(mode="diloco", sync_every=4, eval_every=6), "must be a multiple of"),
     (dict(mode="diloco", outer_momentum=1.0), "outer_momentum must be in [0, 1)"),
     (dict(mode="diloco", sync_every=0), "sync_every must be >= 1"),
-    (dict(mode="diloco", prefetch=True), "--mode diloco's windows collate"),
+    (dict(mode="diloco", prefetch=True), "--prefetch is read only with --mode sync"),
 ])
 def test_settings_diloco_cannot_honour_are_refused_naming_them(settings, says):
     from elastic_dp import ConfigError
@@ -181,8 +182,8 @@ def test_a_bf16_outer_reduction_halves_the_bytes_and_rounds_the_pseudo_gradient_
             replica = Replica(task, config, CPU, group)
             replica.model.load_state_dict(initial)
             replica.broadcast_state(0)
-            program = DiLoCoProgram(replica, OuterSettings(sync_every=4, outer_lr=1.0, outer_momentum=0.0,
-                                                           reduce=reduce))
+            program = DiLoCoProgram(replica, DiLoCoSettings(sync_every=4, outer_lr=1.0, outer_momentum=0.0,
+                                                           outer_reduce=reduce))
             program.start()
             for step in range(4):
                 mine = split(sampler.batch(step), 2)[group.rank]

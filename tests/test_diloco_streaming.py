@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from elastic_dp import ConfigError, Task, TaskError, TrainConfig
-from elastic_dp.worker.diloco import DiLoCoProgram, OuterSettings, fragments_of
+from elastic_dp.control.modes.diloco.settings import DiLoCoSettings
+from elastic_dp.worker.diloco import DiLoCoProgram, fragments_of
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
 from tests.reference import replay_diloco
@@ -21,7 +22,7 @@ from tests.tasks import TINY_GPT_TASK, Regression
 from tests.zero_runs import CPU, initial_weights, max_diff
 
 
-def run_windows(task: Task, config: TrainConfig, world: int, settings: OuterSettings, initial, probe=None):
+def run_windows(task: Task, config: TrainConfig, world: int, settings: DiLoCoSettings, initial, probe=None):
     """``config.steps`` inner steps in windows on ``world`` thread ranks. Returns rank 0's
     final weights, every rank's flat θ after each window, and each window's outer records
     of rank 0. ``probe(program, start)``: called after each window but the last."""
@@ -48,10 +49,10 @@ def run_windows(task: Task, config: TrainConfig, world: int, settings: OuterSett
 
 
 def test_the_schedule_and_the_fragments_follow_the_documented_rule():
-    settings = OuterSettings(sync_every=6, fragments=3, fragment_delay=1)
+    settings = DiLoCoSettings(sync_every=6, fragments=3, fragment_delay=1)
     assert settings.schedule() == [(1, 2), (3, 4), (5, 6)]
-    assert OuterSettings(sync_every=10, fragments=3).schedule() == [(3, 3), (6, 6), (10, 10)]
-    assert OuterSettings(sync_every=4).schedule() == [(4, 4)] and not OuterSettings(sync_every=4).streaming
+    assert DiLoCoSettings(sync_every=10, fragments=3).schedule() == [(3, 3), (6, 6), (10, 10)]
+    assert DiLoCoSettings(sync_every=4).schedule() == [(4, 4)] and not DiLoCoSettings(sync_every=4).streaming
     # a parameter belongs where its middle element falls: 10 of 40 elements per fragment of 4
     assert fragments_of([4, 4, 12, 10, 10], 4) == [0, 0, 1, 2, 3]
     with pytest.raises(TaskError, match="fragments=3: .* leaves fragment 0 empty"):  # 1, 2, 2
@@ -69,7 +70,7 @@ def test_the_windows_follow_the_replay_of_the_streaming_rule(world, fragments, d
     task = TINY_GPT_TASK
     config = dataclasses.replace(task.defaults, steps=14, global_batch=13, micro_batch=None)
     initial = initial_weights(task, config.seed)
-    settings = OuterSettings(sync_every=6, fragments=fragments, fragment_delay=delay)
+    settings = DiLoCoSettings(sync_every=6, fragments=fragments, fragment_delay=delay)
     ours, thetas, records = run_windows(task, config, world, settings, initial)
     rule = dict(world=world, sync_every=6, outer_lr=0.7, outer_momentum=0.9)
     expected, history = replay_diloco(task, config, initial, **rule, fragments=fragments, delay=delay)
@@ -120,7 +121,7 @@ def test_local_sgd_on_a_constant_gradient_keeps_every_inner_step_once(fragments,
                 optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                 defaults=TrainConfig(steps=15, global_batch=5, seed=0, clip_grad_norm=None))
     initial = initial_weights(task, 0)
-    settings = OuterSettings(sync_every=6, outer_lr=1.0, outer_momentum=0.0, fragments=fragments,
+    settings = DiLoCoSettings(sync_every=6, outer_lr=1.0, outer_momentum=0.0, fragments=fragments,
                              fragment_delay=delay)
     ours, _, _ = run_windows(task, task.defaults, 2, settings, initial)
     for name, scale in (("a", 1), ("b", 2), ("c", -1)):
@@ -146,7 +147,7 @@ def test_between_windows_a_member_keeps_its_own_parameters_and_evaluates_theta()
         assert all(torch.equal(p, o) for p, o in zip(program.params, own))
         seen[program.replica.group.rank, step] = torch.cat([own[i].reshape(-1) for i in first + last])
 
-    run_windows(task, config, 2, OuterSettings(sync_every=6, fragments=3, fragment_delay=1), initial, probe)
+    run_windows(task, config, 2, DiLoCoSettings(sync_every=6, fragments=3, fragment_delay=1), initial, probe)
     assert float((seen[0, 6] - seen[1, 6]).abs().max()) > 1e-4
 
 

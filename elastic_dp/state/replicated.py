@@ -23,9 +23,9 @@ class Replicated(BucketedGradients, WholeModel):
         self.optimizer = optimizer
         self.buffers = ModelBuffers(model)
         self.reducer = GradientReducer(self.params, group,
-                                       bucket_bytes=int(config.bucket_mb * 2**20),
-                                       first_bucket_bytes=config.first_bucket_bytes(device.type),
-                                       reduce_fp32=config.reduce_fp32)
+                                       bucket_bytes=config.buckets.bucket_bytes,
+                                       first_bucket_bytes=config.buckets.first_bucket_bytes(device.type),
+                                       reduce_fp32=config.buckets.reduce_fp32)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         # Gradients are identical on every rank after the all-reduce, so the local norm

@@ -74,7 +74,7 @@ class WorkerActor:
     def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
         """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
         self.replica = Replica(task, config, self.device, self.group, self.faults)
-        self.program = PROGRAMS[config.mode](self.replica)
+        self.program = PROGRAMS[config.mode.name](self.replica)
         if self.sigterm.notice is not None and isinstance(self.program, SyncProgram):  # signalled while building
             self.program.grants.leave()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
@@ -99,7 +99,7 @@ class WorkerActor:
         if not isinstance(self.program, kind):
             mode = next(m for m, c in PROGRAMS.items() if c is kind)
             raise WorkerError(f"{call} is a call of --mode {mode}, and this worker runs "
-                              f"--mode {self.replica.config.mode}")
+                              f"--mode {self.replica.config.mode.name}")
         return self.program
 
     def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
@@ -277,7 +277,7 @@ class WorkerActor:
         task = self.replica.task
         if task.sample is None:
             return None
-        if self.replica.config.zero != 3:
+        if self.replica.config.stage != 3:
             return task.sample(self.replica.settled_model())
         with torch.random.fork_rng():  # every rank runs the same forwards, which gather the units
             torch.manual_seed(self.replica.config.seed)

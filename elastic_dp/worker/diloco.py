@@ -45,6 +45,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from elastic_dp.control.modes.diloco.settings import DiLoCoSettings
 from elastic_dp.data import ElasticSampler, split
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, cut_part
 from elastic_dp.errors import TaskError
@@ -53,40 +54,6 @@ from elastic_dp.messages import StepResult
 from elastic_dp.state.base import broadcast_tensors
 from elastic_dp.task import trainable
 from elastic_dp.worker.replica import Replica, portable
-
-
-@dataclass(frozen=True, slots=True)
-class OuterSettings:
-    """The outer loop: ``sync_every`` inner steps (H) per outer step, the outer SGD."""
-
-    sync_every: int
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    reduce: str = "fp32"
-    """The dtype of the pseudo-gradient's all-reduce (``--outer-reduce``)."""
-    fragments: int = 1
-    fragment_delay: int = 0
-
-    def __post_init__(self) -> None:
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
-        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"outer_lr must be > 0 and outer_momentum in [0, 1), got {self.outer_lr}, "
-                             f"{self.outer_momentum}")
-        if not 1 <= self.fragments <= self.sync_every or not 0 <= self.fragment_delay < self.sync_every // self.fragments:
-            raise ValueError(f"fragments must be in [1, sync_every] and fragment_delay in [0, sync_every // "
-                             f"fragments), got {self.fragments}, {self.fragment_delay} (sync_every {self.sync_every})")
-
-    @property
-    def streaming(self) -> bool:
-        """Whether a member's parameters can differ from θ at a window's end."""
-        return self.fragments > 1 or self.fragment_delay > 0
-
-    def schedule(self) -> list[tuple[int, int]]:
-        """Fragment f's (send, use): after how many of a window's inner steps it is sent and used."""
-        return [((f + 1) * self.sync_every // self.fragments - self.fragment_delay,
-                 (f + 1) * self.sync_every // self.fragments) for f in range(self.fragments)]
 
 
 def fragments_of(sizes: list[int], count: int) -> list[int]:
@@ -122,12 +89,8 @@ class DiLoCoProgram:
     """One member's inner steps and its part of the outer step, over a ``Replica`` whose
     group is the outer step's members."""
 
-    def __init__(self, replica: Replica, settings: OuterSettings | None = None) -> None:
-        config = replica.config
-        settings = settings or OuterSettings(sync_every=config.sync_every, outer_lr=config.outer_lr,
-                                             outer_momentum=config.outer_momentum, nesterov=config.outer_nesterov,
-                                             reduce=config.outer_reduce, fragments=config.fragments,
-                                             fragment_delay=config.fragment_delay)
+    def __init__(self, replica: Replica, settings: DiLoCoSettings | None = None) -> None:
+        settings = settings or replica.config.mode
         self.replica, self.settings = replica, settings
         named = trainable(replica.model, replica.optimizer)
         self.names = [n for n, _ in named]
@@ -137,7 +100,7 @@ class DiLoCoProgram:
         """The indices (into ``params``) of each fragment's parameters."""
         self.theta = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
         """θ_t, the outer parameters, fp32."""
-        nesterov = settings.nesterov and settings.outer_momentum > 0
+        nesterov = settings.outer_nesterov and settings.outer_momentum > 0
         self.outer = torch.optim.SGD(self.theta, lr=settings.outer_lr, momentum=settings.outer_momentum,
                                      nesterov=nesterov)
         self.step = 0
@@ -264,7 +227,7 @@ class DiLoCoProgram:
         """Start fragment ``f``'s all-reduce of this member's (n_k / B)(θ_f − its parameters)."""
         share, index = samples / global_batch, self.fragments[f]
         delta = torch.cat([(self.theta[i] - self.params[i].detach().float()).reshape(-1) * share for i in index])
-        sent = delta.to(torch.bfloat16) if self.settings.reduce == "bf16" else delta
+        sent = delta.to(torch.bfloat16) if self.settings.outer_reduce == "bf16" else delta
         at_send = [self.params[i].detach().clone() for i in index] if self.settings.fragment_delay else None
         return _Flight(f, self.replica.group.all_reduce_async(sent), sent, delta, at_send, step)
 

@@ -23,7 +23,8 @@ from elastic_dp.errors import ElasticDPError, TaskError, WorkerError
 from elastic_dp.faults import FaultHook
 from elastic_dp.messages import Progress, StepResult, WorkerInfo
 from elastic_dp.schedules import LearningRates
-from elastic_dp.state import Strategy, make_strategy
+from elastic_dp.state.base import Strategy
+from elastic_dp.state.stages import make_strategy
 from elastic_dp.state.units import GENERATORS, UnitInit, build_on_meta, checkpoint_units, model_units
 from elastic_dp.task import Task, trainable
 
@@ -81,7 +82,7 @@ class Replica:
             init = UnitInit(self.model, self.units, config.seed, task.init_module, device)
             with GENERATORS:
                 torch.manual_seed(config.seed)
-        if init is not None and config.zero != 3:
+        if init is not None and config.stage != 3:
             init.all()  # at stage 3 each unit when the first layout keeps its chunks of it
         self.dataset = task.dataset()
         self.eval_dataset = task.eval_dataset() if config.eval_every and task.eval_dataset is not None else None
@@ -89,12 +90,12 @@ class Replica:
         self.rates = LearningRates(task, config, self.optimizer)
         """Each param group's learning rate at each step (``elastic_dp.schedules``)."""
         self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device, self.faults,
-                                                self.units, init if config.zero == 3 else None)
+                                                self.units, init if config.stage == 3 else None)
         if config.activation_checkpointing:
             checkpoint_units(self.units)
         self.batch_norm = batch_norm_modules(self.model)
         self.batch_stats = (GlobalBatchStats(self.model, group)
-                            if self.batch_norm and config.batch_stats == "global" else None)
+                            if self.batch_norm and config.global_batch_stats else None)
         """``--batch-stats global``: the batch-norm modules normalise over the global batch."""
         self.progress = Progress()
 

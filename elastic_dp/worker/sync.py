@@ -44,9 +44,9 @@ class SyncProgram:
         self.grants = Grants()
         self.prefetcher = Prefetcher(replica.collate)
         config = replica.config
-        self.prefetch = config.prefetch if config.prefetch is not None else replica.device.type == "cuda"
+        self.prefetch = config.mode.prefetch if config.mode.prefetch is not None else replica.device.type == "cuda"
         self.buffers = replica.strategy.buffers
-        self.agree_buffers = bool(self.buffers) and config.batch_stats == "local"
+        self.agree_buffers = bool(self.buffers) and not config.global_batch_stats
         """Whether the ballot carries the buffers (under ``--batch-stats global`` they are
         equal on every rank already)."""
         self._share = 0.0  # this step's share of the global batch: its weight in the buffers' mean
@@ -200,7 +200,7 @@ class SyncProgram:
         result.state_bytes = self._state_bytes  # with every commit: a step's results can be lost with a peer
         result.timings = {"compute_s": t1 - t0 - parameter_wait, "reduce_wait_s": t2 - t1, "optimizer_s": t3 - t2,
                           "snapshot_s": t4 - t3}
-        if replica.config.zero:  # the forward's wait for the parameters' all-gathers
+        if replica.config.stage:  # the forward's wait for the parameters' all-gathers
             result.timings["parameter_wait_s"] = parameter_wait
         return result
 

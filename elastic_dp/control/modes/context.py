@@ -2,15 +2,14 @@
 
 ``ModeContext`` is built once per run (``api.build_coordinator``) and handed to the mode
 the configuration chose (``modes.MODES``). The shared pieces are the checks and records
-whose meaning does not depend on how a run trains: settings the mode does not read
-refused, one dataset on every worker, the resume check and event, the weights written, the
+whose meaning does not depend on how a run trains: one dataset on every worker, the resume check and event, the weights written, the
 non-finite guard (``guard.NonFiniteGuard``), the checkpoint's manifest commit
 (``saving.commit``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from elastic_dp.config import CheckpointConfig, ClusterConfig, TrainConfig
@@ -42,30 +41,6 @@ class ModeContext:
         return NonFiniteGuard(self.train.on_nonfinite, self.train.max_nonfinite_steps, self.recorder)
 
 
-DILOCO_SETTINGS = {"sync_every": "--sync-every", "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
-                   "outer_nesterov": "--no-outer-nesterov", "outer_reduce": "--outer-reduce",
-                   "fragments": "--fragments", "fragment_delay": "--fragment-delay"}
-"""The outer loop of ``--mode diloco``, which the other modes do not read."""
-
-
-def refuse_unread(context: ModeContext, unread: dict[str, str], reader: str | None = None) -> None:
-    """Refuse, naming the flag, each setting of ``unread`` (``TrainConfig`` or
-    ``ClusterConfig`` field -> flag) that the run sets and its mode does not read: a
-    setting is honoured by every mode that accepts it, or refused, never ignored.
-    ``reader``: the mode that reads them (default: the other of sync and async). The
-    outer loop's settings (``DILOCO_SETTINGS``) are refused in every mode but diloco."""
-    mode = context.train.mode
-    if reader is None and mode != "diloco":
-        refuse_unread(context, DILOCO_SETTINGS, "diloco")
-    other = reader or ("sync" if mode == "async" else "async")
-    for config in (context.train, context.cluster):
-        defaults = {f.name: f.default for f in fields(config)}
-        for name, flag in unread.items():
-            if name in defaults and getattr(config, name) != defaults[name]:
-                raise ConfigError(f"{flag} is a setting that --mode {mode} does not read: drop it, or use "
-                                  f"--mode {other}")
-
-
 def dataset_length(members: Sequence[Any]) -> int:
     """The length of the dataset every member built; a ``TaskError`` when they differ."""
     lengths = {m.info.dataset_len for m in members}
@@ -81,10 +56,10 @@ def check_resume(resume: Any, train: TrainConfig, dataset_len: int) -> None:
     if resume is not None:
         check_resumable(resume.sampler, train, dataset_len=dataset_len)
         diloco = "diloco" in (resume.manifest.get("optimizer") or {})
-        if diloco != (train.mode == "diloco"):
+        if diloco != (train.mode.name == "diloco"):
             saved = "--mode diloco" if diloco else "another mode"
             raise ConfigError(f"{resume.url} was saved by {saved}: resume it with the mode that saved it "
-                              f"(this run is --mode {train.mode})")
+                              f"(this run is --mode {train.mode.name})")
 
 
 def record_resume(recorder: RunRecorder, resume: Any, world_size: int) -> None:

@@ -47,10 +47,10 @@ class Sharded(BucketedGradients, WholeModel):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
                  config: TrainConfig, device: torch.device, faults: FaultHook | None = None) -> None:
-        check_elementwise(optimizer, config.zero)
+        check_elementwise(optimizer, config.stage)
         self.faults = faults or FaultHook()  # the phase ``snapshot`` is here
         self.model, self.base_optimizer, self.device = model, optimizer, device
-        self.stage, self.group, self.config = config.zero, group, config
+        self.stage, self.group, self.config = config.stage, group, config
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.base_groups = optimizer.param_groups
         self.generation: int | None = None  # of the layout below; None: not built yet
@@ -80,8 +80,8 @@ class Sharded(BucketedGradients, WholeModel):
         self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) in group_of]
-        bucket_bytes, first_bytes = int(config.bucket_mb * 2**20), config.first_bucket_bytes(self.device.type)
-        self.buckets = make_buckets(self.params, bucket_bytes, config.reduce_fp32, first_bucket_bytes=first_bytes,
+        bucket_bytes, first_bytes = config.buckets.bucket_bytes, config.buckets.first_bucket_bytes(self.device.type)
+        self.buckets = make_buckets(self.params, bucket_bytes, config.buckets.reduce_fp32, first_bucket_bytes=first_bytes,
                                     group_of=group_of, pad_to=self.world_size)
         self._index_buckets(group_of)
         order = {id(p): i for i, p in enumerate(self.params)}
@@ -107,7 +107,7 @@ class Sharded(BucketedGradients, WholeModel):
                                  else sum(self.chunks))
 
         self.reducer = GradientReducer(self.params, group, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bytes,
-                                       reduce_fp32=config.reduce_fp32, group_of=group_of, pad_to=self.world_size,
+                                       reduce_fp32=config.buckets.reduce_fp32, group_of=group_of, pad_to=self.world_size,
                                        **self._gradients())
         self._make_optimizer()
 
@@ -289,7 +289,7 @@ class Sharded(BucketedGradients, WholeModel):
         """At state step ``step`` (committed steps), when a snapshot is due: wait for the
         last one to arrive, copy the chunk and start sending it to the right neighbour."""
         self.history.keep(step, self._steps_held())  # the live step is ``step`` now
-        if self.world_size == 1 or step % self.config.snapshot_every:
+        if self.world_size == 1 or step % self.config.mode.zero.snapshot_every:
             return
         self._receive_snapshot()
         own = self.snapshots.keep_own(self.export("live", step))

@@ -63,7 +63,7 @@ class FullySharded(FullyShardedState, Sharded):
                  units: list[torch.nn.Module] | None = None, init: UnitInit | None = None) -> None:
         super().__init__(model, optimizer, group, config, device, faults)
         self.defer_gather = True  # nothing is gathered after an update: each forward gathers
-        self.reshard_after_forward = config.reshard_after_forward
+        self.reshard_after_forward = config.mode.zero.reshard_after_forward
         self.units = units if units is not None else model_units(model, None)
         self.init = init
         self.root = len(self.units)
@@ -101,7 +101,7 @@ class FullySharded(FullyShardedState, Sharded):
         self.buckets: list[Bucket] = []
         self.unit_buckets: dict[int, list[int]] = {}
         for u in [*reversed(range(self.root)), self.root]:
-            pieces = make_buckets(members[u], WHOLE, config.reduce_fp32, group_of=group_of, pad_to=self.world_size)
+            pieces = make_buckets(members[u], WHOLE, config.buckets.reduce_fp32, group_of=group_of, pad_to=self.world_size)
             self.unit_buckets[u] = list(range(len(self.buckets), len(self.buckets) + len(pieces)))
             self.buckets.extend(pieces)
         self.unit_params = {u: [p for b in bs for p in self.buckets[b].params] for u, bs in self.unit_buckets.items()}
@@ -126,7 +126,7 @@ class FullySharded(FullyShardedState, Sharded):
         self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
                             for b, c in zip(self.buckets, self.chunks)]
         self._sums = None
-        self.reducer = GradientReducer(self.params, group, bucket_bytes=WHOLE, reduce_fp32=config.reduce_fp32,
+        self.reducer = GradientReducer(self.params, group, bucket_bytes=WHOLE, reduce_fp32=config.buckets.reduce_fp32,
                                        group_of=group_of, pad_to=self.world_size, scatter_into=self.grad_chunks,
                                        buckets=self.buckets)
         self._grads_pending = {u: set() for u in self.unit_buckets}

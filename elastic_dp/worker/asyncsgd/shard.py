@@ -105,7 +105,7 @@ class ParameterShard(Keeper):
     def setup(self, task: Task, config: TrainConfig, lo: int, hi: int) -> None:
         """Build the model and optimizer, and take elements ``lo .. hi`` of them."""
         self.own: list[State] = []
-        self.device = torch.device("cuda", 0) if config.ps_device == "cuda" else torch.device("cpu")
+        self.device = torch.device("cuda", 0) if config.mode.ps_device == "cuda" else torch.device("cpu")
         torch.set_num_threads(1)
         torch.manual_seed(config.seed)
         model = task.model()

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import ray
 
+from elastic_dp.config import ClusterConfig
 from elastic_dp.control.modes.asyncsgd.drains import DrainWatch
 from elastic_dp.control.modes.asyncsgd.ledger import Ledger, Update, snapshot_plan
 from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
@@ -36,7 +37,6 @@ from elastic_dp.control.modes.context import (
     check_resume,
     dataset_length,
     record_resume,
-    refuse_unread,
     write_weights,
 )
 from elastic_dp.control.modes.saving import commit
@@ -84,19 +84,22 @@ def _new_keeper() -> Any:
     return ray.remote(num_cpus=0, max_restarts=0)(Keeper).remote()
 
 
+def refuse_group_settings(cluster: ClusterConfig) -> None:
+    """Refuse the collective group's settings, naming the flag: this mode has no group (the
+    cluster's settings have no job defaults, so a value other than the declared default was given)."""
+    for name, flag in (("backend", "--backend"), ("collective_timeout_s", "--collective-timeout")):
+        if getattr(cluster, name) != getattr(ClusterConfig(), name):
+            raise ConfigError(f"{flag} is a setting of the collective group, and --mode async has none: drop it, "
+                              "or use --mode sync")
+
+
 class AsyncMode:
     """Asynchronous SGD over parameter-server shards (``TrainingMode``)."""
 
     generation = 0  # there is no collective group to re-form
 
-    UNREAD = {"bucket_mb": "--bucket-mb", "first_bucket_mb": "--first-bucket-mb", "reduce_fp32": "--no-reduce-fp32",
-              "backend": "--backend", "collective_timeout_s": "--collective-timeout"}
-    """Settings of the synchronous mode's gradient reduction and collective group, which
-    this mode has neither of (``refuse_unread``; ``--zero``, ``--balance`` and ``--prefetch``
-    are refused by ``TrainConfig`` itself)."""
-
     def __init__(self, context: ModeContext) -> None:
-        refuse_unread(context, self.UNREAD)
+        refuse_group_settings(context.cluster)
         train, cluster = context.train, context.cluster
         self.train, self.cluster, self.recorder, self.faults = train, cluster, context.recorder, context.faults
         self.task, self.settings = context.task, context.settings
@@ -113,9 +116,9 @@ class AsyncMode:
         self.has_buffers = False
         """The model has buffers: shard 0 keeps them, and a lease pulls them with the parameters."""
         up = ray.is_initialized()
-        self.keeper: Any = _new_keeper() if up and train.ps_shards == 1 else None
+        self.keeper: Any = _new_keeper() if up and train.mode.ps_shards == 1 else None
         """The snapshots' keeper of a lone shard."""
-        self._spawned = [_new_shard(train.ps_device) for _ in range(min(train.ps_shards, SPAWN_AHEAD))] if up else []
+        self._spawned = [_new_shard(train.mode.ps_device) for _ in range(min(train.mode.ps_shards, SPAWN_AHEAD))] if up else []
         """Shard processes started at once: they import torch while the workers are placed."""
         self._last_update = time.perf_counter()
         self.drains = DrainWatch()
@@ -134,11 +137,11 @@ class AsyncMode:
         self.sampler_state = {"seed": self.train.seed, "global_batch": self.train.global_batch,
                               "dataset_len": dataset_length(members)}
         numel, self.has_buffers = members[0].info.num_trainable, bool(members[0].info.buffers)
-        if self.train.ps_shards > numel:
-            raise ConfigError(f"--ps-shards {self.train.ps_shards} is more than the model's {numel} trainable "
+        if self.train.mode.ps_shards > numel:
+            raise ConfigError(f"--ps-shards {self.train.mode.ps_shards} is more than the model's {numel} trainable "
                               "parameters: use at most that many shards")
-        self.bounds = flat_bounds(numel, self.train.ps_shards)
-        self.shards = self._spawned + [_new_shard(self.train.ps_device) for _ in range(self.train.ps_shards - len(self._spawned))]
+        self.bounds = flat_bounds(numel, self.train.mode.ps_shards)
+        self.shards = self._spawned + [_new_shard(self.train.mode.ps_device) for _ in range(self.train.mode.ps_shards - len(self._spawned))]
         self._spawned = []
         ray.get([s.setup.remote(self.task, self.train, lo, hi)
                  for s, lo, hi in zip(self.shards, self.bounds, self.bounds[1:])])
@@ -162,8 +165,8 @@ class AsyncMode:
             step = ray.get([s.load_checkpoint.remote(checkpoint) for s in self.shards])[0]
             if self.keeper is not None:
                 self.keeper.trim.remote(-1)
-        earlier, self.ledger = self.ledger, Ledger(step, max_staleness=self.train.max_staleness,
-                                                   staleness_lr=self.train.staleness_lr,
+        earlier, self.ledger = self.ledger, Ledger(step, max_staleness=self.train.mode.max_staleness,
+                                                   staleness_lr=self.train.mode.staleness_lr,
                                                    lr_factor=factor_rule(self.task, self.train))
         if earlier is not None:
             self.ledger.carry(earlier)
@@ -276,7 +279,7 @@ class AsyncMode:
                                                        fault, meta["buffer_change"] if i == 0 else None))
         self._record(update, meta)
         self.guard.check_update(update.version, job.step, repr(member), meta["finite"], meta["loss_finite"])
-        every = self.train.snapshot_every
+        every = self.train.mode.snapshot_every
         if update.version % every == 0:  # every shard at exactly this version: consistent
             snaps = [shard.snapshot.remote() for shard in self.shards]
             for i, snap in enumerate(snaps):
@@ -338,7 +341,7 @@ class AsyncMode:
         if plan is None:
             return RecoveryResult(Recovery.STATE_LOST, reason=(
                 f"parameter-server shard {', '.join(map(str, lost))} died before a snapshot of it was kept "
-                f"(--snapshot-every {self.train.snapshot_every})"))
+                f"(--snapshot-every {self.train.mode.snapshot_every})"))
         version, sources = plan
         snaps = [self.shards[i].own_snapshot.remote(version) if kind == "own" else
                  self._holder(src).export.remote(i, version) for i, (kind, src) in enumerate(sources)]
@@ -365,7 +368,7 @@ class AsyncMode:
         """A new actor to take over ``key``'s state, and the ref of its setup."""
         if key == "keeper":
             return (new := _new_keeper()), new.held.remote()
-        new = _new_shard(self.train.ps_device)
+        new = _new_shard(self.train.mode.ps_device)
         return new, new.setup.remote(self.task, self.train, self.bounds[key], self.bounds[key + 1])
 
     def _move(self) -> None:
@@ -391,7 +394,7 @@ class AsyncMode:
     def _replace_lost(self) -> None:
         """A new actor for each lost shard (it builds the initial state; restore follows)."""
         for i in sorted(self._lost_shards):
-            self.shards[i] = _new_shard(self.train.ps_device)
+            self.shards[i] = _new_shard(self.train.mode.ps_device)
             self._applies[i] = []
         ray.get([self.shards[i].setup.remote(self.task, self.train, self.bounds[i], self.bounds[i + 1])
                  for i in self._lost_shards])

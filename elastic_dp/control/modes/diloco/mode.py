@@ -27,9 +27,10 @@ from elastic_dp.messages import StepResult
 
 def check_checkpoints(train: TrainConfig, checkpoint: CheckpointConfig) -> None:
     """``--mode diloco`` saves at outer boundaries: ``--checkpoint-every`` a multiple of H."""
-    if train.mode == "diloco" and checkpoint.enabled and checkpoint.every % train.sync_every:
+    every = getattr(train.mode, "sync_every", None)
+    if every is not None and checkpoint.enabled and checkpoint.every % every:
         raise ConfigError(f"--mode diloco saves checkpoints at outer steps: --checkpoint-every {checkpoint.every} "
-                          f"must be a multiple of --sync-every {train.sync_every}")
+                          f"must be a multiple of --sync-every {every}")
 
 
 class DiLoCoMode(SyncMode):
@@ -38,7 +39,7 @@ class DiLoCoMode(SyncMode):
     def __init__(self, context: ModeContext) -> None:
         super().__init__(context)
         check_checkpoints(context.train, context.checkpoint)
-        self.every = context.train.sync_every
+        self.every = context.train.mode.sync_every
 
     def start(self, members: list[Any], resume: Checkpoint | None) -> int:
         step = super().start(members, resume)

@@ -26,7 +26,6 @@ from elastic_dp.control.modes.context import (
     check_resume,
     dataset_length,
     record_resume,
-    refuse_unread,
     write_weights,
 )
 from elastic_dp.control.modes.saving import SaveOutcome, Saves
@@ -46,11 +45,7 @@ logger = logging.getLogger(__name__)
 class SyncMode:
     """Synchronous SGD over one collective group per generation (``TrainingMode``)."""
 
-    UNREAD = {"max_staleness": "--max-staleness", "staleness_lr": "--staleness-lr", "ps_shards": "--ps-shards"}
-    """Settings of the asynchronous mode's parameter servers (``refuse_unread``)."""
-
     def __init__(self, context: ModeContext) -> None:
-        refuse_unread(context, self.UNREAD)
         train, cluster = context.train, context.cluster
         self.train, self.recorder, self.faults = train, context.recorder, context.faults
         bounds = HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s, stall_floor_s=cluster.stall_floor_s,
@@ -58,13 +53,14 @@ class SyncMode:
         self.gens = Generations(Calls(deadline_s=cluster.step_timeout_s, grace_s=cluster.abort_grace_s,
                                       bounds=bounds), context.faults.link_delay_s)
         self._step_times: deque[float] = deque(maxlen=50)  # the last committed steps, for the hang bound
-        self.layout = make_layout(train.zero, self.gens, self._sampler_state)
+        self.layout = make_layout(train.stage, self.gens, self._sampler_state)
         self.guard = context.guard()
         self.sampler: ElasticSampler | None = None
         self._last: dict[Any, StepResult] = {}  # the results of the last failed attempt
         self._measured: set[int] = set()  # the generations whose state_memory event is written
         self._windows = 0
-        self.balancer = Balancer(train.global_batch) if train.balance else None
+        # DiLoCoMode reuses this driver, and its settings have no --balance
+        self.balancer = Balancer(train.global_batch) if getattr(train.mode, "balance", False) else None
         self._sizes: tuple[int, ...] | None = None  # the last slicing recorded ...
         self._sized: list[Any] = []  # ... and the members it was for
         self.saves: Saves | None = None
@@ -90,7 +86,7 @@ class SyncMode:
         logger.info("%d workers; model has %d parameters; dataset has %d samples, %d steps per epoch",
                     len(members), members[0].info.num_params, self.sampler.dataset_len,
                     self.sampler.steps_per_epoch)
-        if members[0].info.batch_norm and self.train.batch_stats == "local":
+        if members[0].info.batch_norm and not self.train.global_batch_stats:
             names = members[0].info.batch_norm
             logger.warning("--batch-stats local: the batch-norm modules %s normalise over each worker's slice, so "
                            "the run depends on the worker count; --batch-stats global normalises over the global "
@@ -124,7 +120,7 @@ class SyncMode:
     def _whole_model(self, method: str, *args: Any) -> Any:
         """Rank 0's result of ``method``, which needs the whole model: at ZeRO stage 3 a
         collective that gathers it unit by unit, so every member makes the call."""
-        if self.train.zero != 3:
+        if self.train.stage != 3:
             return self._from_rank0(method, *args)
         return self.gens.call_all(method, *args)[self.members[0]]
 
@@ -133,7 +129,7 @@ class SyncMode:
         by this driver into its local ``--out`` directory."""
         write_weights(self.recorder, name, lambda: self._whole_model("model_state"),
                       lambda storage, file: self._whole_model("write_weights", storage, file),
-                      self._weight_parts if self.train.zero == 3 else None)
+                      self._weight_parts if self.train.stage == 3 else None)
 
     def _weight_parts(self) -> tuple[list, Iterator[dict]]:
         """ZeRO stage 3: the weights file's layout and its parts (the root and the buffers,
@@ -249,7 +245,7 @@ class SyncMode:
         shares = split(np.arange(total), len(members))
         faults = self.faults.take_eval(step - 1, len(members))
         micro = self.train.micro_batch or self.train.global_batch
-        passes = max(-(-len(s) // micro) for s in shares) if self.train.zero == 3 else 0  # its forwards are collectives
+        passes = max(-(-len(s) // micro) for s in shares) if self.train.stage == 3 else 0  # its forwards are collectives
         calls = {m.actor.evaluate.remote(int(shares[r][0]), int(shares[r][-1]) + 1, faults.get(r), passes): m
                  for r, m in enumerate(members)}
         try:

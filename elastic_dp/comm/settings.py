@@ -1,0 +1,41 @@
+"""The gradient buckets' settings (the bucketed reducer: ``elastic_dp.comm.reducer``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic_dp.errors import ConfigError
+from elastic_dp.settings import setting
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Buckets:
+    """How gradients are cut into buckets and reduced while backward goes on."""
+
+    bucket_mb: float = setting(
+        25.0, "--bucket-mb", "gradient bucket size in MiB (default 25); each full bucket is reduced while backward "
+        "goes on; buckets are also ZeRO's unit of sharding")
+    first_bucket_mb: float | None = setting(
+        None, "--first-bucket-mb", "the first bucket (the last layers' gradients, the first that backward produces) "
+        "closes at this many MiB, so that its reduction overlaps the rest of backward (default: 1 on a GPU, as DDP's; "
+        "on a CPU none smaller than --bucket-mb: gloo's threads take the cores the compute needs, and the second "
+        "collective cost more than the overlap gave, docs/sync.md)", kind=float)
+    reduce_fp32: bool = setting(True, off="--no-reduce-fp32",
+                                help="reduce bf16 gradients in bf16 (default: in fp32, even when parameters are bf16)")
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb} (--bucket-mb)")
+        if self.first_bucket_mb is not None and self.first_bucket_mb <= 0:
+            raise ConfigError(f"first_bucket_mb must be positive, got {self.first_bucket_mb} (--first-bucket-mb)")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+    def first_bucket_bytes(self, device_type: str) -> int:
+        """Where the first bucket closes, in bytes, for workers on ``device_type`` (at most a bucket)."""
+        mb = self.first_bucket_mb
+        if mb is None:
+            mb = 1.0 if device_type == "cuda" else self.bucket_mb
+        return int(min(mb, self.bucket_mb) * 2**20)

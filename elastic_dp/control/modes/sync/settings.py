@@ -1,0 +1,42 @@
+"""The settings of ``--mode sync``: how a step's batch is split, the ZeRO stage, the buckets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from elastic_dp.comm.settings import Buckets
+from elastic_dp.errors import ConfigError
+from elastic_dp.settings import OMIT, choice, part, setting
+from elastic_dp.state.zero.settings import STAGES
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SyncSettings:
+    """Synchronous data parallelism: every worker trains a slice of each step."""
+
+    name: ClassVar[str] = "sync"
+    zero: Any = choice(STAGES, 0, "--zero", kind=int, help=(
+        "ZeRO stage: 0 replicates everything; 1 shards the optimizer state (and the fp32 masters of bf16 "
+        "parameters); 2 also the gradients, reduce-scattered in buckets during backward; 3 also the parameters, "
+        "gathered unit by unit for the forward and again for the backward (docs/zero.md); needs an element-wise "
+        "optimizer"))
+    buckets: Buckets = part(Buckets)
+    balance: bool = setting(False, "--balance", help=(
+        "split each step's global batch in proportion to the workers' measured speed, so that a straggler gets "
+        "fewer samples; the parameters are the same as with equal slices (docs/sync.md)"))
+    prefetch: bool | None = setting(None, "--prefetch", off="--no-prefetch", help=(
+        "collate the next step's batch on a background thread, into pinned memory (default: on a GPU, where the "
+        "copy overlaps; not on a CPU, where the two threads contend for Python's GIL)"))
+    batch_stats: Literal["local", "global"] = setting(
+        "local", "--batch-stats", choices=("local", "global"),
+        identity=lambda value, train: OMIT if value == "local" else value, help=(
+            "batch-norm statistics in training: local (default, as DDP) over each worker's slice, so that the run "
+            "depends on the worker count; global over the step's global batch across the members (SyncBatchNorm's "
+            "semantics, on gloo and NCCL), so that the run equals the one-process replay at any worker count"))
+
+    def check(self, train: Any) -> None:
+        """What this mode's settings need of the run's core."""
+        if self.batch_stats == "global" and train.micro_batch is not None:
+            raise ConfigError("--batch-stats global computes batch-norm statistics over the global batch in one "
+                              "forward per worker: drop --micro-batch, or use --batch-stats local")
