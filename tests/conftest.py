@@ -29,6 +29,9 @@ def ray_cluster():
 
     os.environ.pop("RAY_ADDRESS", None)
     temp_dir = tempfile.mkdtemp(prefix="edp-ray-", dir="/tmp")
+    # Cluster writes the head's address into Ray's default temp dir, whatever temp_dir says,
+    # and fails where that dir does not exist (a fresh machine that never ran Ray)
+    os.makedirs(os.path.dirname(ray._private.utils.get_ray_address_file(None)), exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "include_dashboard": False, "include_log_monitor": False, "temp_dir": temp_dir,
         "object_store_memory": 2**30,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 import threading
@@ -56,6 +57,8 @@ def local_cluster(head_cpus: int) -> Cluster:
     """A ``ray.cluster_utils.Cluster`` whose head has ``head_cpus`` CPU slots, in a temp
     dir of its own (``training`` removes it), with this driver connected."""
     temp_dir = tempfile.mkdtemp(prefix="edp-ray-", dir="/tmp")
+    # Cluster writes the head's address into Ray's default temp dir (tests/conftest.py)
+    os.makedirs(os.path.dirname(ray._private.utils.get_ray_address_file(None)), exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False,
                                                             "temp_dir": temp_dir})
     ray.init(address=cluster.address, log_to_driver=False)
