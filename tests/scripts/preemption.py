@@ -84,9 +84,9 @@ def main(out: Path, scenario: str) -> None:
     if s["mode"] == "async":
         _first_shard_on(second.node_id)
     task = paced_task(PacedLoss(seconds=s["pace"], until=str(FAST)))
-    config = dataclasses.replace(task.defaults, steps=STEPS, zero=s["zero"], mode=s["mode"],
-                                 micro_batch=None if s["zero"] == 3 else task.defaults.micro_batch,
-                                 **({"sync_every": 4} if s["mode"] == "diloco" else {}))
+    own = {"sync": {"zero": s["zero"]}, "diloco": {"sync_every": 4}}.get(s["mode"], {})  # the mode's settings
+    config = dataclasses.replace(task.defaults, steps=STEPS, mode=s["mode"],
+                                 micro_batch=None if s["zero"] == 3 else task.defaults.micro_batch, **own)
     workers = s["head"] + s["second"]
     facts = {}
 
@@ -131,7 +131,7 @@ def main(out: Path, scenario: str) -> None:
         changes = [(e["step"], e.get("lost_ranks") or e.get("left_ranks") or [], e.get("joined") or 0)
                    for e in lines(out / "events.jsonl") if e["kind"] == "membership_changed"]
         expected, _ = replay_diloco(unpaced, config, load_file(out / "initial.safetensors"), world=workers,
-                                    sync_every=4, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
+                                    sync_every=4, outer_lr=config.mode.outer_lr, outer_momentum=config.mode.outer_momentum,
                                     changes=changes)
     else:
         expected = replay(unpaced, config, str(out / "initial.safetensors"))
