@@ -29,10 +29,10 @@ from elastic_dp.config import (
 from elastic_dp.control.coordinator import Coordinator
 from elastic_dp.control.membership import Membership
 from elastic_dp.control.membership.pool import WorkerPool
-from elastic_dp.control.modes.context import ModeContext
-from elastic_dp.control.modes.registry import make_mode
 from elastic_dp.control.modes.asyncsgd.mode import PS_GPU_SHARE
+from elastic_dp.control.modes.context import ModeContext
 from elastic_dp.control.modes.diloco.mode import check_checkpoints
+from elastic_dp.control.modes.registry import make_mode
 from elastic_dp.durable.checkpoint import CheckpointStore
 from elastic_dp.durable.storage import Storage
 from elastic_dp.errors import ClusterError, ConfigError, ElasticDPError
