@@ -5,7 +5,6 @@ Each error names the field and the CLI flag that sets it, so a user knows what t
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from elastic_dp.control.modes.diloco.settings import DiLoCoSettings
 from elastic_dp.control.modes.sync.settings import SyncSettings
 from elastic_dp.errors import API_NAMES, ConfigError
 from elastic_dp.schedules import SCHEDULES, schedule_factor
-from elastic_dp.settings import OMIT, api_names, build, choice, identity, refuse_unplaced, setting
+from elastic_dp.settings import OMIT, api_names, build, choice, identity, parts_of, refuse_unplaced, setting
 
 MODES = {"sync": SyncSettings, "async": AsyncSettings, "diloco": DiLoCoSettings}
 """Each training mode's settings, by its name (``--mode``; its driver: ``control.modes.MODES``,
@@ -113,6 +112,7 @@ class TrainConfig:
                 check(self)
 
     def _check(self) -> None:
+        """The core's own bounds (the declared choices are checked as they are given: ``settings.build``)."""
         _require(self.steps >= 0, f"steps must be >= 0, got {self.steps} (--steps)")
         _require(self.global_batch > 0,
                  f"global_batch must be positive, got {self.global_batch} (--global-batch)")
@@ -120,8 +120,6 @@ class TrainConfig:
                  f"micro_batch must be positive, got {self.micro_batch} (--micro-batch)")
         _require(self.warmup_steps >= 0,
                  f"warmup_steps must be >= 0, got {self.warmup_steps} (--warmup-steps)")
-        _require(self.lr_schedule in SCHEDULES,
-                 f"lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r} (--lr-schedule)")
         _require(self.decay_steps is None or self.decay_steps > 0,
                  f"decay_steps must be positive, got {self.decay_steps} (--decay-steps)")
         _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio} (--min-lr-ratio)")
@@ -143,12 +141,6 @@ class TrainConfig:
                  "(--lr-reference-batch)")
         _require(self.clip_grad_norm is None or self.clip_grad_norm > 0,
                  f"clip_grad_norm must be positive, got {self.clip_grad_norm} (--clip-grad-norm)")
-        _require(self.precision in ("fp32", "bf16"),
-                 f"precision must be 'fp32' or 'bf16', got {self.precision!r} (--precision)")
-        _require(self.init in ("auto", "whole", "units"),
-                 f"init must be 'auto', 'whole' or 'units', got {self.init!r} (--init)")
-        _require(self.on_nonfinite in ("skip", "fail"),
-                 f"on_nonfinite must be 'skip' or 'fail', got {self.on_nonfinite!r} (--on-nonfinite)")
         _require(self.max_nonfinite_steps >= 1,
                  f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps} (--max-nonfinite-steps)")
 
@@ -189,15 +181,6 @@ class TrainConfig:
     def init_by_units(self) -> bool:
         """The meta-device rule (``--init units``, or ``auto`` at ``--zero 3``)."""
         return self.init == "units" or (self.init == "auto" and self.stage == 3)
-
-
-def parts_of(section: Any) -> list[Any]:
-    """``section`` and every part under it (a run's mode, its stage, its buckets)."""
-    out = [section]
-    for f in dataclasses.fields(section):
-        if "part" in f.metadata or "choice" in f.metadata:
-            out += parts_of(getattr(section, f.name))
-    return out
 
 
 @dataclass(kw_only=True, slots=True)

@@ -161,6 +161,15 @@ def _parts(cls: type, when: str = "") -> Iterator[tuple[str, type]]:
                 yield from _parts(sub, f"{when} {chosen.declared.flag} {key}".strip())
 
 
+def parts_of(section: Any) -> list[Any]:
+    """``section`` and every chosen part under it (a run's mode, its stage, its buckets)."""
+    out = [section]
+    for f, _, chosen, fixed in _fields(type(section)):
+        if chosen is not None or fixed is not None:
+            out += parts_of(getattr(section, f.name))
+    return out
+
+
 def describe(section: Any) -> str:
     """The choices that made ``section``'s tree of parts, in flags (``--mode sync --zero 0``)."""
     words = []

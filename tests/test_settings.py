@@ -17,7 +17,7 @@ from elastic_dp.config import MODES, run_name, run_settings
 from elastic_dp.control.modes.diloco.settings import DiLoCoSettings
 from elastic_dp.errors import API_NAMES, SURFACE
 from elastic_dp.faults import FaultPlan
-from elastic_dp.settings import _parts, declarations
+from elastic_dp.settings import _parts, declarations, parts_of
 from elastic_dp.state.zero.settings import STAGES
 from jobs.gpt import TASK
 
@@ -60,7 +60,7 @@ def test_every_setting_of_a_part_the_run_did_not_choose_is_refused_naming_it(mod
     for stage in stages:
         chosen = {"mode": mode, **({"zero": stage} if stage is not None else {})}
         base = TrainConfig(**chosen)
-        read = {f.name for part in _parts_of(base) for f in dataclasses.fields(part)}
+        read = {f.name for part in parts_of(base) for f in dataclasses.fields(part)}
         for name, declared in declarations(TrainConfig).items():
             if name in read or name in chosen:
                 continue
@@ -73,11 +73,6 @@ def test_every_setting_of_a_part_the_run_did_not_choose_is_refused_naming_it(mod
                 assert f"{flag} is read only with" in str(refused.value)
             finally:
                 SURFACE.reset(token)
-
-
-def _parts_of(config):
-    from elastic_dp.config import parts_of
-    return parts_of(config)
 
 
 def _a_value_other_than_the_default(name: str):
