@@ -40,13 +40,13 @@ from typing import Any
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, TrainConfig
 from elastic_dp.control.coordinator import Coordinator
 from elastic_dp.control.membership import Membership
-from elastic_dp.control.modes.base import MembersLost, RecoveryResult, classify
-from elastic_dp.control.modes.context import ModeContext
-from elastic_dp.control.modes.sync.mode import SyncMode
-from elastic_dp.control.modes.sync.sharded import chunk_sources, spread_over_nodes
-from elastic_dp.control.modes.watchdog import Transport
 from elastic_dp.faults import FaultPlan
 from elastic_dp.messages import Heartbeat, StepResult, WindowPlan
+from elastic_dp.modes.base import MembersLost, RecoveryResult, classify
+from elastic_dp.modes.context import ModeContext
+from elastic_dp.modes.sync.mode import SyncMode
+from elastic_dp.modes.sync.sharded import chunk_sources, spread_over_nodes
+from elastic_dp.modes.watchdog import Transport
 from elastic_dp.observe.metrics import RunRecorder
 from elastic_dp.state.zero.chunks import needed_sources
 from tests.fakes import FakeClock, FakePool
@@ -224,8 +224,8 @@ class Actor:
     final: bool = False
 
     def __post_init__(self) -> None:
-        self.run_window = Method(self._run_window)
-        self.grant = Method(self._grant)
+        programs = {"run_window": self._run_window, "grant": self._grant}  # the program's calls, by name
+        self.stream = self.call = Method(lambda name, *args: programs[name](*args))
         self.abort_group = Method(lambda generation=None: Ref())
         self.heartbeat = Method(lambda: Ref(Heartbeat(0, "idle", 0.0, 0.0)))
 

@@ -57,8 +57,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     from elastic_dp.comm.group import CollectiveGroup
     from elastic_dp.data import rank_slice
     from elastic_dp.malloc import keep_freed_memory
+    from elastic_dp.modes.sync.program import SyncProgram
     from elastic_dp.worker.replica import Replica
-    from elastic_dp.worker.sync import SyncProgram
     from jobs.gpt import TASK
 
     if not args.default_malloc:

@@ -41,9 +41,9 @@ def _rank(rank: int, world: int, port: int, rounds: int, steps: int, out: str) -
     from elastic_dp.comm.group import CollectiveGroup
     from elastic_dp.data import ElasticSampler, rank_slice
     from elastic_dp.malloc import keep_freed_memory
+    from elastic_dp.modes.sync.program import SyncProgram
     from elastic_dp.state.zero import shm
     from elastic_dp.worker.replica import Replica
-    from elastic_dp.worker.sync import SyncProgram
     from jobs.gpt import TASK
 
     keep_freed_memory()  # as a worker actor does

@@ -29,14 +29,14 @@ from elastic_dp.config import (
 from elastic_dp.control.coordinator import Coordinator
 from elastic_dp.control.membership import Membership
 from elastic_dp.control.membership.pool import WorkerPool
-from elastic_dp.control.modes.asyncsgd.mode import PS_GPU_SHARE
-from elastic_dp.control.modes.context import ModeContext
-from elastic_dp.control.modes.diloco.mode import check_checkpoints
-from elastic_dp.control.modes.registry import make_mode
 from elastic_dp.durable.checkpoint import CheckpointStore
 from elastic_dp.durable.storage import Storage
 from elastic_dp.errors import ClusterError, ConfigError, ElasticDPError
 from elastic_dp.faults import Fault, FaultPlan, parse_faults
+from elastic_dp.modes.asyncsgd.mode import PS_GPU_SHARE
+from elastic_dp.modes.context import ModeContext
+from elastic_dp.modes.diloco.mode import check_checkpoints
+from elastic_dp.modes.registry import make_mode
 from elastic_dp.observe.exporters import RayMetrics
 from elastic_dp.observe.metrics import RunRecorder, RunSummary, Throughput
 from elastic_dp.schedules import check_sources

@@ -11,16 +11,18 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from elastic_dp.comm.settings import Buckets
-from elastic_dp.control.modes.asyncsgd.settings import AsyncSettings
-from elastic_dp.control.modes.diloco.settings import DiLoCoSettings
-from elastic_dp.control.modes.sync.settings import SyncSettings
 from elastic_dp.errors import API_NAMES, ConfigError
+from elastic_dp.modes.asyncsgd.settings import AsyncSettings
+from elastic_dp.modes.diloco.settings import DiLoCoSettings
+from elastic_dp.modes.sync.settings import SyncSettings
 from elastic_dp.schedules import SCHEDULES, schedule_factor
 from elastic_dp.settings import OMIT, api_names, build, choice, identity, parts_of, refuse_unplaced, setting
+from elastic_dp.state.zero.settings import Stage, Stage0
 
 MODES = {"sync": SyncSettings, "async": AsyncSettings, "diloco": DiLoCoSettings}
-"""Each training mode's settings, by its name (``--mode``; its driver: ``control.modes.MODES``,
-its worker side: ``worker.actor.PROGRAMS``)."""
+"""The training modes, by name (``--mode``): each one's settings part, which names its
+driver half and its worker program (``modes.registry``). Adding a mode is its package
+under ``elastic_dp.modes`` and one line here."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -145,11 +147,11 @@ class TrainConfig:
                  f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps} (--max-nonfinite-steps)")
 
     @property
-    def stage(self) -> int:
-        """The ZeRO stage the state is sharded at (``--zero``): the sync mode's; 0 in the
-        modes that shard nothing (async keeps its state on parameter servers, diloco whole)."""
-        zero = getattr(self.mode, "zero", None)
-        return 0 if zero is None else zero.stage
+    def stage(self) -> Stage:
+        """The ZeRO stage's part the state is sharded by (``--zero``): the sync mode's; stage
+        0's in the modes that shard nothing (async keeps its state on parameter servers,
+        diloco whole). Ask it what it shards (``sharded``, ``shards_parameters``), not its number."""
+        return getattr(self.mode, "zero", None) or Stage0()
 
     @property
     def buckets(self) -> Buckets:
@@ -180,7 +182,7 @@ class TrainConfig:
     @property
     def init_by_units(self) -> bool:
         """The meta-device rule (``--init units``, or ``auto`` at ``--zero 3``)."""
-        return self.init == "units" or (self.init == "auto" and self.stage == 3)
+        return self.init == "units" or (self.init == "auto" and self.stage.shards_parameters)
 
 
 @dataclass(kw_only=True, slots=True)

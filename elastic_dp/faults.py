@@ -181,10 +181,10 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
                f"{train.mode.sync_every}")
     if mode == "diloco" and f.kind in ("kill", "hang") and f.phase != "forward":
         refuse("--mode diloco fires faults in its inner steps' forward (phase=forward) only")
-    if f.phase in ("gather_forward", "gather_backward") and train.stage != 3:
+    if f.phase in ("gather_forward", "gather_backward") and not train.stage.shards_parameters:
         refuse(f"phase={f.phase} fires as a unit's parameters are all-gathered, which only --zero 3 does")
-    if f.phase == "snapshot" and (not train.stage or (f.step + 1) % train.mode.zero.snapshot_every):
-        every = train.mode.zero.snapshot_every if train.stage else 1
+    if f.phase == "snapshot" and (not train.stage.sharded or (f.step + 1) % train.stage.snapshot_every):
+        every = train.stage.snapshot_every if train.stage.sharded else 1
         refuse(f"phase=snapshot needs --zero 1, 2 or 3 and a step after which a snapshot is taken: (step + 1) "
                f"divisible by --snapshot-every {every}")
     if f.phase == "reform" and not any(g.kind != "join" and g.step == f.step and g.phase in STEP_PHASES

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -250,3 +251,11 @@ def api_names(cls: type) -> dict[str, str]:
         if d.off is not None:
             out[d.off] = f"{cls.__name__}({name}=False)"
     return out
+
+
+def implementation(path: str) -> Any:
+    """What a part names as its code, ``"package.module:Name"`` (a mode's driver and
+    program, a stage's strategy): imported when a run first needs it, so that a part's
+    settings can be read, checked and shown without importing torch, Ray or its code."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, ConfigError, Trainer
-from elastic_dp.control.modes.asyncsgd.ledger import Ledger, snapshot_plan
 from elastic_dp.data import ElasticSampler
+from elastic_dp.modes.asyncsgd.ledger import Ledger, snapshot_plan
 from elastic_dp.observe.report import plot_staleness, read_run
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay, replay_updates

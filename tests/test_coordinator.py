@@ -11,8 +11,8 @@ import pytest
 from elastic_dp import CheckpointConfig, MembershipError, TrainConfig
 from elastic_dp.control.coordinator import Coordinator, RunState
 from elastic_dp.control.membership import Membership
-from elastic_dp.control.modes.base import MembersLost, Recovery, RecoveryResult, SaveOutcome, classify
 from elastic_dp.faults import Fault, FaultPlan
+from elastic_dp.modes.base import MembersLost, Recovery, RecoveryResult, SaveOutcome, classify
 from elastic_dp.observe.metrics import RunRecorder
 from tests.fakes import FakeClock, FakePool
 

@@ -87,8 +87,8 @@ def test_bf16_autocast_on_cuda_tracks_the_replay(ray_cluster, tmp_path):
 
 def test_batches_are_prepared_ahead_in_pinned_memory():
     from elastic_dp.config import TrainConfig
+    from elastic_dp.modes.sync.program import SyncProgram
     from elastic_dp.worker.replica import Replica
-    from elastic_dp.worker.sync import SyncProgram
 
     replica = Replica(TINY_GPT_TASK, TrainConfig(global_batch=8), torch.device("cuda", 0), group=None)
 

@@ -70,8 +70,8 @@ def test_rank_slices_of_given_sizes_cover_the_batch_in_order():
 
 
 def test_balanced_slices_follow_the_speeds_and_ignore_noise():
-    from elastic_dp.control.modes.sync.balance import Balancer, apportion
     from elastic_dp.messages import StepResult
+    from elastic_dp.modes.sync.balance import Balancer, apportion
 
     assert apportion(10, [1, 1]) == (5, 5)
     assert apportion(10, [1, 0.25]) == (8, 2) or apportion(10, [1, 0.25]) == (7, 3)

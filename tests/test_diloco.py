@@ -1,4 +1,4 @@
-"""DiLoCo's worker side (``elastic_dp.worker.diloco``) on gloo ranks run as threads,
+"""DiLoCo's worker side (``elastic_dp.modes.diloco.program``) on gloo ranks run as threads,
 against its oracles: with H = 1, inner SGD and outer SGD of rate 1 without momentum it
 is synchronous data parallelism; on one replica with outer rate 1 and no momentum it is
 plain training; a constant gradient gives the closed form of the outer Nesterov update;
@@ -18,8 +18,8 @@ from torch import nn
 
 from elastic_dp import ElasticSampler, Task, TrainConfig
 from elastic_dp.data import split
-from elastic_dp.control.modes.diloco.settings import DiLoCoSettings
-from elastic_dp.worker.diloco import DiLoCoProgram
+from elastic_dp.modes.diloco.program import DiLoCoProgram
+from elastic_dp.modes.diloco.settings import DiLoCoSettings
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
 from tests.reference import replay, replay_diloco

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from elastic_dp import ConfigError, Task, TaskError, TrainConfig
-from elastic_dp.control.modes.diloco.settings import DiLoCoSettings
-from elastic_dp.worker.diloco import DiLoCoProgram, fragments_of
+from elastic_dp.modes.diloco.program import DiLoCoProgram, fragments_of
+from elastic_dp.modes.diloco.settings import DiLoCoSettings
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
 from tests.reference import replay_diloco

@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
-from elastic_dp.worker.sync import REPORT_INTERVAL_S
+from elastic_dp.modes.sync.program import REPORT_INTERVAL_S
 from tests.procs import worker_pids
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay

@@ -1,4 +1,4 @@
-"""The worker's own step loop without Ray (elastic_dp.worker.window, SyncProgram.run_window), on gloo
+"""The worker's own step loop without Ray (elastic_dp.modes.sync.grants, SyncProgram.run_window), on gloo
 ranks run as threads: a request to stop, heard by one rank only, ends every rank's
 window after the same step, through the commit vote; grants name their window."""
 
@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 from elastic_dp import Task
 from elastic_dp.faults import Fault
 from elastic_dp.messages import WindowPlan
+from elastic_dp.modes.sync.grants import Grants
+from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.worker.replica import Replica
-from elastic_dp.worker.sync import SyncProgram
-from elastic_dp.worker.window import Grants
 from tests.ranks import run_ranks
 from tests.reference import max_abs_diff, replay
 from tests.tasks import MLP_TASK, Regression, mlp, mse, sgd_two_groups

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, NonFiniteError, Trainer, split
-from elastic_dp.control.modes.guard import NonFiniteGuard
 from elastic_dp.data import ElasticSampler
 from elastic_dp.messages import StepResult
+from elastic_dp.modes.guard import NonFiniteGuard
+from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.observe.metrics import RunRecorder
 from elastic_dp.worker.replica import Replica
-from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay

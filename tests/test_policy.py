@@ -9,7 +9,7 @@ import pytest
 
 from elastic_dp import ConfigError
 from elastic_dp.control.membership.policy import Action, ElasticPolicy
-from elastic_dp.control.modes.sync.sharded import ChunkPlan, chunk_sources
+from elastic_dp.modes.sync.sharded import ChunkPlan, chunk_sources
 
 
 def test_failure_reforms_over_survivors_then_joiners_in_rank_order():
@@ -126,7 +126,7 @@ def test_chunk_sources_after_a_kill_during_a_snapshot():
 
 
 def test_ranks_alternate_between_nodes_so_each_peer_snapshot_is_on_another_node():
-    from elastic_dp.control.modes.sync.sharded import spread_over_nodes
+    from elastic_dp.modes.sync.sharded import spread_over_nodes
 
     node = {"a1": "A", "a2": "A", "b1": "B", "b2": "B", "c1": "C"}
     assert spread_over_nodes(["a1", "a2", "b1", "b2"], node.get) == ["a1", "b1", "a2", "b2"]

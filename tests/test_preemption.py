@@ -13,10 +13,10 @@ import pytest
 
 from elastic_dp.control.coordinator import LEAVE_MARGIN_S, RunState
 from elastic_dp.control.membership.policy import Action, ElasticPolicy
-from elastic_dp.control.modes.base import MembersLost
 from elastic_dp.messages import LeaveNotice
+from elastic_dp.modes.base import MembersLost
+from elastic_dp.modes.sync.grants import Grants
 from elastic_dp.worker.leave import SigtermLeave
-from elastic_dp.worker.window import Grants
 from tests.test_coordinator import FakeMode, _run, _states
 
 

@@ -12,9 +12,9 @@ from torch import nn
 from elastic_dp import TaskError, TrainConfig
 from elastic_dp.comm.reducer import GradientReducer, make_buckets
 from elastic_dp.comm.vote import Vote
+from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.task import Task
 from elastic_dp.worker.replica import Replica
-from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.tasks import Regression, mlp, mse, sgd_two_groups
 

@@ -14,9 +14,9 @@ import pytest
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ConfigError, MetricsConfig, TrainConfig, cli
 from elastic_dp.config import MODES, run_name, run_settings
-from elastic_dp.control.modes.diloco.settings import DiLoCoSettings
 from elastic_dp.errors import API_NAMES, SURFACE
 from elastic_dp.faults import FaultPlan
+from elastic_dp.modes.diloco.settings import DiLoCoSettings
 from elastic_dp.settings import _parts, declarations, parts_of
 from elastic_dp.state.zero.settings import STAGES
 from jobs.gpt import TASK
@@ -148,8 +148,8 @@ def test_each_part_checks_its_own_settings_naming_them(settings, says):
 
 
 def test_the_async_mode_refuses_the_collective_group_s_settings():
-    from elastic_dp.control.modes.context import ModeContext
-    from elastic_dp.control.modes.registry import make_mode
+    from elastic_dp.modes.context import ModeContext
+    from elastic_dp.modes.registry import make_mode
     from elastic_dp.observe.metrics import RunRecorder
 
     def mode(train, cluster=ClusterConfig()):

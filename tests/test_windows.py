@@ -1,4 +1,4 @@
-"""Workers run windows of steps on their own (elastic_dp.worker.window, modes/sync/window.py): a kill
+"""Workers run windows of steps on their own (elastic_dp.modes.sync.grants, modes/sync/window.py): a kill
 (with the next batch being prepared), a hang and a join that land in the middle of a
 window, at stage 0 and under ZeRO-2, end where the plain PyTorch replay ends; prepared
 batches (prefetch forced on, as on a GPU) never train a stale slice after the membership
@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, ElasticSampler, Trainer
-from elastic_dp.control.modes.sync.window import MIN_LOOKAHEAD
+from elastic_dp.modes.sync.window import MIN_LOOKAHEAD
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import PacedLoss, paced_task
@@ -154,7 +154,7 @@ def test_a_wait_on_the_workers_calls_wakes_when_a_starting_worker_moves_on(ray_c
     taken for a member's result."""
     import ray
 
-    from elastic_dp.control.modes.calls import Waiting
+    from elastic_dp.modes.calls import Waiting
 
     sleep = ray.remote(num_cpus=0)(_sleep)
     call, starting = sleep.remote(20.0), sleep.remote(0.2)

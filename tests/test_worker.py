@@ -16,10 +16,11 @@ from elastic_dp import Fault
 from elastic_dp.comm.vote import Ballot, Vote
 from elastic_dp.errors import WorkerError
 from elastic_dp.faults import FaultHook
+from elastic_dp.modes.asyncsgd.program import AsyncProgram
+from elastic_dp.modes.registry import make_program
+from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.worker.actor import WorkerActor
-from elastic_dp.worker.asyncsgd.program import AsyncProgram
 from elastic_dp.worker.replica import Replica
-from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.tasks import MLP_TASK
 
@@ -99,24 +100,31 @@ def _actor(mode: str) -> WorkerActor:
     actor = WorkerActor(device="cpu", backend="gloo", num_threads=1, collective_timeout_s=5)
     config = dataclasses.replace(MLP_TASK.defaults, mode=mode)
     actor.replica = Replica(MLP_TASK, config, CPU, actor.group, actor.faults)
-    actor.program = {"sync": SyncProgram, "async": AsyncProgram}[mode](actor.replica)
+    actor.program = make_program(actor.replica)  # as setup builds it
     return actor
 
 
 def test_an_async_worker_refuses_the_synchronous_calls_naming_both_modes():
     actor = _actor("async")
+    assert isinstance(actor.program, AsyncProgram)
     with pytest.raises(WorkerError, match=r"run_window is a call of TrainConfig\.mode='sync', and this worker runs "
                                           r"TrainConfig\.mode='async'"):
-        next(iter(actor.run_window(None)))
+        next(iter(actor.stream("run_window", None)))
     with pytest.raises(WorkerError, match=r"grant is a call of TrainConfig\.mode='sync'"):
-        actor.grant(0, 1, True, {})
+        actor.call("grant", 0, 1, True, {})
+    with pytest.raises(WorkerError, match=r"window is a call of TrainConfig\.mode='diloco'"):
+        actor.call("window", 0, 1, {}, {})
     with pytest.raises(WorkerError, match=r"import_chunks moves ZeRO chunks.*TrainConfig\.zero=0"):
         actor.import_chunks([], 1, 0)
 
 
-def test_a_sync_worker_refuses_the_asynchronous_gradient():
+def test_a_sync_worker_refuses_the_asynchronous_gradient_and_a_call_no_program_has():
     actor = _actor("sync")
-    with pytest.raises(WorkerError, match=r"async_gradient is a call of TrainConfig\.mode='async', and this worker "
-                                          r"runs TrainConfig\.mode='sync'"):
-        actor.async_gradient(0, {"seed": 0, "global_batch": 4, "dataset_len": 96}, [0, 1], None, None)
     assert isinstance(actor.program, SyncProgram)
+    with pytest.raises(WorkerError, match=r"gradient is a call of TrainConfig\.mode='async', and this worker "
+                                          r"runs TrainConfig\.mode='sync'"):
+        actor.call("gradient", 0, {"seed": 0, "global_batch": 4, "dataset_len": 96}, [0, 1], None, None)
+    with pytest.raises(WorkerError, match=r"grant of TrainConfig\.mode='sync' is a call, asked for as a stream"):
+        next(iter(actor.stream("grant", 0, 1, True, {})))
+    with pytest.raises(WorkerError, match=r"no training mode's program has a call step"):
+        actor.call("step", 0, [0])  # the program's own method, not one of its calls

@@ -16,8 +16,8 @@ from elastic_dp import ConfigError, ElasticSampler, Task, TrainConfig
 from elastic_dp.data import split
 from elastic_dp.durable.checkpoint import merge_parts
 from elastic_dp.errors import CollectiveError
+from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.worker.replica import Replica
-from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression, mlp
 from tests.zero_runs import CPU, initial_weights, max_diff, train

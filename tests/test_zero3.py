@@ -18,10 +18,10 @@ from elastic_dp.data import split
 from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore, manifest_of, write_part
 from elastic_dp.durable.weights import save_tensor_parts
 from elastic_dp.errors import API_NAMES, CollectiveError
+from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.observe.plan import MemoryPlan
 from elastic_dp.state.units import default_units
 from elastic_dp.worker.replica import Replica
-from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.reference import replay
 from tests.tasks import CNN_TASK, MLP_TASK, TINY_GPT_TASK, Regression, mlp

@@ -16,11 +16,11 @@ import torch
 
 from elastic_dp import ElasticSampler
 from elastic_dp.data import split
+from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.observe.plan import MemoryPlan
 from elastic_dp.state.zero import shm
 from elastic_dp.state.zero.chunks import Snapshot
 from elastic_dp.worker.replica import Replica
-from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 from tests.tasks import MLP_TASK, TINY_GPT_TASK
 from tests.zero_runs import CPU, initial_weights, max_diff, train

@@ -11,8 +11,8 @@ import torch
 from elastic_dp import ElasticSampler, Task, TrainConfig
 from elastic_dp.data import rank_slice
 from elastic_dp.durable.checkpoint import Checkpoint
+from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.worker.replica import Replica
-from elastic_dp.worker.sync import SyncProgram
 from tests.ranks import run_ranks
 
 CPU = torch.device("cpu")

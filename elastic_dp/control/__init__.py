@@ -1,1 +1,1 @@
-"""The control plane, on the driver: the coordinator (a state machine), membership (pool, placement, policy) and the driver half of each training mode. It holds no tensor."""
+"""The control plane, on the driver: the coordinator (a state machine) and membership (pool, placement, policy); the coordinator drives the training modes' driver halves (``elastic_dp.modes``). It holds no tensor."""

@@ -31,10 +31,10 @@ from typing import Any, Callable
 
 from elastic_dp.config import CheckpointConfig, TrainConfig
 from elastic_dp.control.membership import Action, Membership, MembershipDecision
-from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult, TrainingMode
 from elastic_dp.data import check_resumable, check_same_run
 from elastic_dp.errors import MembershipError
 from elastic_dp.faults import FaultPlan
+from elastic_dp.modes.base import Failure, MembersLost, Recovery, RecoveryResult, TrainingMode
 from elastic_dp.observe.metrics import RunRecorder, RunSummary
 
 logger = logging.getLogger(__name__)

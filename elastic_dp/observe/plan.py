@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 
 from elastic_dp.errors import ConfigError
 from elastic_dp.state.zero.chunks import SNAPSHOTS_KEPT
+from elastic_dp.state.zero.settings import STAGES
 
 OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
 PRECISIONS = {"bf16": (2, 2, 4), "fp32": (4, 4, 0)}
@@ -81,16 +82,22 @@ class MemoryPlan:
             raise ConfigError(f"--params must be positive, got {self.params}")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ConfigError(f"--workers must be a positive integer, got {self.workers}")
-        if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"--zero must be stage 0, 1, 2 or 3, got {self.zero!r}")
+        if self.zero not in STAGES:
+            *first, last = map(str, STAGES)
+            raise ConfigError(f"--zero must be stage {', '.join(first)} or {last}, got {self.zero!r}")
         if self.unit_params is not None and not 0 < self.unit_params <= self.params:
             raise ConfigError(f"--unit-params must be positive and at most --params, got {self.unit_params}")
-        if (self.unit_params is not None or not self.reshard) and self.zero != 3:
+        if (self.unit_params is not None or not self.reshard) and "parameters" not in self._shards:
             raise ConfigError("--unit-params and --no-reshard-after-forward are ZeRO stage 3's: add --zero 3")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if self.optimizer not in OPTIMIZER_MOMENTS:
             raise ConfigError(f"--optimizer must be one of {sorted(OPTIMIZER_MOMENTS)}, got {self.optimizer!r}")
+
+    @property
+    def _shards(self) -> frozenset[str]:
+        """What the stage cuts over the workers (``Stage.shards``)."""
+        return STAGES[self.zero].shards
 
     # bytes per parameter, whole (unsharded)
     @property
@@ -102,18 +109,16 @@ class MemoryPlan:
         """Per-worker bytes per parameter: parameters, gradients, optimizer state, total."""
         n = workers or self.workers
         p, g, k = self._pgk
-        if self.zero >= 1:
-            k /= n
-        if self.zero >= 2:
-            g /= n
-        if self.zero >= 3:
-            p /= n
+        shards = self._shards
+        k /= n if "optimizer" in shards else 1
+        g /= n if "gradients" in shards else 1
+        p /= n if "parameters" in shards else 1
         return {"parameters": p, "gradients": g, "optimizer_state": k, "total": p + g + k}
 
     def gathered_bytes(self) -> float:
         """Stage 3: the bytes of gathered units a worker holds at the busiest moment of a
         step, on top of its training state (0 at the other stages, or with no ``unit_params``)."""
-        if self.zero != 3:
+        if "parameters" not in self._shards:
             return 0.0
         p, g, _ = self._pgk
         if not self.reshard:
@@ -126,7 +131,7 @@ class MemoryPlan:
     def snapshot_bytes(self) -> dict[str, float]:
         """Per-worker bytes of peer snapshots: host memory with the left neighbour on
         another host, and on the same host; the device's extra while one is sent (NCCL)."""
-        if self.zero == 0 or self.workers == 1:
+        if not self._shards or self.workers == 1:
             return {"host": 0.0, "host_neighbour_on_same_host": 0.0, "device_while_sent": 0.0}
         one = (4 + 4 * OPTIMIZER_MOMENTS[self.optimizer]) * self.params / self.workers
         return {"host": 2 * SNAPSHOTS_KEPT * one, "host_neighbour_on_same_host": SNAPSHOTS_KEPT * one,
@@ -136,8 +141,9 @@ class MemoryPlan:
         """Fewest workers whose per-worker training state fits in ``gpu_memory`` bytes (with
         ``with_units``: and the gathered units, ``gathered_bytes``); None when no number of
         workers is enough at this stage."""
-        p, g, k = self._pgk
-        fixed, sharded = {0: (p + g + k, 0.0), 1: (p + g, k), 2: (p, g + k), 3: (0.0, p + g + k)}[self.zero]
+        whole = dict(zip(("parameters", "gradients", "optimizer"), self._pgk))
+        fixed = sum(v for k, v in whole.items() if k not in self._shards)
+        sharded = sum(v for k, v in whole.items() if k in self._shards)
         room = gpu_memory / self.params - fixed - (self.gathered_bytes() if with_units else 0.0) / self.params
         if room < 0 or (room == 0 and sharded > 0):
             return None
@@ -148,9 +154,9 @@ class MemoryPlan:
         n = self.workers
         p, g, _ = self._pgk
         share = (n - 1) / n
-        if self.zero == 0:
+        if "gradients" not in self._shards and "optimizer" not in self._shards:
             per_param = 2 * share * g
-        elif self.zero == 3 and self.reshard:
+        elif "parameters" in self._shards and self.reshard:
             per_param = share * (2 * p + g)
         else:
             per_param = share * (g + p)
@@ -162,7 +168,7 @@ class MemoryPlan:
                "per_worker_bytes": self.per_worker_bytes(),
                "per_worker_bytes_by_stage": {
                    str(z): MemoryPlan(self.params, self.workers, z, self.precision,
-                                      self.optimizer).per_worker_bytes()["total"] for z in (0, 1, 2, 3)},
+                                      self.optimizer).per_worker_bytes()["total"] for z in STAGES},
                "snapshot_bytes": self.snapshot_bytes(),
                "gathered_bytes": self.gathered_bytes(),
                "comm_bytes_per_step": self.comm_bytes_per_step()}
@@ -183,8 +189,8 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
     for key in ("parameters", "gradients", "optimizer_state", "total"):
         lines.append(f"    {key.replace('_', ' '):16} {r['bytes_per_param'][key]:10.3f}  {r['per_worker_bytes'][key] / gib:10.2f}")
     by_stage = " / ".join(f"{v / gib:.2f}" for v in r["per_worker_bytes_by_stage"].values())
-    lines.append(f"  stages 0 / 1 / 2 / 3 per worker: {by_stage} GiB")
-    if plan.zero == 3:
+    lines.append(f"  stages {' / '.join(map(str, STAGES))} per worker: {by_stage} GiB")
+    if "parameters" in STAGES[plan.zero].shards:
         lines.append(f"  gathered units in flight: {r['gathered_bytes'] / gib:.2f} GiB more at the busiest moment"
                      if r["gathered_bytes"] else "  gathered units in flight: give --unit-params (the largest unit's "
                      "parameters) to add them")

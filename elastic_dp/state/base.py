@@ -244,6 +244,48 @@ class BucketedGradients:
         self.reducer.arm()  # every bucket is launched by the reduction, zeros where no gradient came
 
 
+class LocalGradients:
+    """The gradient part of the Strategy interface, for a strategy whose gradients stay on
+    the worker (a mode that reduces none: its program calls ``zero_grad`` and reads
+    ``.grad``, and casts no vote). ``zero_grad`` keeps a zero gradient on every parameter,
+    as the reducer's bucket views do, so that an optimizer steps the same parameters."""
+
+    params: list[torch.nn.Parameter]
+    equal_passes = False
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+
+    def before_backward(self) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        pass
+
+    def before_last_backward(self) -> None:
+        pass  # nothing is reduced: the gradients are complete when the backward is
+
+    @property
+    def ballot(self) -> Ballot:
+        raise RuntimeError("a strategy whose gradients stay on the worker casts no vote")
+
+    def before_vote(self, call: Callable[[], None] | None) -> None:
+        raise RuntimeError("a strategy whose gradients stay on the worker casts no vote")
+
+    def reduce_gradients(self) -> Vote:
+        raise RuntimeError("a strategy whose gradients stay on the worker reduces none: its mode reduces them")
+
+    def abandon(self) -> None:
+        self.zero_grad()
+
+    def after_local_error(self) -> None:
+        pass  # no collective to keep in lockstep
+
+
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 

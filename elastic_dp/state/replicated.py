@@ -1,4 +1,7 @@
-"""ZeRO stage 0: every worker holds the whole state."""
+"""ZeRO stage 0: every worker holds the whole state. ``Replicated`` reduces the gradients
+in buckets during backward (the sync mode's); ``Unreduced`` keeps them on the worker, for
+a mode that reduces none (``--mode async``: the parameter servers apply them; ``--mode
+diloco``: each member steps alone) and so builds no reducer."""
 
 from __future__ import annotations
 
@@ -8,28 +11,28 @@ from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer
 from elastic_dp.config import TrainConfig
 from elastic_dp.durable.checkpoint import TrainingState, Wanted, load_optimizer_state, optimizer_state
-from elastic_dp.state.base import BucketedGradients, WholeModel, broadcast_tensors, inside, nbytes
+from elastic_dp.faults import FaultHook
+from elastic_dp.state.base import BucketedGradients, LocalGradients, WholeModel, broadcast_tensors, inside, nbytes
 from elastic_dp.state.buffers import ModelBuffers
 
 
-class Replicated(BucketedGradients, WholeModel):
-    """ZeRO stage 0: full replicas, bucketed all-reduce overlapped with backward."""
+class ReplicatedState(WholeModel):
+    """The whole model and optimizer state on every worker: all of ``Strategy`` but the
+    gradients (``Replicated``, ``Unreduced``)."""
+
+    params: list[torch.nn.Parameter]
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 group: CollectiveGroup, config: TrainConfig, device: torch.device) -> None:
+                 group: CollectiveGroup, device: torch.device) -> None:
         self.model, self.group, self.device = model, group, device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.optimizer = optimizer
         self.buffers = ModelBuffers(model)
-        self.reducer = GradientReducer(self.params, group,
-                                       bucket_bytes=config.buckets.bucket_bytes,
-                                       first_bucket_bytes=config.buckets.first_bucket_bytes(device.type),
-                                       reduce_fp32=config.buckets.reduce_fp32)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        # Gradients are identical on every rank after the all-reduce, so the local norm
-        # is the global norm and no further communication is needed.
+        # Replicated's gradients are identical on every rank after the all-reduce (and
+        # Unreduced's are the worker's own), so the local norm is the one to clip by.
         return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
     @property
@@ -54,8 +57,12 @@ class Replicated(BucketedGradients, WholeModel):
     def drop_pending(self) -> None:
         pass
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The memory the gradients live in beside their own ``.grad`` tensors."""
+        return []
+
     def state_bytes(self) -> dict[str, int]:
-        buffers = [b.buffer for b in self.reducer.buckets]
+        buffers = self.gradient_buffers()
         return {"parameters": nbytes(self.params),
                 "gradients": nbytes(buffers) + nbytes(
                     [p.grad for p in self.params if p.grad is not None and not inside(p.grad, buffers)]),
@@ -80,3 +87,28 @@ class Replicated(BucketedGradients, WholeModel):
                    for k, v in state.optimizer_tensors.items()
                    if not k.endswith("/master")}  # fp32 masters are ZeRO's; stage 0 has none
         load_optimizer_state(self.optimizer, self.names, tensors, state.optimizer_meta)
+
+
+class Replicated(BucketedGradients, ReplicatedState):
+    """ZeRO stage 0: full replicas, bucketed all-reduce overlapped with backward (no fault
+    phase of its own: ``faults`` is taken as every stage's strategy takes it)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 group: CollectiveGroup, config: TrainConfig, device: torch.device,
+                 faults: FaultHook | None = None) -> None:
+        super().__init__(model, optimizer, group, device)
+        self.reducer = GradientReducer(self.params, group,
+                                       bucket_bytes=config.buckets.bucket_bytes,
+                                       first_bucket_bytes=config.buckets.first_bucket_bytes(device.type),
+                                       reduce_fp32=config.buckets.reduce_fp32)
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.reducer.buckets]
+
+
+class Unreduced(LocalGradients, ReplicatedState):
+    """Full replicas whose gradients stay each worker's own: no reducer is built."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 group: CollectiveGroup, config: TrainConfig, device: torch.device) -> None:
+        super().__init__(model, optimizer, group, device)

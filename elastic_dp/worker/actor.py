@@ -2,20 +2,22 @@
 
 It is a threaded actor (``max_concurrency=3``): one thread runs the step (or another
 long call), the others stay free for control calls — heartbeats, and the elastic layer's
-abort — while the step is blocked in a collective. The configuration chooses the
-program once (``PROGRAMS``); a call of another mode's is refused, naming both. The
+abort — while the step is blocked in a collective. The configuration chooses the mode's
+program once (``modes.registry.make_program``); the driver reaches it through two entry
+points, ``call`` and ``stream``, and a call of another mode's is refused, naming both. The
+actor never asks which mode it runs: leaving, aborting, evaluating and checkpoints go
+through the program's hooks (``modes.program.Program``). The
 coordinator hands a call its faults (``--inject``) with the call; the actor arms them
 in the process's ``FaultHook``, and each phase's code fires them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
+from typing import Any, Callable, Iterator
 
-import numpy as np
 import ray
 import torch
 
@@ -27,22 +29,16 @@ from elastic_dp.durable.weights import save_tensor_parts
 from elastic_dp.errors import WorkerError
 from elastic_dp.faults import SAVE_PHASES, Fault, FaultHook
 from elastic_dp.malloc import keep_freed_memory
-from elastic_dp.messages import Heartbeat, LeaveNotice, StepResult, WindowPlan, WorkerInfo
+from elastic_dp.messages import Heartbeat, LeaveNotice, WorkerInfo
+from elastic_dp.modes.program import Program
+from elastic_dp.modes.registry import make_program, modes_with_call
 from elastic_dp.state.base import Resharding
 from elastic_dp.state.zero.chunks import ChunkState
 from elastic_dp.task import Task
-from elastic_dp.threads import set_os_name
-from elastic_dp.worker.asyncsgd.program import AsyncProgram
-from elastic_dp.worker.diloco import DiLoCoProgram
 from elastic_dp.worker.leave import SigtermLeave, announce
 from elastic_dp.worker.replica import Replica
-from elastic_dp.worker.sync import SyncProgram
 
 logger = logging.getLogger(__name__)
-
-PROGRAMS = {"sync": SyncProgram, "async": AsyncProgram, "diloco": DiLoCoProgram}
-"""The worker side of each training mode (``TrainConfig.mode``)."""
-
 
 class WorkerActor:
     """One model replica on one GPU (NCCL; gloo where workers share a GPU) or one CPU slot (gloo)."""
@@ -57,7 +53,7 @@ class WorkerActor:
         self.group = CollectiveGroup(backend=backend, timeout_s=collective_timeout_s)
         self.faults = FaultHook()
         self.replica: Replica | None = None
-        self.program: SyncProgram | AsyncProgram | DiLoCoProgram | None = None
+        self.program: Program | None = None
         self._staged: dict[str, tuple[Part, Fault | None]] = {}
         """Checkpoint parts copied at a step boundary, waiting for their upload."""
         self.sigterm = SigtermLeave(leave_grace_s, self._leaving)
@@ -67,16 +63,16 @@ class WorkerActor:
         """The leave thread, after a SIGTERM: tell the coordinator (through the GCS) and end
         the window in flight after its step."""
         announce("actor", ray.get_runtime_context().get_actor_id(), notice)
-        if isinstance(self.program, SyncProgram):
-            self.program.grants.leave()
+        if self.program is not None:
+            self.program.leave()
         logger.warning("%s: leaving at the next step boundary", notice.describe(time.time()))
 
     def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
         """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
         self.replica = Replica(task, config, self.device, self.group, self.faults)
-        self.program = PROGRAMS[config.mode.name](self.replica)
-        if self.sigterm.notice is not None and isinstance(self.program, SyncProgram):  # signalled while building
-            self.program.grants.leave()
+        self.program = make_program(self.replica)
+        if self.sigterm.notice is not None:  # signalled while building
+            self.program.leave()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         return dataclasses.replace(self.replica.info(), node_id=ray.get_runtime_context().get_node_id(),
                                    device_name=name)
@@ -95,66 +91,40 @@ class WorkerActor:
     def broadcast_state(self, src: int) -> None:
         self.replica.broadcast_state(src)
 
-    def _program(self, kind: type, call: str):
-        if not isinstance(self.program, kind):
-            mode = next(m for m, c in PROGRAMS.items() if c is kind)
-            raise WorkerError(f"{call} is a call of --mode {mode}, and this worker runs "
-                              f"--mode {self.replica.config.mode.name}")
-        return self.program
+    def _call(self, name: str, stream: bool) -> Callable[..., Any]:
+        program = self.program
+        if program is None:
+            raise WorkerError(f"{name} is a call of a training mode's program, and this worker has none yet (setup)")
+        if name in (program.streams if stream else program.calls):
+            return getattr(program, name)
+        mode = self.replica.config.mode.name
+        if name in program.calls | program.streams:
+            entry, other = ("stream", "call") if stream else ("call", "stream")
+            raise WorkerError(f"{name} of --mode {mode} is a {other}, asked for as a {entry}")
+        modes = modes_with_call(name)
+        if not modes:
+            raise WorkerError(f"no training mode's program has a call {name}")
+        raise WorkerError(f"{name} is a call of " + " or ".join(f"--mode {m}" for m in modes) +
+                          f", and this worker runs --mode {mode}")
 
-    def step(self, step: int, indices: np.ndarray, fault: Fault | None = None) -> StepResult:
-        program = self._program(SyncProgram, "step")
-        self.faults.arm(fault)
-        return program.step(step, indices)
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """The call ``name`` of this worker's program (its mode's: ``Program.calls``); a call
+        of another mode is refused, naming both."""
+        return self._call(name, stream=False)(*args, **kwargs)
 
     @ray.method(num_returns="streaming")
-    def run_window(self, plan: WindowPlan):
-        """Training thread: run the granted steps, streaming one ``StepResult`` per step."""
-        set_os_name("edp-train")  # the thread Ray lends to this call (Ray names it back after)
-        yield from self._program(SyncProgram, "run_window").run_window(plan)
-
-    def grant(self, window: int, until: int, final: bool, faults: dict[int, Fault],
-              sizes: tuple[int, tuple[int, ...] | None] | None = None, stop: bool = False) -> None:
-        """Control thread: let ``window`` run the steps before ``until`` (``final``: and no
-        more); ``sizes``: (step, slice sizes) from which the slices change (``--balance``);
-        ``stop``: end the window after the next step, which carries the request in its vote."""
-        self._program(SyncProgram, "grant").grants.extend(window, until, final, faults, sizes, stop)
-
-    def async_gradient(self, step: int, sampler: dict[str, int], bounds: list[int], fault: Fault | None,
-                       slow: Fault | None, *pieces: torch.Tensor, buffers: dict[str, torch.Tensor] | None = None):
-        """``--mode async``: the gradient of sampler step ``step`` on the pulled ``pieces``
-        and ``buffers`` (Ray resolved the shards' results); returns the report and one
-        piece per shard."""
-        program = self._program(AsyncProgram, "async_gradient")
-        self.faults.arm(fault)
-        self.faults.slow = slow
-        report, grads = program.gradient(step, sampler, bounds, list(pieces), buffers)
-        return (report, *grads)
-
-    def diloco_window(self, start: int, stop: int, sampler: dict[str, int], faults: dict[int, Fault]) -> dict:
-        """``--mode diloco``: inner steps ``start .. stop - 1`` alone, then the outer step."""
-        set_os_name("edp-train")
-        return self._program(DiLoCoProgram, "diloco_window").window(start, stop, sampler, faults)
-
-    def diloco_held(self) -> int:
-        """``--mode diloco``: the sampler steps this rank's θ has trained."""
-        return self._program(DiLoCoProgram, "diloco_held").step
-
-    def diloco_restore(self, step: int) -> None:
-        self._program(DiLoCoProgram, "diloco_restore").restore(step)
-
-    def diloco_sync_from(self, src: int, step: int) -> None:
-        """A collective: θ and the outer state of rank ``src`` (at outer boundary ``step``)."""
-        self._program(DiLoCoProgram, "diloco_sync_from").sync_from(src, step)
+    def stream(self, name: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """The stream ``name`` of this worker's program (``Program.streams``): its items, one
+        Ray object each, as they come."""
+        yield from self._call(name, stream=True)(*args, **kwargs)
 
     def evaluate(self, start: int, stop: int, fault: Fault | None = None, passes: int = 0) -> tuple[float, int]:
         """The summed eval loss of samples ``start .. stop`` and their count (``Replica.evaluate``;
         ``fault``: phase ``eval``; ``passes``: at least this many forwards)."""
         self.faults.arm(fault)
         self.replica.progress.enter("eval")
-        shared = self.program.at_theta() if isinstance(self.program, DiLoCoProgram) else contextlib.nullcontext()
         try:
-            with shared:  # --mode diloco evaluates θ, which a member's own parameters can differ from
+            with self.program.evaluating():  # e.g. --mode diloco evaluates θ, not a member's own parameters
                 return self.replica.evaluate(start, stop, passes)
         finally:
             self.faults.disarm()
@@ -196,13 +166,7 @@ class WorkerActor:
         part = self.replica.strategy.weight_part(i)
         return part if self.group.rank == 0 else {}
 
-    # -- checkpoints: every rank writes its own part --------------------------------------
-    @property
-    def _checkpoints(self) -> Replica | DiLoCoProgram:
-        """What saves and loads this rank's part: the replica, or diloco's program (whose
-        inner optimizer state is each rank's own, beside the shared θ)."""
-        return self.program if isinstance(self.program, DiLoCoProgram) else self.replica
-
+    # -- checkpoints: every rank writes its own part (the program's: Program.checkpoint_part) --
     def stage_checkpoint(self, directory: str, step: int, sampler: dict[str, int],
                          fault: Fault | None = None) -> int:
         """Training thread, between steps: copy this rank's share of the checkpoint into
@@ -210,7 +174,7 @@ class WorkerActor:
         self.faults.arm(fault)
         self.faults.at("checkpoint")
         self.faults.disarm(SAVE_PHASES)  # one of phase upload is armed again as its part is written
-        part = self._checkpoints.checkpoint_part(step, sampler)
+        part = self.program.checkpoint_part(step, sampler)
         self._staged[directory] = part, fault
         return sum(t.numel() * t.element_size() for f in part.files.values() for t in f.values())
 
@@ -232,7 +196,7 @@ class WorkerActor:
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Read this rank's needs of ``checkpoint`` from its storage and load them (with ZeRO
         a collective)."""
-        self._checkpoints.load_checkpoint(checkpoint)
+        self.program.load_checkpoint(checkpoint)
 
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
         return self.replica.training_state(step, sampler)
@@ -277,7 +241,7 @@ class WorkerActor:
         task = self.replica.task
         if task.sample is None:
             return None
-        if self.replica.config.stage != 3:
+        if not self.replica.config.stage.shards_parameters:
             return task.sample(self.replica.settled_model())
         with torch.random.fork_rng():  # every rank runs the same forwards, which gather the units
             torch.manual_seed(self.replica.config.seed)

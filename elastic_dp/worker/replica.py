@@ -1,6 +1,6 @@
 """The replica core: one model replica, its data and its optimizer, and the state through
 the strategy. It knows nothing of Ray, nor of which mode trains it: the mode's
-worker-side program (``elastic_dp.worker.sync``, ``elastic_dp.worker.asyncsgd.program``)
+worker-side program (``elastic_dp.modes.<mode>.program``)
 drives it, and ``WorkerActor`` wraps both as a threaded Ray actor.
 """
 
@@ -82,7 +82,7 @@ class Replica:
             init = UnitInit(self.model, self.units, config.seed, task.init_module, device)
             with GENERATORS:
                 torch.manual_seed(config.seed)
-        if init is not None and config.stage != 3:
+        if init is not None and not config.stage.shards_parameters:
             init.all()  # at stage 3 each unit when the first layout keeps its chunks of it
         self.dataset = task.dataset()
         self.eval_dataset = task.eval_dataset() if config.eval_every and task.eval_dataset is not None else None
@@ -90,7 +90,7 @@ class Replica:
         self.rates = LearningRates(task, config, self.optimizer)
         """Each param group's learning rate at each step (``elastic_dp.schedules``)."""
         self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device, self.faults,
-                                                self.units, init if config.stage == 3 else None)
+                                                self.units, init if config.stage.shards_parameters else None)
         if config.activation_checkpointing:
             checkpoint_units(self.units)
         self.batch_norm = batch_norm_modules(self.model)
@@ -117,32 +117,33 @@ class Replica:
         """This worker's state, copied: the whole of it at ZeRO stage 0 (for a joiner);
         with ZeRO only this rank's part of the optimizer state (``merge_parts`` joins them)."""
         state = self.strategy.training_state(step, sampler)
-        self._add_scheduler(state.optimizer_meta, step)
+        self.add_scheduler(state.optimizer_meta, step)
         return state
 
     def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
         """This rank's share of a checkpoint, copied into host memory."""
         part = self.strategy.checkpoint_part(step, sampler)
         if part.meta:  # rank 0's: the manifest's optimizer entry
-            self._add_scheduler(part.meta, step)
+            self.add_scheduler(part.meta, step)
         return part
 
-    def _add_scheduler(self, meta: dict[str, Any], step: int) -> None:
-        """``Task.scheduler``'s state after ``step`` steps, beside the optimizer's param groups."""
+    def add_scheduler(self, meta: dict[str, Any], step: int) -> None:
+        """``Task.scheduler``'s state after ``step`` steps, beside the optimizer's param groups
+        (of a checkpoint part or a training state: a program that writes its own part adds it too)."""
         if self.rates.scheduler is not None:
             meta["scheduler"] = self.rates.scheduler.state(step)
 
     def load_state(self, state: TrainingState) -> None:
         """Load a whole (world-size-independent) training state; with ZeRO a collective."""
         self.strategy.load_state(state)
-        self._load_scheduler(state)
+        self.load_scheduler(state)
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Read what this rank needs of ``checkpoint`` from its storage (every file checked
         against its sha256 before any collective), then load it."""
-        self._load_scheduler(self.strategy.load_checkpoint(checkpoint))
+        self.load_scheduler(self.strategy.load_checkpoint(checkpoint))
 
-    def _load_scheduler(self, state: TrainingState) -> None:
+    def load_scheduler(self, state: TrainingState) -> None:
         """Go on from the scheduler's state the training state carries (none there: the rates
         of a new scheduler, which are the same for one stepped as often)."""
         if self.rates.scheduler is not None and state.optimizer_meta.get("scheduler") is not None:

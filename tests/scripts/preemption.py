@@ -63,8 +63,8 @@ def _first_shard_on(node_id: str) -> None:
     beside the driver); the ones after it where Ray likes."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from elastic_dp.control.modes.asyncsgd import mode
-    from elastic_dp.worker.asyncsgd.shard import ParameterShard
+    from elastic_dp.modes.asyncsgd import mode
+    from elastic_dp.modes.asyncsgd.shard import ParameterShard
     default, placed = mode._new_shard, []
 
     def new_shard(device: str = "cpu"):

@@ -1,8 +1,14 @@
-"""Each ZeRO stage's settings, and the registry that ``--zero`` chooses from.
+"""Each ZeRO stage: its settings, what it shards, its code, and the registry that
+``--zero`` chooses from.
 
-Stage 0 (replicated state) reads none; stages 1-3 keep a copy of each worker's chunk on a
-peer (``--snapshot-every``); stage 3 alone gathers parameters, and may keep them from the
-forward to the backward (``--no-reshard-after-forward``). A setting of a stage the run
+A stage is its part here, one line in ``STAGES`` and its code, which the part names: the
+worker's state strategy (``strategy``) and the sync mode's driver half of its state
+(``layout``), imported when a run first builds them. What the rest of elastic_dp needs to
+know of a stage it asks of the part (``sharded``, ``shards_parameters``), never its number.
+
+Stage 0 (replicated state) reads no setting; stages 1-3 keep a copy of each worker's chunk
+on a peer (``--snapshot-every``); stage 3 alone gathers parameters, and may keep them from
+the forward to the backward (``--no-reshard-after-forward``). A setting of a stage the run
 does not use is refused (``elastic_dp.settings``).
 """
 
@@ -27,17 +33,50 @@ def _check_snapshot_every(value: int) -> None:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class Stage0:
+class Stage:
+    """What every stage's part says of it."""
+
+    number: ClassVar[int]
+    """``--zero``'s value."""
+    shards: ClassVar[frozenset[str]]
+    """Which of ``optimizer`` (its state, with the fp32 masters), ``gradients`` and
+    ``parameters`` are cut over the ranks."""
+    strategy: ClassVar[str]
+    """The worker's state strategy (``state.base.Strategy``), as ``module:Class``."""
+    layout: ClassVar[str]
+    """The sync mode's driver half of the state (``modes.sync.layouts.StateLayout``)."""
+
+    @property
+    def sharded(self) -> bool:
+        """Each rank holds a chunk of some state: peer snapshots, resharding on resize, and
+        the parameters all-gathered after each update."""
+        return bool(self.shards)
+
+    @property
+    def shards_parameters(self) -> bool:
+        """No rank holds the whole model: a forward is a collective (every rank runs as
+        many), and the whole model (weights, a sample) is gathered unit by unit."""
+        return "parameters" in self.shards
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Stage0(Stage):
     """Replicated state: every worker holds everything."""
 
-    stage: ClassVar[int] = 0
+    number = 0
+    shards = frozenset()
+    strategy = "elastic_dp.state.replicated:Replicated"
+    layout = "elastic_dp.modes.sync.layouts:ReplicatedLayout"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class Stage1:
+class Stage1(Stage):
     """The optimizer state (and the fp32 masters of bf16 parameters) sharded."""
 
-    stage: ClassVar[int] = 1
+    number = 1
+    shards = frozenset({"optimizer"})
+    strategy = "elastic_dp.state.zero.stage1:ShardedOptimizer"
+    layout = "elastic_dp.modes.sync.sharded:ShardedLayout"
     snapshot_every: int = _snapshot_every()
 
     def __post_init__(self) -> None:
@@ -45,10 +84,13 @@ class Stage1:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class Stage2:
+class Stage2(Stage):
     """The gradients sharded too, reduce-scattered in buckets during backward."""
 
-    stage: ClassVar[int] = 2
+    number = 2
+    shards = frozenset({"optimizer", "gradients"})
+    strategy = "elastic_dp.state.zero.stage2:ShardedGradients"
+    layout = "elastic_dp.modes.sync.sharded:ShardedLayout"
     snapshot_every: int = _snapshot_every()
 
     def __post_init__(self) -> None:
@@ -56,10 +98,13 @@ class Stage2:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class Stage3:
+class Stage3(Stage):
     """The parameters sharded too, gathered unit by unit for the forward and the backward."""
 
-    stage: ClassVar[int] = 3
+    number = 3
+    shards = frozenset({"optimizer", "gradients", "parameters"})
+    strategy = "elastic_dp.state.zero.stage3:FullySharded"
+    layout = "elastic_dp.modes.sync.sharded:ShardedLayout"
     snapshot_every: int = _snapshot_every()
     reshard_after_forward: bool = setting(
         True, off="--no-reshard-after-forward",

@@ -47,10 +47,10 @@ class Sharded(BucketedGradients, WholeModel):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
                  config: TrainConfig, device: torch.device, faults: FaultHook | None = None) -> None:
-        check_elementwise(optimizer, config.stage)
+        check_elementwise(optimizer, config.stage.number)
         self.faults = faults or FaultHook()  # the phase ``snapshot`` is here
         self.model, self.base_optimizer, self.device = model, optimizer, device
-        self.stage, self.group, self.config = config.stage, group, config
+        self.group, self.config = group, config
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.base_groups = optimizer.param_groups
         self.generation: int | None = None  # of the layout below; None: not built yet

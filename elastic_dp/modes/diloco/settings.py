@@ -1,4 +1,4 @@
-"""The settings of ``--mode diloco``: the outer loop (``elastic_dp.worker.diloco``)."""
+"""The settings of ``--mode diloco``: the outer loop (``elastic_dp.modes.diloco.program``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ class DiLoCoSettings:
     """DiLoCo / local SGD: ``sync_every`` inner steps alone, then one outer step together."""
 
     name: ClassVar[str] = "diloco"
+    driver: ClassVar[str] = "elastic_dp.modes.diloco.mode:DiLoCoMode"
+    program: ClassVar[str] = "elastic_dp.modes.diloco.program:DiLoCoProgram"
+    reduces_gradients: ClassVar[bool] = False
     sync_every: int = setting(50, "--sync-every", help="diloco: inner steps per outer step, H (default 50)")
     outer_lr: float = setting(0.7, "--outer-lr", help="diloco: the outer SGD's learning rate (default 0.7)")
     outer_momentum: float = setting(0.9, "--outer-momentum", help=(

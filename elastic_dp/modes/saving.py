@@ -25,10 +25,10 @@ from typing import Any
 
 import ray
 
-from elastic_dp.control.modes.base import SaveOutcome
-from elastic_dp.control.modes.calls import Calls
 from elastic_dp.durable.checkpoint import CheckpointStore, manifest_of
 from elastic_dp.faults import Fault
+from elastic_dp.modes.base import SaveOutcome
+from elastic_dp.modes.calls import Calls
 
 logger = logging.getLogger(__name__)
 

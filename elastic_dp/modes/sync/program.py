@@ -8,8 +8,9 @@ half-applied step. The vote also carries whether every loss and gradient is fini
 one is not, every rank skips the update alike (the step counts, as a no-op), and the
 coordinator decides whether the run goes on (``--on-nonfinite``).
 
-The steps run in windows that the coordinator grants (``elastic_dp.worker.window``): the
-program computes each step's slice itself and collates the next one's ahead.
+The steps run in windows that the coordinator grants (``elastic_dp.modes.sync.grants``): the
+program computes each step's slice itself and collates the next one's ahead. The driver
+half (``.mode``, ``.window``) calls ``run_window`` (a stream) and ``grant``.
 """
 
 from __future__ import annotations
@@ -23,24 +24,30 @@ import numpy as np
 from elastic_dp.comm.vote import Vote
 from elastic_dp.data import ElasticSampler, rank_slice
 from elastic_dp.errors import CollectiveError
+from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult, WindowPlan
+from elastic_dp.modes.program import Program
+from elastic_dp.modes.sync.grants import Grants, Prefetcher
+from elastic_dp.threads import set_os_name
 from elastic_dp.worker.replica import Batches, Replica, portable
-from elastic_dp.worker.window import Grants, Prefetcher
 
 REPORT_INTERVAL_S = 0.5
 """In a window a worker reports its committed steps at most this often (its first step, a
 failure, the end of its grant and the end of the window at once): short steps are
 reported many at a time. Every report costs CPU in the worker and the driver (Ray's streaming machinery),
 which on a machine whose cores they share is taken from the training threads; nothing
-waits for a report, since grants run ``window.LOOKAHEAD_S`` ahead and a join ends the
-window through the vote (``window.Grants.stopping``)."""
+waits for a report, since grants run ``grants.LOOKAHEAD_S`` ahead and a join ends the
+window through the vote (``grants.Grants.stopping``)."""
 
 
-class SyncProgram:
+class SyncProgram(Program):
     """The synchronous mode's worker side, over a ``Replica``."""
 
+    calls = frozenset({"grant"})
+    streams = frozenset({"run_window"})
+
     def __init__(self, replica: Replica) -> None:
-        self.replica = replica
+        super().__init__(replica)
         self.grants = Grants()
         self.prefetcher = Prefetcher(replica.collate)
         config = replica.config
@@ -56,6 +63,17 @@ class SyncProgram:
     def abort(self) -> None:
         """The group is being aborted: a window waiting for a grant ends."""
         self.grants.cancel()
+
+    def leave(self) -> None:
+        """Every window ends at the next step boundary (the coordinator lets this worker go there)."""
+        self.grants.leave()
+
+    def grant(self, window: int, until: int, final: bool, faults: dict[int, Fault],
+              sizes: tuple[int, tuple[int, ...] | None] | None = None, stop: bool = False) -> None:
+        """Control thread: let ``window`` run the steps before ``until`` (``final``: and no
+        more); ``sizes``: (step, slice sizes) from which the slices change (``--balance``);
+        ``stop``: end the window after the next step, which carries the request in its vote."""
+        self.grants.extend(window, until, final, faults, sizes, stop)
 
     def step(self, step: int, indices: np.ndarray, batches: Batches | BaseException | None = None,
              sizes: tuple[int, ...] | None = None) -> StepResult:
@@ -77,6 +95,7 @@ class SyncProgram:
         judges hangs by the pace of the steps it has heard of), and at once when a step did
         not commit or the grant runs out. Each step's slice is computed here, and the next one's
         collated ahead."""
+        set_os_name("edp-train")  # the thread Ray lends to this call (Ray names it back after)
         replica, grants = self.replica, self.grants
         sampler = ElasticSampler(plan.sampler["dataset_len"], global_batch=plan.sampler["global_batch"],
                                  seed=plan.sampler["seed"])
@@ -200,7 +219,7 @@ class SyncProgram:
         result.state_bytes = self._state_bytes  # with every commit: a step's results can be lost with a peer
         result.timings = {"compute_s": t1 - t0 - parameter_wait, "reduce_wait_s": t2 - t1, "optimizer_s": t3 - t2,
                           "snapshot_s": t4 - t3}
-        if replica.config.stage:  # the forward's wait for the parameters' all-gathers
+        if replica.config.stage.sharded:  # the forward's wait for the parameters' all-gathers
             result.timings["parameter_wait_s"] = parameter_wait
         return result
 

@@ -7,7 +7,7 @@ the plain replay's parameters. Each worker's compute time per sample (forward an
 backward, from its step reports) is smoothed; the slices are proportional to the speeds,
 at least one sample each, and change only when some slice would move by more than
 ``MIN_CHANGE`` of its size. A new slicing takes effect from the first step of a grant,
-which every rank receives alike (``worker.window.Grants``); until every member has been measured
+which every rank receives alike (``modes.sync.grants.Grants``); until every member has been measured
 the slices are equal.
 """
 

@@ -13,8 +13,8 @@ from typing import Any
 import ray
 import torch.distributed as dist
 
-from elastic_dp.control.modes.calls import Calls
 from elastic_dp.faults import Fault
+from elastic_dp.modes.calls import Calls
 
 logger = logging.getLogger(__name__)
 

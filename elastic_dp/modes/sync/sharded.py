@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from elastic_dp.control.modes.base import Failure, Recovery, RecoveryResult, classify
-from elastic_dp.control.modes.sync.group import Generations
 from elastic_dp.durable.checkpoint import Checkpoint
 from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
+from elastic_dp.modes.base import Failure, Recovery, RecoveryResult, classify
+from elastic_dp.modes.sync.generations import Generations
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ workers never wait for it. It stops granting at ``limit`` (the last step, a chec
 injected join). When ``keep_going`` says no (a worker is ready to join) it asks every
 member to stop: the first commit vote to leave after the request carries it to every
 rank (the step in flight's, if its last bucket has not left), and all end the window
-after that step (``worker.window.Grants.stopping``), or at the end of the grant if
+after that step (``modes.sync.grants.Grants.stopping``), or at the end of the grant if
 they reach it first. A failure in step ``s`` stops the window there: the others are
 aborted as after a failed step call, and ``MembersLost`` names ``s``, the step the
 recovery starts from.
@@ -22,17 +22,17 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
-from elastic_dp.control.modes.base import MembersLost
-from elastic_dp.control.modes.calls import Waiting
-from elastic_dp.control.modes.sync.group import Generations
-from elastic_dp.control.modes.watchdog import Watchdog
 from elastic_dp.errors import CollectiveError
 from elastic_dp.faults import STEP_PHASES, FaultPlan
 from elastic_dp.messages import StepResult, WindowPlan
+from elastic_dp.modes.base import MembersLost
+from elastic_dp.modes.calls import Waiting
+from elastic_dp.modes.sync.generations import Generations
+from elastic_dp.modes.watchdog import Watchdog
 
 LOOKAHEAD_S = 2.0
 """How far ahead steps are granted, in the run's typical step time: enough that reports
-(every ``worker.sync.REPORT_INTERVAL_S``, 0.5 s) and the next grant arrive before the workers
+(every ``modes.sync.program.REPORT_INTERVAL_S``, 0.5 s) and the next grant arrive before the workers
 run out; the grant is extended when less than half of it remains. Between
 ``MIN_LOOKAHEAD`` and ``MAX_LOOKAHEAD`` steps. A long grant does not delay a join: the
 window is stopped through the vote, at most one step after the request reaches a worker."""
@@ -106,7 +106,7 @@ class Window:
         if new != self.sizes:  # from the first step of this grant, which no rank has begun
             self.sizes, sizes = new, (first, new)
         for rank, m in enumerate(self.members):
-            m.actor.grant.remote(self.number, self.granted, self.final, faults.get(rank, {}), sizes)
+            m.actor.call.remote("grant", self.number, self.granted, self.final, faults.get(rank, {}), sizes)
 
     def _stop_if_asked(self) -> None:
         """When ``keep_going`` says no: ask every member to stop after its next step (the
@@ -116,7 +116,7 @@ class Window:
             return
         self.stopping = self.final = True
         for m in self.members:
-            m.actor.grant.remote(self.number, self.granted, True, {}, None, True)
+            m.actor.call.remote("grant", self.number, self.granted, True, {}, None, True)
 
     def _unrun(self) -> None:
         """The window stopped through the vote before its grant ran out: the steps granted
@@ -132,9 +132,9 @@ class Window:
         members, generation = self.members, self.gens.generation
         faults = self._grant_to(min(self.limit, self.start + self.lookahead))
         self.final = self.granted >= self.limit
-        streams = {m.actor.run_window.remote(WindowPlan(self.number, self.start, self.granted, self.final,
-                                                        self.sampler, faults.get(rank, {}),
-                                                        self.faults.slow.get(rank), self.sizes)): m
+        streams = {m.actor.stream.remote("run_window", WindowPlan(
+                       self.number, self.start, self.granted, self.final, self.sampler, faults.get(rank, {}),
+                       self.faults.slow.get(rank), self.sizes)): m
                    for rank, m in enumerate(members)}
         calls = self.gens.calls
         reports: dict[int, dict[Any, StepResult]] = defaultdict(dict)

@@ -15,6 +15,9 @@ class AsyncSettings:
     parameter-server shards, whose updates are applied as they come (docs/async.md)."""
 
     name: ClassVar[str] = "async"
+    driver: ClassVar[str] = "elastic_dp.modes.asyncsgd.mode:AsyncMode"
+    program: ClassVar[str] = "elastic_dp.modes.asyncsgd.program:AsyncProgram"
+    reduces_gradients: ClassVar[bool] = False
     max_staleness: int = setting(4, "--max-staleness", help=(
         "an update computed on a version more than this many updates old is not applied; its worker pulls again "
         "and recomputes (default 4)"))

@@ -19,25 +19,25 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult
-from elastic_dp.control.modes.calls import Calls
-from elastic_dp.control.modes.context import (
+from elastic_dp.data import ElasticSampler, split
+from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
+from elastic_dp.errors import TaskError
+from elastic_dp.messages import StepResult
+from elastic_dp.modes.base import Failure, MembersLost, Recovery, RecoveryResult
+from elastic_dp.modes.calls import Calls
+from elastic_dp.modes.context import (
     ModeContext,
     check_resume,
     dataset_length,
     record_resume,
     write_weights,
 )
-from elastic_dp.control.modes.saving import SaveOutcome, Saves
-from elastic_dp.control.modes.sync.balance import Balancer
-from elastic_dp.control.modes.sync.group import Generations
-from elastic_dp.control.modes.sync.layouts import make_layout
-from elastic_dp.control.modes.sync.window import Committed, Window
-from elastic_dp.control.modes.watchdog import HangBounds
-from elastic_dp.data import ElasticSampler, split
-from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
-from elastic_dp.errors import TaskError
-from elastic_dp.messages import StepResult
+from elastic_dp.modes.saving import SaveOutcome, Saves
+from elastic_dp.modes.sync.balance import Balancer
+from elastic_dp.modes.sync.generations import Generations
+from elastic_dp.modes.sync.layouts import make_layout
+from elastic_dp.modes.sync.window import Committed, Window
+from elastic_dp.modes.watchdog import HangBounds
 from elastic_dp.observe.metrics import known_peak_tflops
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class SyncMode:
     def _whole_model(self, method: str, *args: Any) -> Any:
         """Rank 0's result of ``method``, which needs the whole model: at ZeRO stage 3 a
         collective that gathers it unit by unit, so every member makes the call."""
-        if self.train.stage != 3:
+        if not self.train.stage.shards_parameters:
             return self._from_rank0(method, *args)
         return self.gens.call_all(method, *args)[self.members[0]]
 
@@ -129,7 +129,7 @@ class SyncMode:
         by this driver into its local ``--out`` directory."""
         write_weights(self.recorder, name, lambda: self._whole_model("model_state"),
                       lambda storage, file: self._whole_model("write_weights", storage, file),
-                      self._weight_parts if self.train.stage == 3 else None)
+                      self._weight_parts if self.train.stage.shards_parameters else None)
 
     def _weight_parts(self) -> tuple[list, Iterator[dict]]:
         """ZeRO stage 3: the weights file's layout and its parts (the root and the buffers,
@@ -245,7 +245,7 @@ class SyncMode:
         shares = split(np.arange(total), len(members))
         faults = self.faults.take_eval(step - 1, len(members))
         micro = self.train.micro_batch or self.train.global_batch
-        passes = max(-(-len(s) // micro) for s in shares) if self.train.stage == 3 else 0  # its forwards are collectives
+        passes = max(-(-len(s) // micro) for s in shares) if self.train.stage.shards_parameters else 0  # forwards are collectives
         calls = {m.actor.evaluate.remote(int(shares[r][0]), int(shares[r][-1]) + 1, faults.get(r), passes): m
                  for r, m in enumerate(members)}
         try:

@@ -1,23 +1,25 @@
 """Where the synchronous mode's training state lives, and how it moves when members change.
 
-A layout is chosen once from the ZeRO stage (``make_layout``). The mode asks it to carry
-the state over every change of members — a re-formation after a failure, a resize that
-admits joiners, a restart from the durable checkpoint — and to collect the checkpoint's
-parts. ``ReplicatedLayout`` (stage 0) is here; ``ShardedLayout`` (stages 1 and 2) is in
-``.sharded``; a fully sharded layout (ZeRO-3) would be one more class behind the same
-interface.
+A layout is chosen once, the one the ZeRO stage's part names (``make_layout``,
+``Stage.layout``). The mode asks it to carry the state over every change of members — a
+re-formation after a failure, a resize that admits joiners, a restart from the durable
+checkpoint — and to collect the checkpoint's parts. ``ReplicatedLayout`` (stage 0) is
+here; ``ShardedLayout`` (stages 1 to 3, whose state is cut into chunks alike) is in
+``.sharded``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-from elastic_dp.control.modes.base import Failure, Recovery, RecoveryResult, classify
-from elastic_dp.control.modes.calls import raise_for
-from elastic_dp.control.modes.sync.group import Generations
 from elastic_dp.durable.checkpoint import Checkpoint
 from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
+from elastic_dp.modes.base import Failure, Recovery, RecoveryResult, classify
+from elastic_dp.modes.calls import raise_for
+from elastic_dp.modes.sync.generations import Generations
+from elastic_dp.settings import implementation
+from elastic_dp.state.zero.settings import Stage
 
 
 class StateLayout(Protocol):
@@ -111,9 +113,6 @@ class ReplicatedLayout:
         self.load(checkpoint)
 
 
-def make_layout(zero: int, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> StateLayout:
-    """The layout of ZeRO stage ``zero``."""
-    if zero == 0:
-        return ReplicatedLayout(generations, sampler_state)
-    from elastic_dp.control.modes.sync.sharded import ShardedLayout
-    return ShardedLayout(generations, sampler_state)
+def make_layout(stage: Stage, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> StateLayout:
+    """The layout ``stage``'s part names (``Stage.layout``)."""
+    return implementation(stage.layout)(generations, sampler_state)

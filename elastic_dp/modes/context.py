@@ -1,7 +1,7 @@
 """What every training mode receives, the same way, and the pieces every mode uses.
 
 ``ModeContext`` is built once per run (``api.build_coordinator``) and handed to the mode
-the configuration chose (``modes.MODES``). The shared pieces are the checks and records
+the configuration chose (``modes.registry.make_mode``). The shared pieces are the checks and records
 whose meaning does not depend on how a run trains: one dataset on every worker, the resume check and event, the weights written, the
 non-finite guard (``guard.NonFiniteGuard``), the checkpoint's manifest commit
 (``saving.commit``).
@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from elastic_dp.config import CheckpointConfig, ClusterConfig, TrainConfig
-from elastic_dp.control.modes.guard import NonFiniteGuard
 from elastic_dp.data import check_resumable
 from elastic_dp.durable.weights import Layout
 from elastic_dp.errors import ConfigError, TaskError
 from elastic_dp.faults import FaultPlan
+from elastic_dp.modes.guard import NonFiniteGuard
 from elastic_dp.observe.metrics import RunRecorder
 from elastic_dp.task import Task
 

@@ -1,6 +1,6 @@
 """Local SGD and DiLoCo, worker side: H inner steps alone, then one outer step together.
 
-The worker side of ``--mode diloco`` (its driver half: ``control.modes.diloco``): a
+The worker side of ``--mode diloco`` (its driver half: ``modes.diloco``): a
 window is one outer step, its H inner steps granted in one call (``window``). The state
 as of the window's start (θ_t, the outer optimizer's, the inner optimizer's) is kept until
 the next one starts, so that a window a failure interrupted, on any rank and at any point,
@@ -40,19 +40,21 @@ import copy
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import numpy as np
 import torch
 
-from elastic_dp.control.modes.diloco.settings import DiLoCoSettings
 from elastic_dp.data import ElasticSampler, split
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, cut_part
 from elastic_dp.errors import TaskError
 from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
+from elastic_dp.modes.diloco.settings import DiLoCoSettings
+from elastic_dp.modes.program import Program
 from elastic_dp.state.base import broadcast_tensors
 from elastic_dp.task import trainable
+from elastic_dp.threads import set_os_name
 from elastic_dp.worker.replica import Replica, portable
 
 
@@ -85,13 +87,17 @@ class _Flight:
     step: int
 
 
-class DiLoCoProgram:
+class DiLoCoProgram(Program):
     """One member's inner steps and its part of the outer step, over a ``Replica`` whose
-    group is the outer step's members."""
+    group is the outer step's members. Its checkpoint part is its own (``checkpoint_part``),
+    and it evaluates θ (``evaluating``)."""
+
+    calls = frozenset({"window", "held", "restore", "sync_from"})
 
     def __init__(self, replica: Replica, settings: DiLoCoSettings | None = None) -> None:
+        super().__init__(replica)
         settings = settings or replica.config.mode
-        self.replica, self.settings = replica, settings
+        self.settings = settings
         named = trainable(replica.model, replica.optimizer)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -111,14 +117,17 @@ class DiLoCoProgram:
         self._fresh = True
         """Not yet started from any θ: a joiner's parameters become θ at ``sync_from``."""
 
-    def abort(self) -> None:
-        pass  # a window ends with its outer all-reduce, which the group's abort releases
+    def held(self) -> int:
+        """The sampler steps this rank's θ has trained (an outer boundary)."""
+        return self.step
 
     def window(self, start: int, stop: int, sampler: dict[str, int], faults: dict[int, Fault]) -> dict:
         """Training thread: inner steps ``start .. stop - 1`` on this rank's slices, with
         each fragment's outer step at its point of the window (the last one's at its end),
         and after the run's last step the final sync. Returns, per inner step, the summed
-        loss and the samples, and each outer step's figures (``outer``)."""
+        loss and the samples, and each outer step's figures (``outer``). It ends with its
+        outer all-reduce, which the group's abort releases."""
+        set_os_name("edp-train")
         replica = self.replica
         if start != self.step:
             raise ValueError(f"a window from step {start}, and theta has trained {self.step} steps")
@@ -254,6 +263,10 @@ class DiLoCoProgram:
         return {"fragment": flight.fragment, "sent_step": flight.step, "step": step,
                 "bytes": flight.sent.numel() * flight.sent.element_size(), "pseudo_gradient_norm": float(delta.norm())}
 
+    def evaluating(self) -> ContextManager[None]:
+        """A member's own parameters can differ from θ (streaming): the run's are θ."""
+        return self.at_theta()
+
     @contextmanager
     def at_theta(self) -> Iterator[None]:
         """The model's parameters are θ inside (streaming: a member's own are put back after)."""
@@ -304,7 +317,7 @@ class DiLoCoProgram:
                                           optimizer_meta=meta, sampler=sampler, world_size=group.world_size,
                                           rng=torch.get_rng_state()), group.rank, group.world_size)
         if part.meta:  # rank 0's: the scheduler's state beside the run's layout
-            replica._add_scheduler(part.meta, step)
+            replica.add_scheduler(part.meta, step)
         return part
 
     @torch.no_grad()
@@ -333,5 +346,5 @@ class DiLoCoProgram:
                 p.copy_(local[group.rank])
         torch.set_rng_state(state.rng)
         self.step, self._start, self._fresh = state.step, None, False
-        replica._load_scheduler(state)
+        replica.load_scheduler(state)
         return state

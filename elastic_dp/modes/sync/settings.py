@@ -16,6 +16,9 @@ class SyncSettings:
     """Synchronous data parallelism: every worker trains a slice of each step."""
 
     name: ClassVar[str] = "sync"
+    driver: ClassVar[str] = "elastic_dp.modes.sync.mode:SyncMode"
+    program: ClassVar[str] = "elastic_dp.modes.sync.program:SyncProgram"
+    reduces_gradients: ClassVar[bool] = True
     zero: Any = choice(STAGES, 0, "--zero", kind=int, help=(
         "ZeRO stage: 0 replicates everything; 1 shards the optimizer state (and the fp32 masters of bf16 "
         "parameters); 2 also the gradients, reduce-scattered in buckets during backward; 3 also the parameters, "

@@ -3,7 +3,7 @@
 The worker joins no collective group: it copies the parameter-server shards' pieces of
 one version into its model, computes the gradient of the step's whole global batch (in
 micro-batches), clips it by its own norm, and returns it cut into one piece per shard
-(``elastic_dp.worker.asyncsgd.shard``; the driver side is ``control.modes.asyncsgd``).
+(``elastic_dp.modes.asyncsgd.shard``; the driver side is ``modes.asyncsgd``).
 """
 
 from __future__ import annotations
@@ -14,24 +14,37 @@ import numpy as np
 import torch
 
 from elastic_dp.data import ElasticSampler
+from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
+from elastic_dp.modes.program import Program
 from elastic_dp.state.zero.chunks import check_elementwise
 from elastic_dp.task import trainable
 from elastic_dp.worker.replica import Replica, portable
 
 
-class AsyncProgram:
-    """The asynchronous mode's worker side, over a ``Replica``."""
+class AsyncProgram(Program):
+    """The asynchronous mode's worker side, over a ``Replica`` (no window to end on an
+    abort or a leave: a gradient is one call)."""
+
+    calls = frozenset({"gradient"})
 
     def __init__(self, replica: Replica) -> None:
         check_elementwise(replica.optimizer, "async")  # its parameter servers shard the optimizer state
-        self.replica = replica
+        super().__init__(replica)
 
-    def abort(self) -> None:
-        pass  # no window to end: a gradient is one call
+    def gradient(self, step: int, sampler: dict[str, int], bounds: list[int], fault: Fault | None,
+                 slow: Fault | None, *pieces: np.ndarray,
+                 buffers: dict[str, torch.Tensor] | None = None) -> tuple[dict | np.ndarray, ...]:
+        """The driver's call (``AsyncMode``, with Ray resolving the shards' pulled pieces
+        into ``pieces``): ``fault`` armed for it, ``slow`` slowing it; the report, then one
+        gradient piece per shard (``compute``)."""
+        self.replica.faults.arm(fault)
+        self.replica.faults.slow = slow
+        report, grads = self.compute(step, sampler, bounds, list(pieces), buffers)
+        return (report, *grads)
 
-    def gradient(self, step: int, sampler: dict[str, int], bounds: list[int], pieces: list[np.ndarray],
-                 buffers: dict[str, torch.Tensor] | None = None) -> tuple[dict, list[np.ndarray]]:
+    def compute(self, step: int, sampler: dict[str, int], bounds: list[int], pieces: list[np.ndarray],
+                buffers: dict[str, torch.Tensor] | None = None) -> tuple[dict, list[np.ndarray]]:
         """The gradient of sampler step ``step`` on the parameters ``pieces`` (the shards'
         flat fp32 pieces of one version) and the model's ``buffers`` of that version,
         clipped by its own norm, cut at ``bounds`` into one flat piece per shard. Also a

@@ -2,7 +2,7 @@
 
 The coordinator is a sequencer, and no tensor passes through it. For a worker that needs
 work it leases the next sampler step (``.ledger``), submits a ``params`` call to every
-shard, and the worker's ``async_gradient`` call with those calls' results as arguments:
+shard, and the worker's ``gradient`` call (``.program``) with those calls' results as arguments:
 Ray hands the shard's pieces to the worker through its object store, and the pieces are
 of one version, because every call to a shard is submitted by this coordinator, in one
 order (``.shard``). The worker computes the gradient of the step's whole global batch
@@ -29,22 +29,22 @@ from typing import Any, Callable
 import ray
 
 from elastic_dp.config import ClusterConfig
-from elastic_dp.control.modes.asyncsgd.drains import DrainWatch
-from elastic_dp.control.modes.asyncsgd.ledger import Ledger, Update, snapshot_plan
-from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
-from elastic_dp.control.modes.context import (
+from elastic_dp.errors import ConfigError
+from elastic_dp.faults import Fault
+from elastic_dp.modes.asyncsgd.drains import DrainWatch
+from elastic_dp.modes.asyncsgd.ledger import Ledger, Update, snapshot_plan
+from elastic_dp.modes.asyncsgd.shard import Keeper, ParameterShard, flat_bounds
+from elastic_dp.modes.base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
+from elastic_dp.modes.context import (
     ModeContext,
     check_resume,
     dataset_length,
     record_resume,
     write_weights,
 )
-from elastic_dp.control.modes.saving import commit
-from elastic_dp.control.modes.watchdog import HangBounds, Watchdog
-from elastic_dp.errors import ConfigError
-from elastic_dp.faults import Fault
+from elastic_dp.modes.saving import commit
+from elastic_dp.modes.watchdog import HangBounds, Watchdog
 from elastic_dp.schedules import factor_rule
-from elastic_dp.worker.asyncsgd.shard import Keeper, ParameterShard, flat_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -235,8 +235,8 @@ class AsyncMode:
         slow = self.faults.slow.get(rank)
         pulls = [s.params.remote() for s in self.shards]
         buffers = self.shards[0].buffer_values.remote() if self.has_buffers else None  # the same version
-        refs = member.actor.async_gradient.options(num_returns=1 + len(self.shards)).remote(
-            step, self.sampler_state, self.bounds, fault, slow if slow is not None and slow.slows(step) else None,
+        refs = member.actor.call.options(num_returns=1 + len(self.shards)).remote(
+            "gradient", step, self.sampler_state, self.bounds, fault, slow if slow is not None and slow.slows(step) else None,
             *pulls, buffers=buffers)
         self.jobs[member] = _Job(step, ledger.version, refs[0], list(refs[1:]), fault)
 

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import ray
 
-from elastic_dp.control.modes.base import MembersLost
-from elastic_dp.control.modes.watchdog import RAY, HangBounds, Transport, Watchdog
+from elastic_dp.modes.base import MembersLost
+from elastic_dp.modes.watchdog import RAY, HangBounds, Transport, Watchdog
 
 logger = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from elastic_dp.config import CheckpointConfig, TrainConfig
-from elastic_dp.control.modes.base import Failure, MembersLost, Recovery, RecoveryResult
-from elastic_dp.control.modes.context import ModeContext
-from elastic_dp.control.modes.sync.mode import SyncMode
 from elastic_dp.durable.checkpoint import Checkpoint
 from elastic_dp.errors import ConfigError
 from elastic_dp.faults import STEP_PHASES
 from elastic_dp.messages import StepResult
+from elastic_dp.modes.base import Failure, MembersLost, Recovery, RecoveryResult
+from elastic_dp.modes.context import ModeContext
+from elastic_dp.modes.sync.mode import SyncMode
 
 
 def check_checkpoints(train: TrainConfig, checkpoint: CheckpointConfig) -> None:
@@ -43,7 +43,7 @@ class DiLoCoMode(SyncMode):
 
     def start(self, members: list[Any], resume: Checkpoint | None) -> int:
         step = super().start(members, resume)
-        self.gens.call_all("diloco_sync_from", 0, step)  # θ_0: rank 0's model, which every member now has
+        self.gens.call_all("call", "sync_from", 0, step)  # θ_0: rank 0's model, which every member now has
         return step
 
     # -- the windows -------------------------------------------------------------------------
@@ -64,7 +64,7 @@ class DiLoCoMode(SyncMode):
         members = self.members
         taken = {s: self.faults.take_step(s, len(members), STEP_PHASES) for s in range(start, stop)}
         faults = [{s: f[r] for s, f in taken.items() if r in f} for r in range(len(members))]
-        calls = {m.actor.diloco_window.remote(start, stop, self._sampler_state(), faults[r]): m
+        calls = {m.actor.call.remote("window", start, stop, self._sampler_state(), faults[r]): m
                  for r, m in enumerate(members)}
         try:
             reports = self.gens.run(members, calls)
@@ -94,13 +94,13 @@ class DiLoCoMode(SyncMode):
         them completed is undone: it committed nowhere), then the new generation forms and
         takes rank 0's θ and outer state."""
         survivors = [m for m in members if m in failure.survivors]
-        self.gens.run(survivors, {m.actor.diloco_restore.remote(failure.step): m for m in survivors})
+        self.gens.run(survivors, {m.actor.call.remote("restore", failure.step): m for m in survivors})
         self._form(members, failure.step)
         outcome = Recovery.RERUN if failure.in_flight else Recovery.COMMITTED
         return RecoveryResult(outcome, step=failure.step)
 
     def _held(self, members: list[Any]) -> int:
-        held = set(self.gens.run(members, {m.actor.diloco_held.remote(): m for m in members}).values())
+        held = set(self.gens.run(members, {m.actor.call.remote("held"): m for m in members}).values())
         if len(held) != 1:
             raise RuntimeError(f"the members hold theta of different steps {sorted(held)} at an outer boundary")
         return held.pop()
@@ -111,7 +111,7 @@ class DiLoCoMode(SyncMode):
         kept, before = set(members), set(self.members)
         members = [m for m in self.members if m in kept] + [m for m in members if m not in before]
         self.gens.form(members)
-        self.gens.call_all("diloco_sync_from", 0, step)
+        self.gens.call_all("call", "sync_from", 0, step)
 
     def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
         """Every member loads θ and the outer state (and, at the saved world size, its own

@@ -1,1 +1,0 @@
-"""Asynchronous SGD, worker side: the gradient program and the parameter-server shard actor."""
