@@ -271,7 +271,7 @@ def bench_window(members: int, steps: int) -> float:
     group = [Member(i, i) for i in range(members)]
     mode.gens.calls.transport = FAKE_RAY
     mode.gens.members, mode.gens.generation = group, 0
-    mode.sampler = ElasticSampler(members * 4, global_batch=members, seed=0)
+    mode.run.sampler = ElasticSampler(members * 4, global_batch=members, seed=0)
     mode.layout.started(0)
     membership = Membership(FakePool(members), min_workers=1, max_workers=members)
     membership.members = list(group)

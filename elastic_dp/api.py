@@ -35,7 +35,6 @@ from elastic_dp.errors import ClusterError, ConfigError, ElasticDPError
 from elastic_dp.faults import Fault, FaultPlan, parse_faults
 from elastic_dp.modes.asyncsgd.mode import PS_GPU_SHARE
 from elastic_dp.modes.context import ModeContext
-from elastic_dp.modes.diloco.mode import check_checkpoints
 from elastic_dp.modes.registry import make_mode
 from elastic_dp.observe.exporters import RayMetrics
 from elastic_dp.observe.metrics import RunRecorder, RunSummary, Throughput
@@ -64,7 +63,7 @@ class Trainer:
         self.metrics = metrics or MetricsConfig()
         check_batch_fits(self.train, self.cluster)
         check_sources(task, self.train)
-        check_checkpoints(self.train, self.checkpoint)
+        self.train.mode.check_run(self.train, self.cluster, self.checkpoint)
         if self.train.eval_every and task.eval_dataset is None:
             raise ConfigError("--eval-every evaluates the task's Task.eval_dataset, and this task has none: give it "
                               "one (a factory of a held-out dataset), or drop --eval-every")

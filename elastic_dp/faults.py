@@ -148,15 +148,15 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
     def refuse(why: str) -> None:
         raise ConfigError(f"--inject {f} can never fire: {why}")
 
-    mode = train.mode.name
+    why = train.mode.unreachable(f, train)  # what the mode cannot fire
+    if why:
+        refuse(why)
     if f.kind == "slowlink":
-        if mode == "async":
-            refuse("--mode async has no collective group: its workers exchange with the parameter servers")
         return
     if f.step >= train.steps:
         refuse(f"the run trains steps 0..{train.steps - 1} (--steps {train.steps})")
     if f.phase == "shard":
-        shards = train.mode.ps_shards if mode == "async" else 0
+        shards = getattr(train.mode, "ps_shards", 0)  # --mode async's; the other modes have none
         if f.rank >= shards:
             refuse(f"phase=shard kills parameter-server shard R of --mode async: the run has "
                    f"{shards or 'no'} shards (--ps-shards, --mode)")
@@ -176,11 +176,6 @@ def _check(f: Fault, faults: list[Fault], train: TrainConfig, cluster: ClusterCo
         if not every or not ((f.step + 1) % every == 0 or f.step + 1 == train.steps):
             refuse(f"no evaluation runs after step {f.step}: --eval-every {every} evaluates after steps whose "
                    "number plus one it divides, and after the last step")
-    if mode == "diloco" and f.kind == "join" and f.step % train.mode.sync_every:
-        refuse(f"--mode diloco changes membership at outer steps: join at a multiple of --sync-every "
-               f"{train.mode.sync_every}")
-    if mode == "diloco" and f.kind in ("kill", "hang") and f.phase != "forward":
-        refuse("--mode diloco fires faults in its inner steps' forward (phase=forward) only")
     if f.phase in ("gather_forward", "gather_backward") and not train.stage.shards_parameters:
         refuse(f"phase={f.phase} fires as a unit's parameters are all-gathered, which only --zero 3 does")
     if f.phase == "snapshot" and (not train.stage.sharded or (f.step + 1) % train.stage.snapshot_every):

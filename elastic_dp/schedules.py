@@ -177,7 +177,7 @@ def check_sources(task: Any, config: Any) -> None:
         raise ConfigError(f"{own} sets the learning rate of every step, and this run also asks for "
                           f"--lr-schedule {config.lr_schedule} --warmup-steps {config.warmup_steps}: drop those "
                           f"(or {own}, to use them)")
-    if own == "Task.scheduler" and config.mode.name != "sync":
+    if own == "Task.scheduler" and not config.mode.steps_task_optimizer:
         raise ConfigError(f"Task.scheduler is a torch LRScheduler over each worker's optimizer, and --mode "
                           f"{config.mode.name} steps the optimizer elsewhere: give the task a Task.lr_schedule "
                           "(step -> factor) instead, or use --mode sync")

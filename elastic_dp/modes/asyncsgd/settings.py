@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from elastic_dp.errors import ConfigError
+from elastic_dp.modes.settings import ModeSettings
 from elastic_dp.settings import setting
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class AsyncSettings:
+class AsyncSettings(ModeSettings):
     """Asynchronous SGD: each worker trains whole steps on parameters it pulled from the
     parameter-server shards, whose updates are applied as they come (docs/async.md)."""
 
-    name: ClassVar[str] = "async"
-    driver: ClassVar[str] = "elastic_dp.modes.asyncsgd.mode:AsyncMode"
-    program: ClassVar[str] = "elastic_dp.modes.asyncsgd.program:AsyncProgram"
-    reduces_gradients: ClassVar[bool] = False
+    name = "async"
+    driver = "elastic_dp.modes.asyncsgd.mode:AsyncMode"
+    program = "elastic_dp.modes.asyncsgd.program:AsyncProgram"
     max_staleness: int = setting(4, "--max-staleness", help=(
         "an update computed on a version more than this many updates old is not applied; its worker pulls again "
         "and recomputes (default 4)"))
@@ -38,6 +38,11 @@ class AsyncSettings:
                                 ("snapshot_every", "--snapshot-every", 1)):
             if getattr(self, name) < low:
                 raise ConfigError(f"{name} must be >= {low}, got {getattr(self, name)} ({flag})")
+
+    def unreachable(self, fault: Any, train: Any) -> str | None:
+        if fault.kind == "slowlink":
+            return "--mode async has no collective group: its workers exchange with the parameter servers"
+        return None
 
     def check(self, train: Any) -> None:
         if train.eval_every is not None:

@@ -1,7 +1,8 @@
 """DiLoCo and local SGD (``--mode diloco``), driver side: windows of one outer step.
 
-The members' collective group, the start, the evaluation and the weights files are the
-synchronous mode's (stage 0: every member holds the whole model). A window is one outer
+The members' collective group, the start, the record of the steps, the evaluation, the
+saves and the weights files are the collective run's (``modes.collective``, which the
+synchronous mode holds too; stage 0: every member holds the whole model). A window is one outer
 step: the ``sync_every`` inner steps from an outer boundary (the run's last outer step
 syncs the ones it has), granted in one call per member (``DiLoCoProgram.window``); its
 steps commit together when every member returns from the outer all-reduce. Membership
@@ -15,36 +16,42 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from elastic_dp.config import CheckpointConfig, TrainConfig
-from elastic_dp.durable.checkpoint import Checkpoint
-from elastic_dp.errors import ConfigError
+from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
 from elastic_dp.faults import STEP_PHASES
-from elastic_dp.messages import StepResult
 from elastic_dp.modes.base import Failure, MembersLost, Recovery, RecoveryResult
+from elastic_dp.modes.collective import CollectiveRun
 from elastic_dp.modes.context import ModeContext
-from elastic_dp.modes.sync.mode import SyncMode
+from elastic_dp.modes.saving import SaveOutcome
 
 
-def check_checkpoints(train: TrainConfig, checkpoint: CheckpointConfig) -> None:
-    """``--mode diloco`` saves at outer boundaries: ``--checkpoint-every`` a multiple of H."""
-    every = getattr(train.mode, "sync_every", None)
-    if every is not None and checkpoint.enabled and checkpoint.every % every:
-        raise ConfigError(f"--mode diloco saves checkpoints at outer steps: --checkpoint-every {checkpoint.every} "
-                          f"must be a multiple of --sync-every {every}")
-
-
-class DiLoCoMode(SyncMode):
+class DiLoCoMode:
     """DiLoCo over one collective group per generation (``TrainingMode``)."""
 
     def __init__(self, context: ModeContext) -> None:
-        super().__init__(context)
-        check_checkpoints(context.train, context.checkpoint)
+        context.train.mode.check_run(context.train, context.cluster, context.checkpoint)  # outer boundaries
+        self.train, self.recorder, self.faults = context.train, context.recorder, context.faults
+        self.run = CollectiveRun(context)
+        self.gens = self.run.gens
         self.every = context.train.mode.sync_every
 
+    @property
+    def generation(self) -> int:
+        return self.gens.generation
+
+    @property
+    def members(self) -> list[Any]:
+        return self.gens.members
+
     def start(self, members: list[Any], resume: Checkpoint | None) -> int:
-        step = super().start(members, resume)
+        step = self.run.start(members, resume)
         self.gens.call_all("call", "sync_from", 0, step)  # θ_0: rank 0's model, which every member now has
         return step
+
+    def close(self) -> None:
+        pass  # the workers are all it has
+
+    def finish(self) -> None:
+        self.run.finish()
 
     # -- the windows -------------------------------------------------------------------------
     def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True,
@@ -64,7 +71,7 @@ class DiLoCoMode(SyncMode):
         members = self.members
         taken = {s: self.faults.take_step(s, len(members), STEP_PHASES) for s in range(start, stop)}
         faults = [{s: f[r] for s, f in taken.items() if r in f} for r in range(len(members))]
-        calls = {m.actor.call.remote("window", start, stop, self._sampler_state(), faults[r]): m
+        calls = {m.actor.call.remote("window", start, stop, self.run.sampler_state(), faults[r]): m
                  for r, m in enumerate(members)}
         try:
             reports = self.gens.run(members, calls)
@@ -73,11 +80,10 @@ class DiLoCoMode(SyncMode):
             raise MembersLost(lost.group, lost.lost, lost.cause, lost.detect_s, step=start) from None
         seconds = max(r["seconds"] for r in reports.values()) / (stop - start)
         for i, s in enumerate(range(start, stop)):
-            results = [StepResult(step=s, rank=r, generation=self.generation, committed=True,
-                                  loss_sum=reports[m]["steps"][i][1], samples=reports[m]["steps"][i][2],
-                                  loss_finite=reports[m]["steps"][i][3], step_s=seconds)
-                       for r, m in enumerate(members)]
-            self._record(s, results)
+            results = [reports[m]["steps"][i] for m in members]  # each member's StepResult of inner step s
+            for result in results:
+                result.step_s = seconds
+            self.run.record(s, results)
         for outer in reports[members[0]]["outer"]:  # a fragment's outer step each (one unless streaming)
             self.recorder.event("outer_step", step=outer["step"], generation=self.generation,
                                 fragment=outer["fragment"], sent_step=outer["sent_step"], bytes_sent=outer["bytes"],
@@ -116,4 +122,14 @@ class DiLoCoMode(SyncMode):
     def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
         """Every member loads θ and the outer state (and, at the saved world size, its own
         inner state) from ``checkpoint``."""
-        self.layout.restore(members, checkpoint)
+        self.run.restore(members, checkpoint)
+
+    # -- evaluation and checkpoints: the collective run's (θ, at outer boundaries) -------------
+    def evaluate(self, step: int) -> tuple[float, int]:
+        return self.run.evaluate(step)
+
+    def save(self, store: CheckpointStore, step: int) -> None:
+        self.run.save(store, step)
+
+    def settle_saves(self, wait: bool = False) -> list[SaveOutcome]:
+        return self.run.settle_saves(wait)

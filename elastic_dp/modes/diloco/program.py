@@ -124,8 +124,9 @@ class DiLoCoProgram(Program):
     def window(self, start: int, stop: int, sampler: dict[str, int], faults: dict[int, Fault]) -> dict:
         """Training thread: inner steps ``start .. stop - 1`` on this rank's slices, with
         each fragment's outer step at its point of the window (the last one's at its end),
-        and after the run's last step the final sync. Returns, per inner step, the summed
-        loss and the samples, and each outer step's figures (``outer``). It ends with its
+        and after the run's last step the final sync. Returns each inner step's
+        ``StepResult`` (``steps``: its summed loss and samples), each outer step's figures
+        (``outer``) and the window's ``seconds``. It ends with its
         outer all-reduce, which the group's abort releases."""
         set_os_name("edp-train")
         replica = self.replica
@@ -142,7 +143,7 @@ class DiLoCoProgram(Program):
                 mine = split(batches.batch(s), group.world_size)[group.rank]
                 result = self.inner_step(s, mine)
                 replica.faults.disarm()
-                steps.append((s, result.loss_sum, result.samples, result.loss_finite))
+                steps.append(result)
                 samples = len(mine)
                 for f, (send, use) in enumerate(plan):
                     if send == done:

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from elastic_dp.errors import ConfigError
+from elastic_dp.modes.settings import ModeSettings
 from elastic_dp.settings import setting
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class DiLoCoSettings:
+class DiLoCoSettings(ModeSettings):
     """DiLoCo / local SGD: ``sync_every`` inner steps alone, then one outer step together."""
 
-    name: ClassVar[str] = "diloco"
-    driver: ClassVar[str] = "elastic_dp.modes.diloco.mode:DiLoCoMode"
-    program: ClassVar[str] = "elastic_dp.modes.diloco.program:DiLoCoProgram"
-    reduces_gradients: ClassVar[bool] = False
+    name = "diloco"
+    driver = "elastic_dp.modes.diloco.mode:DiLoCoMode"
+    program = "elastic_dp.modes.diloco.program:DiLoCoProgram"
     sync_every: int = setting(50, "--sync-every", help="diloco: inner steps per outer step, H (default 50)")
     outer_lr: float = setting(0.7, "--outer-lr", help="diloco: the outer SGD's learning rate (default 0.7)")
     outer_momentum: float = setting(0.9, "--outer-momentum", help=(
@@ -56,6 +56,18 @@ class DiLoCoSettings:
         if train.eval_every and train.eval_every % self.sync_every:
             raise ConfigError(f"--mode diloco evaluates at outer steps: --eval-every {train.eval_every} must be a "
                               f"multiple of --sync-every {self.sync_every}")
+
+    def check_run(self, train: Any, cluster: Any, checkpoint: Any) -> None:
+        if checkpoint.enabled and checkpoint.every % self.sync_every:
+            raise ConfigError(f"--mode diloco saves checkpoints at outer steps: --checkpoint-every {checkpoint.every} "
+                              f"must be a multiple of --sync-every {self.sync_every}")
+
+    def unreachable(self, fault: Any, train: Any) -> str | None:
+        if fault.kind == "join" and fault.step % self.sync_every:
+            return f"--mode diloco changes membership at outer steps: join at a multiple of --sync-every {self.sync_every}"
+        if fault.kind in ("kill", "hang") and fault.phase != "forward":
+            return "--mode diloco fires faults in its inner steps' forward (phase=forward) only"
+        return None
 
     @property
     def streaming(self) -> bool:

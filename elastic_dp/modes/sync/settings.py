@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from elastic_dp.comm.settings import Buckets
 from elastic_dp.errors import ConfigError
+from elastic_dp.modes.settings import ModeSettings
 from elastic_dp.settings import OMIT, choice, part, setting
 from elastic_dp.state.zero.settings import STAGES
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class SyncSettings:
+class SyncSettings(ModeSettings):
     """Synchronous data parallelism: every worker trains a slice of each step."""
 
-    name: ClassVar[str] = "sync"
-    driver: ClassVar[str] = "elastic_dp.modes.sync.mode:SyncMode"
-    program: ClassVar[str] = "elastic_dp.modes.sync.program:SyncProgram"
-    reduces_gradients: ClassVar[bool] = True
+    name = "sync"
+    driver = "elastic_dp.modes.sync.mode:SyncMode"
+    program = "elastic_dp.modes.sync.program:SyncProgram"
+    reduces_gradients = True
+    steps_task_optimizer = True
     zero: Any = choice(STAGES, 0, "--zero", kind=int, help=(
         "ZeRO stage: 0 replicates everything; 1 shards the optimizer state (and the fp32 masters of bf16 "
         "parameters); 2 also the gradients, reduce-scattered in buckets during backward; 3 also the parameters, "
