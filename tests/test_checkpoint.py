@@ -149,25 +149,25 @@ def test_a_weights_file_written_in_parts_is_the_one_safetensors_reads(tmp_path):
     """Each dtype the models hold, a 0-d and an empty tensor, in two parts: safetensors'
     own reader gives them back exactly."""
     tensors = _tensors()
-    layout = [(k, v.dtype, list(v.shape)) for k, v in tensors.items()]
+    specs = [(k, v.dtype, list(v.shape)) for k, v in tensors.items()]
     keys = list(tensors)
     parts = [{k: tensors[k] for k in keys[:3]}, {k: tensors[k] for k in keys[3:]}]
-    save_tensor_parts(Storage(tmp_path), "w.safetensors", layout, iter(parts))
+    save_tensor_parts(Storage(tmp_path), "w.safetensors", specs, iter(parts))
     back = load_file(tmp_path / "w.safetensors")
     assert back.keys() == tensors.keys()
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
 
 
-def test_a_part_that_fails_or_does_not_match_the_layout_leaves_no_file(tmp_path):
+def test_a_part_that_fails_or_does_not_match_the_specs_leaves_no_file(tmp_path):
     tensors = _tensors()
-    layout = [(k, v.dtype, list(v.shape)) for k, v in tensors.items()]
+    specs = [(k, v.dtype, list(v.shape)) for k, v in tensors.items()]
 
     def failing():
         yield {"a": tensors["a"]}
         raise RuntimeError("a gather failed")
 
     with pytest.raises(RuntimeError, match="a gather failed"):
-        save_tensor_parts(Storage(tmp_path), "w.safetensors", layout, failing())
-    with pytest.raises(ValueError, match="where the layout has"):
-        save_tensor_parts(Storage(tmp_path), "w.safetensors", layout, iter([{"c": tensors["c"]}]))
+        save_tensor_parts(Storage(tmp_path), "w.safetensors", specs, failing())
+    with pytest.raises(ValueError, match="where the specs have"):
+        save_tensor_parts(Storage(tmp_path), "w.safetensors", specs, iter([{"c": tensors["c"]}]))
     assert list(tmp_path.iterdir()) == []

@@ -300,10 +300,10 @@ def test_the_weights_file_at_stage_3_is_written_a_unit_at_a_time_and_is_the_mode
             return result
 
         strategy.weight_part = measured
-        layouts = strategy.weight_parts()
-        parts = (strategy.weight_part(i) for i in range(len(layouts)))
+        specs = strategy.weight_parts()
+        parts = (strategy.weight_part(i) for i in range(len(specs)))
         if replica.group.rank == 0:
-            save_tensor_parts(Storage(tmp_path), "final.safetensors", [t for lay in layouts for t in lay], parts)
+            save_tensor_parts(Storage(tmp_path), "final.safetensors", [t for part in specs for t in part], parts)
         for _ in parts:
             pass
         assert _held(replica) == before

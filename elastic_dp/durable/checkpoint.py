@@ -1,6 +1,6 @@
 """Durable, world-size-independent checkpoints (docs/design.md), written by every rank.
 
-Layout of one checkpoint in its storage (``elastic_dp.durable.storage``: a local directory, a
+The files of one checkpoint in its storage (``elastic_dp.durable.storage``: a local directory, a
 shared mount or an object store), a directory named for the committed steps and the
 attempt that wrote it::
 

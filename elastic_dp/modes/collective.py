@@ -22,6 +22,7 @@ import numpy as np
 
 from elastic_dp.data import ElasticSampler, split
 from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
+from elastic_dp.durable.weights import TensorSpecs
 from elastic_dp.errors import TaskError
 from elastic_dp.messages import StepResult
 from elastic_dp.modes.base import MembersLost
@@ -116,13 +117,12 @@ class CollectiveRun:
                       lambda storage, file: self.whole_model("write_weights", storage, file),
                       self._weight_parts if self.train.stage.shards_parameters else None)
 
-    def _weight_parts(self) -> tuple[list, Iterator[dict]]:
-        """Where no rank holds the whole model: the weights file's layout and its parts (the
+    def _weight_parts(self) -> tuple[TensorSpecs, Iterator[dict]]:
+        """Where no rank holds the whole model: the weights file's tensors and its parts (the
         root and the buffers, then each unit), each gathered by the members and sent by rank
         0 in turn, so that neither rank 0 nor this driver holds more than one of them."""
-        layouts = self.whole_model("weight_parts")
-        return [t for layout in layouts for t in layout], (self.whole_model("weight_part", i)
-                                                           for i in range(len(layouts)))
+        specs = self.whole_model("weight_parts")
+        return [t for part in specs for t in part], (self.whole_model("weight_part", i) for i in range(len(specs)))
 
     def finish(self) -> None:
         self.write_weights("final")

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from elastic_dp.config import CheckpointConfig, ClusterConfig, TrainConfig
 from elastic_dp.data import check_resumable
-from elastic_dp.durable.weights import Layout
+from elastic_dp.durable.weights import TensorSpecs
 from elastic_dp.errors import ConfigError, TaskError
 from elastic_dp.faults import FaultPlan
 from elastic_dp.modes.guard import NonFiniteGuard
@@ -52,7 +52,7 @@ def dataset_length(members: Sequence[Any]) -> int:
 
 def check_resume(resume: Any, train: TrainConfig, dataset_len: int) -> None:
     """Refuse a checkpoint this run cannot continue (another global batch, another dataset,
-    another mode's layout: ``--mode diloco``'s holds inner states the others do not)."""
+    another mode's checkpoint: ``--mode diloco``'s holds inner states the others do not)."""
     if resume is not None:
         check_resumable(resume.sampler, train, dataset_len=dataset_len)
         diloco = "diloco" in (resume.manifest.get("optimizer") or {})
@@ -71,11 +71,11 @@ def record_resume(recorder: RunRecorder, resume: Any, world_size: int) -> None:
 
 def write_weights(recorder: RunRecorder, name: str, state: Callable[[], dict[str, Any]],
                   on_worker: Callable[[Any, str], None] | None = None,
-                  parts: Callable[[], tuple[Layout, Iterable[dict[str, Any]]]] | None = None) -> None:
+                  parts: Callable[[], tuple[TensorSpecs, Iterable[dict[str, Any]]]] | None = None) -> None:
     """``<out>/<name>.safetensors`` (nothing without ``--out``): to an ``--out`` URI by a
     worker straight from its memory where the mode has one that can (``on_worker(storage,
     file name)``), else by this driver from ``state()``, or from ``parts()`` (the file's
-    layout and its tensors a part at a time) where the mode gives them."""
+    ``TensorSpecs``, then its tensors a part at a time) where the mode gives them."""
     if recorder.storage is None:
         return
     if recorder.remote and on_worker is not None:

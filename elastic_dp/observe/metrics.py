@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from elastic_dp.durable.storage import Storage
-from elastic_dp.durable.weights import Layout, save_tensor_parts, save_tensors
+from elastic_dp.durable.weights import TensorSpecs, save_tensor_parts, save_tensors
 from elastic_dp.observe.exporters import TensorBoard
 
 logger = logging.getLogger(__name__)
@@ -235,10 +235,10 @@ class RunRecorder:
         if self._open():
             save_tensors(self.storage, f"{name}.safetensors", state)
 
-    def weight_parts(self, name: str, layout: Layout, parts: Iterable[dict]) -> None:
+    def weight_parts(self, name: str, specs: TensorSpecs, parts: Iterable[dict]) -> None:
         """Write ``<out>/<name>.safetensors`` from ``parts`` as they come (``save_tensor_parts``)."""
         if self._open():
-            save_tensor_parts(self.storage, f"{name}.safetensors", layout, parts)
+            save_tensor_parts(self.storage, f"{name}.safetensors", specs, parts)
 
     def upload(self) -> None:
         """With an ``--out`` URI: copy the logs written so far to it."""

@@ -11,7 +11,7 @@ from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer
 from elastic_dp.comm.vote import Ballot, Vote
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, Wanted, cut_part
-from elastic_dp.durable.weights import Layout
+from elastic_dp.durable.weights import TensorSpecs
 from elastic_dp.state.buffers import ModelBuffers
 
 
@@ -111,7 +111,7 @@ class Strategy(Protocol):
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's whole state dict, copied to the host."""
 
-    def weight_parts(self) -> list[Layout]:
+    def weight_parts(self) -> list[TensorSpecs]:
         """The run's weights file in parts, the tensors of each: (name, dtype, shape)."""
 
     def weight_part(self, i: int) -> dict[str, torch.Tensor]:
@@ -147,10 +147,10 @@ class Resharding(Protocol):
 
 class WholeModel:
     """The model-state part of the ``Strategy`` interface, for a strategy whose workers
-    each hold every parameter whole (stages 0 to 2): the state dict is the model's own,
-    and a checkpoint part is this rank's range of each tensor (``checkpoint.cut_part``).
-    Needs ``model``, ``group`` and ``device``, and the strategy's ``settle``,
-    ``state_part`` and ``load``."""
+    each hold every parameter whole (stages 0 to 2; stage 3's sibling part is
+    ``zero.stage3_state.UnitChunks``): the state dict is the model's own, and a checkpoint
+    part is this rank's range of each tensor (``checkpoint.cut_part``). Needs ``model``,
+    ``group`` and ``device``, and the strategy's ``settle``, ``state_part`` and ``load``."""
 
     model: torch.nn.Module
     group: CollectiveGroup
@@ -168,19 +168,14 @@ class WholeModel:
         self.load_state(state)
         return state
 
-    def weight_parts(self) -> list[Layout]:
+    def weight_parts(self) -> list[TensorSpecs]:
         return [[(k, v.dtype, list(v.shape)) for k, v in self.weights().items()]]  # one part: the whole model
 
     def weight_part(self, i: int) -> dict[str, torch.Tensor]:
         return self.weights()
 
     def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
-        self.settle()
-        tensors, meta = self.state_part()
-        return TrainingState(step=step, model=self.model_state(),
-                             optimizer_tensors={k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
-                             optimizer_meta=meta, sampler=sampler, world_size=self.group.world_size,
-                             rng=torch.get_rng_state())
+        return copied_state(self, step, sampler)
 
     def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
         """Only the pieces this rank writes are copied."""
@@ -196,6 +191,16 @@ class WholeModel:
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.model.items()})
         self.load(state)
         torch.set_rng_state(state.rng)
+
+
+def copied_state(strategy: Any, step: int, sampler: dict[str, int]) -> TrainingState:
+    """``Strategy.training_state`` from the strategy's ``model_state`` and ``state_part``."""
+    strategy.settle()
+    tensors, meta = strategy.state_part()
+    return TrainingState(step=step, model=strategy.model_state(),
+                         optimizer_tensors={k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
+                         optimizer_meta=meta, sampler=sampler, world_size=strategy.group.world_size,
+                         rng=torch.get_rng_state())
 
 
 def broadcast_tensors(group: CollectiveGroup, tensors: list[torch.Tensor], src: int, device: torch.device) -> None:

@@ -149,11 +149,11 @@ class WorkerActor:
         part at a time (at ZeRO stage 3 every rank takes part in gathering each unit; rank 0
         writes them)."""
         strategy = self.replica.strategy
-        layouts = strategy.weight_parts()
-        parts = (strategy.weight_part(i) for i in range(len(layouts)))
+        specs = strategy.weight_parts()
+        parts = (strategy.weight_part(i) for i in range(len(specs)))
         try:
             if self.group.rank == 0:
-                save_tensor_parts(storage, name, [t for layout in layouts for t in layout], parts)
+                save_tensor_parts(storage, name, [t for part in specs for t in part], parts)
         finally:
             for _ in parts:  # the peers' gathers go on to the last part, whatever the write did
                 pass

@@ -30,7 +30,7 @@ from elastic_dp.config import TrainConfig
 from elastic_dp.durable.checkpoint import TrainingState, Wanted
 from elastic_dp.errors import CollectiveError
 from elastic_dp.faults import FaultHook
-from elastic_dp.state.base import BucketedGradients, WholeModel, broadcast_tensors, inside, nbytes
+from elastic_dp.state.base import BucketedGradients, broadcast_tensors, inside, nbytes
 from elastic_dp.state.buffers import BufferHistory, ModelBuffers
 from elastic_dp.state.zero import format as zero_format
 from elastic_dp.state.zero.chunks import ChunkState, check_elementwise, cut, needed_sources, unpack
@@ -38,9 +38,9 @@ from elastic_dp.state.zero.snapshots import SNAPSHOT_WAIT_S, Exchange, PeerSnaps
 
 logger = logging.getLogger(__name__)
 
-class Sharded(BucketedGradients, WholeModel):
+class Sharded(BucketedGradients):
     """ZeRO's sharded state, built once per worker (a stage's subclass says where the
-    gradients live: ``_gradients``, ``_gradient_buffers``). Its layout depends on the world size, so
+    gradients live: ``_gradients``, ``_gradient_buffers``). Its cut depends on the world size, so
     it is re-cut for each generation of ``group`` (``_current``) when that generation
     starts: its first step, or the state it is given (``sync_from``, ``load``,
     ``import_chunks``). Until then it still holds, and can export, the last generation's."""
@@ -53,7 +53,7 @@ class Sharded(BucketedGradients, WholeModel):
         self.group, self.config = group, config
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.base_groups = optimizer.param_groups
-        self.generation: int | None = None  # of the layout below; None: not built yet
+        self.generation: int | None = None  # of the cut below; None: not built yet
         self.snapshots = PeerSnapshots()
         self.buffers = ModelBuffers(model)
         self.history = BufferHistory(self.buffers)
@@ -68,7 +68,7 @@ class Sharded(BucketedGradients, WholeModel):
                 module.register_forward_pre_hook(lambda _module, _args, ids=ids: self._before_forward(ids))
 
     def _current(self) -> None:
-        """Re-cut the layout for the group's generation, if it changed."""
+        """Re-cut the state for the group's generation, if it changed."""
         if self.generation != self.group.generation:
             if self.generation is not None:
                 self.reducer.close()

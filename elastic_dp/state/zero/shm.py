@@ -7,7 +7,7 @@ the memory goes when the last of the two processes unmaps it or dies, SIGKILL in
 A name left by a process killed before that (a window of milliseconds) is removed by the
 next segment created on the host (``sweep``: the owner's PID is in the name).
 
-Layout: a header of int64s (a random token the neighbour checks, the slot size, and each
+A segment's bytes: a header of int64s (a random token the neighbour checks, the slot size, and each
 slot's step), then ``SLOTS`` slots of fp32. Writing a slot first marks it empty (step
 -1), then fills it, then sets its step: a writer killed part-way leaves it marked empty.
 Readers read only while the writer is stopped or dead (after a failure), so no lock.

@@ -81,7 +81,7 @@ def _pack_into(shard: ChunkState, slot: torch.Tensor) -> None:
 
 class PeerSnapshots:
     """One worker's snapshots and the one transfer in flight; ``configure`` for each
-    generation (what it held is of the last one's layout and is forgotten)."""
+    generation (what it held is of the last one's cut and is forgotten)."""
 
     def __init__(self) -> None:
         self.own: list[Snapshot] = []

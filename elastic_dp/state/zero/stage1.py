@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from elastic_dp.state.base import WholeModel
 from elastic_dp.state.zero.sharded import Sharded
 
 
-class ShardedOptimizer(Sharded):
-    """ZeRO stage 1 (``--zero 1``)."""
+class ShardedOptimizer(Sharded, WholeModel):
+    """ZeRO stage 1 (``--zero 1``): every parameter whole on every rank."""
 
     def _gradients(self) -> dict:
         return {"scatter_in_place": True}

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from elastic_dp.state.base import WholeModel
 from elastic_dp.state.zero.sharded import Sharded
 
 
-class ShardedGradients(Sharded):
-    """ZeRO stage 2 (``--zero 2``)."""
+class ShardedGradients(Sharded, WholeModel):
+    """ZeRO stage 2 (``--zero 2``): every parameter whole on every rank."""
 
     def _gradients(self) -> dict:
         self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)

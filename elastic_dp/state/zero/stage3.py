@@ -46,16 +46,16 @@ from elastic_dp.faults import FaultHook
 from elastic_dp.state.base import broadcast_tensors, nbytes
 from elastic_dp.state.units import UnitInit, model_units
 from elastic_dp.state.zero.sharded import Sharded
-from elastic_dp.state.zero.stage3_state import FullyShardedState
+from elastic_dp.state.zero.stage3_state import UnitChunks
 
 WHOLE = 2**62
 """A bucket size no unit reaches: one piece per kind of parameter in a unit."""
 
 
-class FullySharded(FullyShardedState, Sharded):
+class FullySharded(UnitChunks, Sharded):
     """ZeRO stage 3 (``--zero 3``). ``units``: the model's shard units (None: the default
     ones, ``units.model_units``); ``init``: for a model built on the meta device, the rule
-    that initialises it unit by unit (the first layout materialises each unit, keeps its
+    that initialises it unit by unit (the first cut materialises each unit, keeps its
     chunks of it and frees it before the next)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
@@ -78,7 +78,7 @@ class FullySharded(FullyShardedState, Sharded):
         self._gathered: set[int] = set()  # units whose full parameters are here (or on their way)
         self._backward_started: set[int] = set()
 
-    # -- layout ---------------------------------------------------------------------------
+    # -- the cut ------------------------------------------------------------------------------
     def _build(self) -> None:
         self._gathers, self._gathered = {}, set()
         group, config, optimizer = self.group, self.config, self.base_optimizer
@@ -152,7 +152,7 @@ class FullySharded(FullyShardedState, Sharded):
 
     def _current(self) -> None:
         if self.generation != self.group.generation and self.generation is not None:
-            for hook in self._free_hooks:  # the new layout's come with it
+            for hook in self._free_hooks:  # the new cut's come with it
                 hook.remove()
         super()._current()
 

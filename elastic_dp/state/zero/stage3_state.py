@@ -1,19 +1,27 @@
-"""ZeRO stage 3's state outside the step: the model's weights a unit at a time, the
-checkpoint part of a rank (its chunks), and loading a checkpoint or a whole training state
-into the chunks. A mixin of ``stage3.FullySharded``, whose layout (pieces, chunks, units)
-and gathers it uses."""
+"""ZeRO stage 3's model state: the model's weights a unit at a time, the checkpoint part of
+a rank (its chunks), and loading a checkpoint or a whole training state into the chunks.
+
+``UnitChunks`` is the model-state part of the ``Strategy`` interface for a strategy whose
+parameters live as chunks of units, the sibling of ``state.base.WholeModel`` (every
+parameter whole on every rank, stages 0 to 2); ``stage3.FullySharded`` is built of it and
+``zero.sharded.Sharded``, and it uses their cut (pieces, chunks, units) and gathers."""
 
 from __future__ import annotations
 
 import torch
 
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, add_piece, cut_part, part_files
-from elastic_dp.durable.weights import Layout
+from elastic_dp.durable.weights import TensorSpecs
+from elastic_dp.state.base import copied_state
 from elastic_dp.state.zero import format as zero_format
 
 
-class FullyShardedState:
-    """The state calls of ``FullySharded`` (``Strategy``'s weights, checkpoint and load)."""
+class UnitChunks:
+    """``Strategy``'s model state, weights, checkpoint part and loading, where no rank holds
+    the whole model (every call here that reads parameters is a collective)."""
+
+    def training_state(self, step: int, sampler: dict[str, int]) -> TrainingState:
+        return copied_state(self, step, sampler)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """A collective: the model's whole state dict, gathered unit by unit into host memory."""
@@ -28,7 +36,7 @@ class FullyShardedState:
             units[self.unit_of.get(id(v), self.root)].append((k, v))
         return list(units.items())
 
-    def weight_parts(self) -> list[Layout]:
+    def weight_parts(self) -> list[TensorSpecs]:
         self._current()
         return [[(k, v.dtype, list(v.shape)) for k, v in entries] for _, entries in self._weight_units()]
 
