@@ -126,18 +126,18 @@ def test_chunk_sources_after_a_kill_during_a_snapshot():
 
 
 def test_ranks_alternate_between_nodes_so_each_peer_snapshot_is_on_another_node():
-    from elastic_dp.modes.sync.sharded import spread_over_nodes
+    from elastic_dp.comm.mesh import rank_order
 
     node = {"a1": "A", "a2": "A", "b1": "B", "b2": "B", "c1": "C"}
-    assert spread_over_nodes(["a1", "a2", "b1", "b2"], node.get) == ["a1", "b1", "a2", "b2"]
-    assert spread_over_nodes(["a1", "a2"], node.get) == ["a1", "a2"]  # one node: the order is kept
-    assert spread_over_nodes(["a1", "a2", "b1", "c1"], node.get) == ["a1", "b1", "a2", "c1"]
+    assert rank_order(["a1", "a2", "b1", "b2"], node.get, spread=True) == ["a1", "b1", "a2", "b2"]
+    assert rank_order(["a1", "a2"], node.get, spread=True) == ["a1", "a2"]  # one node: the order is kept
+    assert rank_order(["a1", "a2", "b1", "c1"], node.get, spread=True) == ["a1", "b1", "a2", "c1"]
     rng = random.Random(1)
     for _ in range(500):
         n = rng.randint(2, 16)
         nodes = [rng.randint(0, 3) for _ in range(n)]
         members = list(range(n))
-        order = spread_over_nodes(members, nodes.__getitem__)
+        order = rank_order(members, nodes.__getitem__, spread=True)
         assert sorted(order) == members
         if max(nodes.count(k) for k in set(nodes)) <= n // 2:  # then every snapshot can be elsewhere
             assert all(nodes[order[i]] != nodes[order[(i + 1) % n]] for i in range(n)), (nodes, order)

@@ -3,10 +3,17 @@
 A ``CollectiveGroup`` is an object with a lifecycle, never a global::
 
     group = CollectiveGroup(backend="gloo", timeout_s=300)
-    group.configure(store_host, store_port, generation=g, rank=r, world_size=n)
+    group.configure(store_host, store_port, generation=g, rank=r, world_size=n, hosts=hosts)
     work = group.all_reduce_async(tensor)   # SUM; ReduceOp.AVG is unreliable on gloo
+    inside = group.subgroup("host")         # the ranks on this host: a group of their own
     ...
-    group.destroy()
+    group.destroy()                         # its sub-groups with it
+
+Each generation knows its mesh (``elastic_dp.comm.mesh``: the host of every rank, the named
+dimensions). A sub-group is built on demand, the first time this rank asks for it (every
+rank of that sub-group must ask at the same point of its collectives, as for any
+collective), on the generation's store under ``sub/<dim>/<i>/``; it belongs to the
+generation: aborted with it, destroyed with it, never carried into the next.
 
 The rendezvous keys of generation ``g`` live under the prefix ``gen{g}/`` of the
 coordinator's TCPStore (docs/design.md, generations): a straggler from ``g-1`` can never join
@@ -38,10 +45,12 @@ import os
 import socket
 import threading
 import time
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from elastic_dp.comm.mesh import Mesh
 from elastic_dp.errors import CollectiveError
 
 logger = logging.getLogger(__name__)
@@ -134,17 +143,21 @@ class CollectiveGroup:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.delay_s = 0.0
         """``--inject slowlink``: the least time an all-reduce, reduce-scatter or all-gather takes."""
+        self.timeout_s = timeout_s
         self.generation = -1
         self.rank = 0
         self.world_size = 0
+        self.mesh = Mesh(())
+        """The current generation's ranks and their hosts."""
         self._store: dist.Store | None = None
         self._pg: dist.ProcessGroup | None = None
         self.side = False
-        """Also build a second process group, for collectives made inside a step's forward
-        and backward (``elastic_dp.comm.batchnorm``): on the main one they would interleave
-        with the gradient buckets differently on a rank whose forward failed. Read when a
-        generation's group is built."""
-        self._side_pg: dist.ProcessGroup | None = None
+        """Also build the ``world`` sub-group with each generation (not on demand), for
+        collectives made inside a step's forward and backward (``elastic_dp.comm.batchnorm``):
+        on the main group they would interleave with the gradient buckets differently on a
+        rank whose forward failed. Read when a generation's group is built."""
+        self._subs: dict[str, CollectiveGroup] = {}
+        """The generation's sub-groups built so far, by dimension."""
         self._sockets: list[int] = []  # the gloo group's own TCP sockets, for abort()
         self._aborted = -1  # every generation up to this one is aborted
         self._lock = threading.Lock()  # configure (training thread) against abort (control thread)
@@ -154,8 +167,9 @@ class CollectiveGroup:
         return self.world_size > 0
 
     def configure(self, store_host: str, store_port: int, *, generation: int, rank: int,
-                  world_size: int) -> None:
-        """Join generation ``generation`` as ``rank`` of ``world_size`` (blocks until all join).
+                  world_size: int, hosts: Sequence[str] | None = None) -> None:
+        """Join generation ``generation`` as ``rank`` of ``world_size`` (blocks until all join);
+        ``hosts``: the host of every rank, in rank order (None: one host).
 
         Every rank first announces itself under the generation's prefix and waits until
         all have (polling, so that ``abort(generation)`` from another thread ends the wait
@@ -166,9 +180,13 @@ class CollectiveGroup:
             self.destroy()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        hosts = tuple(hosts) if hosts is not None else ("",) * world_size
+        if len(hosts) != world_size:
+            raise ValueError(f"{len(hosts)} hosts for a generation of {world_size} ranks")
         with self._lock:
             self._check_not_aborted(generation, rank)
             self.generation, self.rank, self.world_size = generation, rank, world_size
+            self.mesh = Mesh(hosts)
         if world_size == 1:
             return
         try:
@@ -176,6 +194,8 @@ class CollectiveGroup:
             self._store = dist.PrefixStore(f"gen{generation}/", store)
             self._arrive(generation, rank, world_size)
             self._build(rank, world_size)
+            if self.side:
+                self.subgroup("world")
         except BaseException:
             self._forget()
             raise
@@ -217,20 +237,42 @@ class CollectiveGroup:
         return self._store.get(key).decode()
 
     def _build(self, rank: int, world_size: int) -> None:
-        side_store = dist.PrefixStore("side/", self._store) if self.side else None
         if self.backend == "gloo":
             before = _socket_fds()
             self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, self.timeout)
-            if side_store is not None:
-                self._side_pg = dist.ProcessGroupGloo(side_store, rank, world_size, self.timeout)
             after = _socket_fds()
             self._sockets = [fd for fd, inode in after.items() if before.get(fd) != inode]
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
             self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
-            if side_store is not None:
-                self._side_pg = dist.ProcessGroupNCCL(side_store, rank, world_size, options)
+
+    def subgroup(self, dim: str) -> CollectiveGroup:
+        """This rank's group along the mesh's dimension ``dim`` (``mesh.DIMS``) in the current
+        generation, as a group of its own with the same calls (its ranks renumbered from 0
+        in rank order), built the first time it is asked for: every rank of it must ask at
+        the same point (a rendezvous on the generation's store, which an abort ends). It is
+        aborted and destroyed with this group; ``--inject slowlink`` does not delay it."""
+        self._require()
+        with self._lock:
+            sub = self._subs.get(dim)
+        if sub is not None:
+            return sub
+        ranks = self.mesh.group(dim, self.rank)
+        sub = CollectiveGroup(backend=self.backend, timeout_s=self.timeout_s)
+        sub.generation, sub.rank, sub.world_size = self.generation, ranks.index(self.rank), len(ranks)
+        sub.mesh = Mesh(tuple(self.mesh.hosts[r] for r in ranks))
+        with self._lock:
+            self._check_not_aborted(self.generation, self.rank)
+            sub._aborted = self._aborted
+            self._subs[dim] = sub  # an abort from now on reaches it
+        if len(ranks) > 1:
+            sub._store = dist.PrefixStore(f"sub/{dim}/{self.mesh.index(dim, self.rank)}/", self._store)
+            sub._arrive(self.generation, sub.rank, sub.world_size)
+            sub._build(sub.rank, sub.world_size)
+            if self.generation <= self._aborted:  # aborted while it was being built
+                sub.abort(self.generation)
+        return sub
 
     def _require(self) -> dist.ProcessGroup | None:
         if not self.configured:
@@ -256,19 +298,16 @@ class CollectiveGroup:
         return tensor
 
     def side_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A SUM all-reduce of ``tensor`` in place on the second process group (``side``),
-        waited for."""
+        """A SUM all-reduce of ``tensor`` in place on the ``world`` sub-group, built with the
+        generation (``side``), waited for."""
         self._require()
         if self.world_size == 1:
             return tensor
-        if self._side_pg is None:
+        with self._lock:
+            side = self._subs.get("world")
+        if side is None:
             raise RuntimeError("the collective group was built without its side group (CollectiveGroup.side)")
-        if self._staging(tensor):
-            host = _host(tensor)
-            _Staged(self._side_pg.allreduce([host]), [(tensor, host)]).wait()
-        else:
-            self._side_pg.allreduce([tensor]).wait()
-        return tensor
+        return side.all_reduce(tensor)
 
     @_link
     def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor):
@@ -391,13 +430,18 @@ class CollectiveGroup:
         with self._lock:
             generation = self.generation if generation is None else generation
             self._aborted = max(self._aborted, generation)
-            if self._pg is None or generation < self.generation:
+            if generation < self.generation:
                 return
-            pg, side, sockets = self._pg, self._side_pg, list(self._sockets)
+            subs = list(self._subs.values())
+            if self._pg is None and not subs:
+                return
+            pg, sockets = self._pg, list(self._sockets)
+        for sub in subs:
+            sub.abort(generation)
+        if pg is None:
+            return
         if self.backend == "nccl":
-            for each in (pg, side):
-                if each is not None:
-                    each.abort()
+            pg.abort()
             return
         for fd in sockets:
             try:
@@ -414,16 +458,19 @@ class CollectiveGroup:
                 sock.close()  # closes the duplicate only
 
     def destroy(self) -> None:
-        """Release the group once no collective on it is running (after an abort, too)."""
-        if self.backend == "nccl":
-            for each in (self._pg, self._side_pg):
-                if each is not None:
-                    each.shutdown()
+        """Release the group and its sub-groups once no collective on them is running
+        (after an abort, too)."""
+        with self._lock:
+            subs, self._subs = list(self._subs.values()), {}
+        for sub in subs:
+            sub.destroy()
+        if self.backend == "nccl" and self._pg is not None:
+            self._pg.shutdown()
         self._forget()  # for gloo, dropping the last reference closes its sockets and threads
 
     def _forget(self) -> None:
         self._pg = None
-        self._side_pg = None
+        self._subs = {}
         self._store = None
         self._sockets = []
         self.world_size = 0

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from elastic_dp.comm.mesh import rank_order
 from elastic_dp.data import ElasticSampler, split
 from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
 from elastic_dp.durable.weights import TensorSpecs
@@ -64,10 +65,16 @@ class CollectiveRun:
         return self.gens.members
 
     # -- start and end -------------------------------------------------------------------
+    def rank_order(self, members: list[Any]) -> list[Any]:
+        """The rank order of a generation over ``members`` (in the membership policy's
+        order): where the stage keeps peer snapshots, neighbours spread over hosts
+        (``comm.mesh.rank_order``)."""
+        return rank_order(members, lambda m: m.info.node_id, spread=self.train.stage.sharded)
+
     def start(self, members: list[Any], resume: Checkpoint | None) -> int:
         """Form the first generation over ``members`` and give it one state: the checkpoint
         ``resume``'s, or rank 0's fresh model; write the initial weights. Returns the first step."""
-        members = self.layout.rank_order(members)
+        members = self.rank_order(members)
         self.sampler = ElasticSampler(dataset_length(members), global_batch=self.train.global_batch,
                                       seed=self.train.seed)
         if self.recorder.throughput.peak_flops is None:  # no --peak-tflops: a known GPU's
@@ -155,7 +162,7 @@ class CollectiveRun:
     # -- evaluation, checkpoints -----------------------------------------------------------------
     def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
         """A new generation over ``members`` (in the layout's rank order) loads ``checkpoint``."""
-        self.layout.restore(self.layout.rank_order(members), checkpoint)
+        self.layout.restore(self.rank_order(members), checkpoint)
 
     def evaluate(self, step: int) -> tuple[float, int]:
         """Each member evaluates its contiguous share of the eval samples; the loss is the

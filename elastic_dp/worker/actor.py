@@ -78,15 +78,17 @@ class WorkerActor:
                                    device_name=name)
 
     def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int,
-                        fault: Fault | None = None, link_delay_s: float = 0.0) -> None:
+                        fault: Fault | None = None, link_delay_s: float = 0.0,
+                        hosts: tuple[str, ...] | None = None) -> None:
         """Join ``generation`` as ``rank`` (``fault``: phase ``reform``, fired first;
-        ``link_delay_s``: ``--inject slowlink``'s least time of each collective)."""
+        ``link_delay_s``: ``--inject slowlink``'s least time of each collective; ``hosts``:
+        the Ray node of every rank, the generation's mesh)."""
         self.group.delay_s = link_delay_s
         self.faults.arm(fault)
         self.faults.at("reform")
         if self.replica is not None:
             self.replica.strategy.drop_pending()
-        self.group.configure(host, port, generation=generation, rank=rank, world_size=world_size)
+        self.group.configure(host, port, generation=generation, rank=rank, world_size=world_size, hosts=hosts)
 
     def broadcast_state(self, src: int) -> None:
         self.replica.broadcast_state(src)

@@ -31,15 +31,17 @@ class Generations:
         self._store: dist.TCPStore | None = None
 
     def form(self, members: list[Any], faults: dict[int, Fault] | None = None) -> None:
-        """Form the next generation over ``members`` (ranks in list order); ``faults``
+        """Form the next generation over ``members`` (ranks in list order, as
+        ``CollectiveRun.rank_order`` decided), each told the host of every rank; ``faults``
         (rank -> fault, phase ``reform``) fire in those ranks as they join."""
         if self._store is None:
             self._store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True,
                                         wait_for_workers=False, use_libuv=True)
         self.generation += 1
         host, faults = ray.util.get_node_ip_address(), faults or {}
+        hosts = tuple(m.info.node_id for m in members)  # the generation's mesh (elastic_dp.comm.mesh)
         calls = {m.actor.configure_group.remote(host, self._store.port, self.generation, rank, len(members),
-                                                faults.get(rank), self.link_delay_s): m
+                                                faults.get(rank), self.link_delay_s, hosts): m
                  for rank, m in enumerate(members)}
         self.run(members, calls)
         self.members = list(members)

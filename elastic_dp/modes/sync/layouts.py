@@ -3,7 +3,8 @@
 A layout is chosen once, the one the ZeRO stage's part names (``make_layout``,
 ``Stage.layout``). The mode asks it to carry the state over every change of members — a
 re-formation after a failure, a resize that admits joiners, a restart from the durable
-checkpoint — and to collect the checkpoint's parts. ``ReplicatedLayout`` (stage 0) is
+checkpoint — and to collect the checkpoint's parts. It is given the members in their rank
+order, which is decided in one place (``CollectiveRun.rank_order``). ``ReplicatedLayout`` (stage 0) is
 here; ``ShardedLayout`` (stages 1 to 3, whose state is cut into chunks alike) is in
 ``.sharded``.
 """
@@ -24,9 +25,6 @@ from elastic_dp.state.zero.settings import Stage
 
 class StateLayout(Protocol):
     """The synchronous mode's state, seen from the coordinator (no tensors)."""
-
-    def rank_order(self, members: list[Any]) -> list[Any]:
-        """The rank order for a generation over ``members`` (given in the policy's order)."""
 
     def started(self, step: int) -> None:
         """Every member of the current generation holds the state after ``step`` steps."""
@@ -63,9 +61,6 @@ class ReplicatedLayout:
         self.sampler_state = sampler_state
         self.at: dict[Any, int] = {}
         """The state step each member holds (members without state are absent)."""
-
-    def rank_order(self, members: list[Any]) -> list[Any]:
-        return list(members)  # any order: every member holds everything
 
     def started(self, step: int) -> None:
         self.at = {m: step for m in self.gens.members}

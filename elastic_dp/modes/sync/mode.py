@@ -106,10 +106,10 @@ class SyncMode:
 
     # -- membership changes ----------------------------------------------------------------
     def resize(self, members: list[Any]) -> None:
-        self.layout.resize(self.layout.rank_order(members))
+        self.layout.resize(self.run.rank_order(members))
 
     def reform(self, members: list[Any], failure: Failure) -> RecoveryResult:
-        members = self.layout.rank_order(members)
+        members = self.run.rank_order(members)
         faults = self.faults.take_reform(failure.step, len(members)) if failure.in_flight else {}
         try:
             result = self.layout.reform(members, failure, faults)

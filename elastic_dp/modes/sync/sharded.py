@@ -1,8 +1,9 @@
-"""The sharded layout (ZeRO stages 1 and 2), seen from the coordinator.
+"""The sharded layout (ZeRO stages 1 to 3), seen from the coordinator.
 
 Each rank owns one chunk of the state and its right neighbour keeps a peer snapshot of
-it (``elastic_dp.state.zero.sharded``); ranks alternate between nodes (``spread_over_nodes``), so that
-neighbour is on another node wherever the cluster allows. After a failure the survivors report what they hold, and
+it (``elastic_dp.state.zero.sharded``); ranks alternate between nodes (the rank order of a
+sharded stage: ``comm.mesh.rank_order``), so that neighbour is on another node wherever
+the cluster allows. After a failure the survivors report what they hold, and
 ``chunk_sources`` picks the newest step at which every old chunk is still held
 somewhere; the holders export those chunks to Ray's object store, and each rank of the
 next generation re-cuts its new chunk out of them. The exported chunks stay the source
@@ -60,27 +61,6 @@ def chunk_sources(world_size: int, holdings: dict[int, dict]) -> ChunkPlan | Non
     return None
 
 
-def spread_over_nodes(members: list[Any], node_of: Callable[[Any], str]) -> list[Any]:
-    """A rank order in which rank ``r+1`` (cyclically: the holder of rank ``r``'s peer
-    snapshot) is on another node than rank ``r`` wherever the nodes allow.
-
-    The nodes' members, the largest node first, fill the even positions and then the odd
-    ones: two cyclic neighbours are then at least ``n // 2`` apart in that sequence, so
-    every pair is on two nodes when no node holds more than ``n // 2`` members. On one node
-    the given order is kept."""
-    by_node: dict[str, list[Any]] = {}
-    for m in members:
-        by_node.setdefault(node_of(m), []).append(m)
-    if len(by_node) < 2:
-        return list(members)
-    sequence = [m for group in sorted(by_node.values(), key=len, reverse=True) for m in group]
-    slots = [*range(0, len(members), 2), *range(1, len(members), 2)]
-    order: list[Any] = [None] * len(members)
-    for slot, member in zip(slots, sequence):
-        order[slot] = member
-    return order
-
-
 @dataclass(frozen=True, slots=True)
 class _Exported:
     """Every chunk of one generation at ``step``, in the object store."""
@@ -100,9 +80,6 @@ class ShardedLayout:
         """Chunks exported for a re-formation that has not completed yet."""
         self.restoring = False
         """A restart from the checkpoint began and did not complete: the chunks are mixed."""
-
-    def rank_order(self, members: list[Any]) -> list[Any]:
-        return spread_over_nodes(members, lambda m: m.info.node_id)  # a node loss keeps every snapshot
 
     def started(self, step: int) -> None:
         self.exported, self.restoring = None, False

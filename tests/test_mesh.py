@@ -1,0 +1,93 @@
+"""The generation's mesh (elastic_dp.comm.mesh) and its sub-groups (CollectiveGroup.subgroup):
+the named dimensions against hand-listed groups, sums over each sub-group against closed
+forms, a two-level sum (inside each host, then across) against the flat one, and a
+sub-group that lives and dies with its generation (an abort of the generation releases a
+rank blocked in it; the next generation builds its own)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from elastic_dp.comm.mesh import Mesh
+from elastic_dp.errors import CollectiveError
+from tests.ranks import run_ranks
+
+
+def test_the_dimensions_of_an_uneven_mesh():
+    mesh = Mesh(("A", "A", "B", "B", "B"))
+    assert mesh.groups("world") == [(0, 1, 2, 3, 4)]
+    assert mesh.groups("host") == [(0, 1), (2, 3, 4)]
+    assert mesh.groups("across") == [(0, 2), (1, 3), (4,)]  # local index 2 exists on host B only
+    assert [mesh.local_rank(r) for r in range(5)] == [0, 1, 0, 1, 2]
+    assert mesh.group("across", 3) == (1, 3) and mesh.index("across", 3) == 1
+    with pytest.raises(ValueError, match="dimensions world, host, across, not 'rack'"):
+        mesh.groups("rack")
+
+
+def test_sums_over_each_dimension_and_two_levels_equal_the_flat_sum():
+    hosts = ("A", "B", "A", "B")  # interleaved, as ZeRO's rank order spreads neighbours over hosts
+
+    def rank_fn(group):
+        value = float(2 ** group.rank)  # distinct bits: a sum names the ranks in it
+        inside, across = group.subgroup("host"), group.subgroup("across")
+        on_host = inside.all_reduce(torch.tensor([value]))
+        over_hosts = across.all_reduce(torch.tensor([value]))
+        two_level = across.all_reduce(inside.all_reduce(torch.tensor([value])))  # each host's sum, then theirs
+        flat = group.all_reduce(torch.tensor([value]))
+        return (inside.rank, inside.world_size, across.rank, float(on_host), float(over_hosts),
+                float(two_level), float(flat), group.subgroup("host") is inside)
+
+    results = run_ranks(4, rank_fn, hosts=hosts)
+    # host A holds ranks 0 and 2 (1 + 4), host B ranks 1 and 3 (2 + 8); across pairs local index 0 (ranks 0, 1)
+    # and local index 1 (ranks 2, 3)
+    assert [r[:3] for r in results] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
+    assert [r[3] for r in results] == [5.0, 10.0, 5.0, 10.0]
+    assert [r[4] for r in results] == [3.0, 3.0, 12.0, 12.0]
+    assert all(r[6] == 15.0 for r in results) and all(r[5] == 15.0 for r in results)
+    assert all(r[7] for r in results)  # built once per generation, then the same group
+
+
+def test_an_abort_of_the_generation_releases_a_rank_blocked_in_its_sub_group_and_the_next_builds_anew():
+    outcome: dict = {}
+    done = threading.Event()
+
+    def rank_fn(group):
+        inside = group.subgroup("host")
+        if group.rank == 1:
+            outcome["first"] = inside
+            done.wait(20)  # built the sub-group with rank 0, then never joins its all-reduce (alive)
+            return None
+        released = threading.Event()
+
+        def blocked():
+            try:
+                inside.all_reduce(torch.ones(1000))
+            except (RuntimeError, CollectiveError) as exc:
+                outcome["error"] = exc
+            released.set()
+
+        thread = threading.Thread(target=blocked)
+        thread.start()
+        time.sleep(0.1)
+        outcome["blocked"] = not released.is_set()
+        start = time.perf_counter()
+        group.abort()  # the generation's: its sub-groups with it
+        outcome["released"] = released.wait(10)
+        outcome["release_s"] = time.perf_counter() - start
+        thread.join()
+        done.set()
+        return None
+
+    run_ranks(2, rank_fn, hosts=("A", "A"))
+    assert outcome["blocked"] and outcome["released"] and "error" in outcome
+    assert outcome["release_s"] < 5
+
+    def next_generation(group):
+        inside = group.subgroup("host")
+        return inside is not outcome["first"], inside.generation, float(inside.all_reduce(torch.ones(1)))
+
+    assert run_ranks(2, next_generation, generation=1, hosts=("A", "A")) == [(True, 1, 2.0)] * 2
