@@ -15,12 +15,18 @@ full gradients are released). Under ZeRO buckets never mix param groups and are 
 to a multiple of the world size, so that rank ``r`` owns the ``r``-th of equal chunks;
 the partition itself does not depend on the world size.
 
+What each bucket's collective is, the reducer asks of its reduction
+(``elastic_dp.comm.reductions``: ``AllReduce`` in the all-reduce mode, ``ReduceScatter`` in
+the scatter modes, or a plug-in of the strategy's choosing); the buffers, the hooks and the
+order of launches are the reducer's.
+
 The losses are scaled so that the SUM over the ranks is the global-batch gradient
 (docs/design.md, fixed global batch). The commit vote (``elastic_dp.comm.vote``) travels
-in the last bucket: each rank's ``Ballot`` (its error, a non-finite loss or local
-gradient, a request to stop) follows the bucket's buffer, or each rank's chunk of it in
-the scatter modes, so every rank receives the whole tally with that bucket, and no
-collective is spent on the vote alone. A ballot's payload (``Ballot.payload``) is
+in the last bucket where the reduction is a plain SUM (``Reduction.sums``): each rank's
+``Ballot`` (its error, a non-finite loss or local gradient, a request to stop) follows the
+bucket's buffer, or each rank's chunk of it in the scatter modes, so every rank receives
+the whole tally with that bucket, and no collective is spent on the vote alone; under
+another reduction it is sent on its own channel beside the last bucket (``Ballot.send``). A ballot's payload (``Ballot.payload``) is
 all-reduced right after the last bucket is launched, and waited for with it.
 """
 
@@ -32,6 +38,7 @@ from typing import Callable
 import torch
 
 from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.comm.reductions import AllReduce, ReduceScatter, Reduction
 from elastic_dp.comm.vote import Ballot, Vote
 
 
@@ -65,8 +72,12 @@ class GradientReducer:
                  bucket_bytes: int, reduce_fp32: bool, first_bucket_bytes: int | None = None,
                  group_of: dict[int, int] | None = None, pad_to: int = 1,
                  scatter_into: list[torch.Tensor] | None = None, scatter_in_place: bool = False,
-                 buckets: list[Bucket] | None = None) -> None:
+                 buckets: list[Bucket] | None = None, reduction: Reduction | None = None) -> None:
         self.group = group
+        scatters = scatter_into is not None or scatter_in_place
+        self.reduction = reduction or (ReduceScatter(group) if scatters else AllReduce(group))
+        """Each bucket's collective (``comm.reductions``)."""
+        carries = self.reduction.sums  # the vote rides the last bucket's SUM
         self.buckets = buckets if buckets is not None else make_buckets(
             [p for p in params if p.requires_grad], bucket_bytes, reduce_fp32, first_bucket_bytes=first_bucket_bytes,
             group_of=group_of, pad_to=pad_to)
@@ -86,7 +97,7 @@ class GradientReducer:
         else:
             for bucket in self.buckets:
                 _attach(bucket, torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device),
-                        carry_vote=bucket is self.buckets[-1] and not scatter_in_place)
+                        carry_vote=bucket is self.buckets[-1] and not scatter_in_place and carries)
             if scatter_in_place:
                 self.chunks = [b.buffer.view(pad_to, -1)[group.rank] for b in self.buckets]
         device = self.buckets[-1].params[0].device if self.buckets else torch.device("cpu")
@@ -96,6 +107,7 @@ class GradientReducer:
         """Per bucket, the sum of this rank's gradients (checked for NaN and infinity)."""
         self._tally = torch.zeros(Ballot.SIZE)
         self._payload: tuple[object, torch.Tensor] | None = None  # (work, summed payload) of this step
+        self._vote: tuple[object, torch.Tensor] | None = None  # (work, summed ballot): the vote's own channel
         self._scatter_out: torch.Tensor | None = None  # scatter mode: the last chunk and the tally
         self._bucket_of: dict[int, int] = {}
         self._hooks = []
@@ -179,21 +191,24 @@ class GradientReducer:
         if self.scatter_into is not None:
             for p in bucket.params:
                 p.grad = None  # the full gradient is in the buffer now; release it
+        carry = last and self.reduction.sums
         if self.chunks is not None:
-            if last:  # every rank's chunk followed by the vote: each rank receives the tally
+            if carry:  # every rank's chunk followed by the vote: each rank receives the tally
                 world = bucket.padded // self.chunks[index].numel()
                 source = torch.cat([bucket.buffer.view(world, -1),
                                     self.ballot.tensor.to(bucket.dtype).expand(world, Ballot.SIZE)], dim=1)
                 self._scatter_out = torch.empty(source.shape[1], dtype=bucket.dtype, device=source.device)
-                bucket.work = self.group.reduce_scatter_async(self._scatter_out, source.view(-1))
+                bucket.work = self.reduction.launch(index, source.view(-1), self._scatter_out)
             else:  # in place: the chunk may be the rank's own part of the buffer
-                bucket.work = self.group.reduce_scatter_async(self.chunks[index], bucket.buffer)
-        elif last:
+                bucket.work = self.reduction.launch(index, bucket.buffer, self.chunks[index])
+        elif carry:
             bucket.carrier[bucket.padded:] = self.ballot.tensor
-            bucket.work = self.group.all_reduce_async(bucket.carrier)
+            bucket.work = self.reduction.launch(index, bucket.carrier)
         else:
-            bucket.work = self.group.all_reduce_async(bucket.buffer)
-        if last:  # right behind the vote, on every rank alike
+            bucket.work = self.reduction.launch(index, bucket.buffer)
+        if last:  # right behind the vote (or the bucket), on every rank alike
+            if not carry:
+                self._vote = self.ballot.send(self.group)
             self._payload = self.ballot.send_payload(self.group)
 
     def finish(self) -> Vote:
@@ -206,7 +221,7 @@ class GradientReducer:
         for index, bucket in enumerate(self.buckets):
             bucket.work.wait()
             if self.chunks is not None:  # the reduced chunk is in self.chunks[index]
-                if index == len(self.buckets) - 1:
+                if self._scatter_out is not None and index == len(self.buckets) - 1:
                     chunk = self.chunks[index]
                     chunk.copy_(self._scatter_out[:chunk.numel()])
                     self._tally = self._scatter_out[chunk.numel():]
@@ -229,6 +244,10 @@ class GradientReducer:
             if self.before_vote is not None:
                 self.before_vote()
             return self.ballot.alone() if self.group.world_size == 1 else self.ballot.cast(self.group)
+        if self._vote is not None:
+            work, self._tally = self._vote
+            self._vote = None
+            work.wait()
         payload = None
         if self._payload is not None:
             work, payload = self._payload
@@ -241,6 +260,7 @@ class GradientReducer:
         self._armed = False
         self._scatter_out = None
         self._payload = None
+        self._vote = None
         if self.scatter_into is not None:
             for bucket in self.buckets:
                 bucket.buffer, bucket.views = None, []

@@ -4,8 +4,10 @@ A step commits only when every rank's collectives completed and no rank recorded
 (record, gate, commit; docs/design.md, atomic steps). Each rank fills in its ``Ballot``
 during the step, on the step's device and without a synchronisation; some collective of
 the step carries it, and the SUM over the ranks is the ``Vote`` every rank acts on alike.
-The synchronous mode's gradient reduction carries it in the last bucket
-(``elastic_dp.comm.reducer``), so no collective is spent on it; a mode whose step makes no
+The synchronous mode's gradient reduction carries it in the last bucket where the bucket's
+reduction is a plain SUM (``elastic_dp.comm.reducer``, ``elastic_dp.comm.reductions``), so
+no collective is spent on it; under a reduction that is not (a compressor) it goes on a
+channel of its own beside the last bucket (``Ballot.send``), and a step that makes no
 gradient reduction casts it on its own (``Ballot.cast``).
 
 A ballot may carry a payload: a float64 tensor summed over the ranks with it (launched
@@ -96,6 +98,13 @@ class Ballot:
         if self.payload is None:
             return None
         summed = self.payload.clone()
+        return group.all_reduce_async(summed), summed
+
+    def send(self, group: CollectiveGroup) -> tuple[object, torch.Tensor]:
+        """Start summing a copy of the ballot over ``group`` in a collective of its own (the
+        vote's own channel, where no reduction's SUM carries it): (the handle, the sum once
+        waited for)."""
+        summed = self.tensor.clone()
         return group.all_reduce_async(summed), summed
 
     def cast(self, group: CollectiveGroup) -> Vote:

@@ -45,6 +45,7 @@ from typing import Any, ContextManager, Iterator
 import numpy as np
 import torch
 
+from elastic_dp.comm.reductions import AllReduce
 from elastic_dp.data import ElasticSampler, split
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, cut_part
 from elastic_dp.errors import TaskError
@@ -80,7 +81,8 @@ class _Flight:
 
     fragment: int
     handle: Any
-    sent: torch.Tensor
+    """The reduction's: once waited for, ``delta`` holds the sum."""
+    bytes: int
     delta: torch.Tensor
     at_send: list[torch.Tensor] | None
     """The fragment's parameters at the send (with a delay: the steps after it are kept)."""
@@ -98,6 +100,8 @@ class DiLoCoProgram(Program):
         super().__init__(replica)
         settings = settings or replica.config.mode
         self.settings = settings
+        self.reduction = AllReduce(replica.group, torch.bfloat16 if settings.outer_reduce == "bf16" else None)
+        """The pseudo-gradient's all-reduce, one fragment a launch (``--outer-reduce``: its dtype)."""
         named = trainable(replica.model, replica.optimizer)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -237,9 +241,8 @@ class DiLoCoProgram(Program):
         """Start fragment ``f``'s all-reduce of this member's (n_k / B)(θ_f − its parameters)."""
         share, index = samples / global_batch, self.fragments[f]
         delta = torch.cat([(self.theta[i] - self.params[i].detach().float()).reshape(-1) * share for i in index])
-        sent = delta.to(torch.bfloat16) if self.settings.outer_reduce == "bf16" else delta
         at_send = [self.params[i].detach().clone() for i in index] if self.settings.fragment_delay else None
-        return _Flight(f, self.replica.group.all_reduce_async(sent), sent, delta, at_send, step)
+        return _Flight(f, self.reduction.launch(f, delta), self.reduction.wire_bytes(delta), delta, at_send, step)
 
     @torch.no_grad()
     def _use(self, flight: _Flight, step: int) -> dict[str, float]:
@@ -250,8 +253,6 @@ class DiLoCoProgram(Program):
         flight.handle.wait()
         progress.enter("compute")
         delta, index = flight.delta, self.fragments[flight.fragment]
-        if flight.sent is not delta:
-            delta.copy_(flight.sent)
         offset = 0
         for i in index:
             self.theta[i].grad = delta[offset:offset + self.theta[i].numel()].view_as(self.theta[i])
@@ -262,7 +263,7 @@ class DiLoCoProgram(Program):
             theta.grad = None
             p.copy_(theta if flight.at_send is None else theta + (p - flight.at_send[j]))
         return {"fragment": flight.fragment, "sent_step": flight.step, "step": step,
-                "bytes": flight.sent.numel() * flight.sent.element_size(), "pseudo_gradient_norm": float(delta.norm())}
+                "bytes": flight.bytes, "pseudo_gradient_norm": float(delta.norm())}
 
     def evaluating(self) -> ContextManager[None]:
         """A member's own parameters can differ from θ (streaming): the run's are θ."""

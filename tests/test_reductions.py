@@ -1,0 +1,105 @@
+"""Reductions as plug-ins (elastic_dp.comm.reductions): the reducer hands each bucket to
+its reduction, and the commit vote rides a plain SUM's last bucket or, under a reduction
+that is not one, a channel of its own; the wire dtype of an all-reduce (DiLoCo's
+--outer-reduce bf16) against the sum of the rounded values. On gloo ranks run as threads,
+against the sums computed here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_dp.comm.reducer import GradientReducer, make_buckets
+from elastic_dp.comm.reductions import AllReduce, ReduceScatter
+from tests.ranks import run_ranks
+from tests.test_reducer import PartlyUsed
+
+
+class Recorded:
+    """A reduction's launches, by bucket: the elements each sent (the vote's tail included)."""
+
+    def __init__(self, reduction):
+        self.inner, self.sent = reduction, {}
+        self.sums = reduction.sums
+
+    def launch(self, index, tensor, out=None):
+        self.sent[index] = tensor.numel()
+        return self.inner.launch(index, tensor, out)
+
+
+class NotASum(AllReduce):
+    """An all-reduce that says its result is not a plain sum (as a compressor's is not)."""
+
+    sums = False
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "notasum", "reducescatter"])
+def test_each_bucket_goes_through_the_reduction_and_the_vote_rides_only_a_plain_sum(kind):
+    torch.manual_seed(0)
+    initial = PartlyUsed().state_dict()
+    world = 3
+
+    def rank_fn(group):
+        model = PartlyUsed()
+        model.load_state_dict(initial)
+        params = list(model.parameters())
+        scatter = kind == "reducescatter"
+        inner = {"allreduce": AllReduce, "notasum": NotASum, "reducescatter": ReduceScatter}[kind](group)
+        reduction = Recorded(inner)
+        pad = world if scatter else 1
+        reducer = GradientReducer(params, group, bucket_bytes=100, reduce_fp32=True, pad_to=pad,
+                                  scatter_in_place=scatter, reduction=reduction)
+        reducer.zero_grad()
+        if group.rank == 1:
+            reducer.ballot.error()  # every rank must hear of it, by whichever channel
+        reducer.arm()
+        model(torch.full((2, 6), float(group.rank + 1))).sum().backward()
+        vote = reducer.finish()
+        grads = [c.clone() for c in reducer.chunks] if scatter else [b.buffer.clone() for b in reducer.buckets]
+        return vote.errors, reduction.sent, [b.padded for b in reducer.buckets], grads
+
+    results = run_ranks(world, rank_fn)
+    model = PartlyUsed()
+    model.load_state_dict(initial)
+    for rank in range(world):
+        model(torch.full((2, 6), float(rank + 1))).sum().backward()
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets = make_buckets(list(model.parameters()), 100, True, pad_to=world if kind == "reducescatter" else 1)
+    expected = []
+    for b in buckets:  # each bucket's sum, flattened as the reducer packs it
+        flat = torch.zeros(b.padded)
+        for p, o in zip(b.params, b.offsets):
+            flat[o:o + p.numel()] = p.grad.reshape(-1)
+        expected.append(flat)
+    last = len(buckets) - 1
+    for rank, (errors, sent, padded, grads) in enumerate(results):
+        assert errors == 1  # rank 1's error reached every rank
+        assert sorted(sent) == list(range(len(buckets)))  # every bucket through the reduction, once
+        tail = sent[last] - padded[last]
+        if kind == "notasum":
+            assert tail == 0  # the vote went on its own channel
+        else:
+            assert tail == (3 * world if kind == "reducescatter" else 3)  # the ballot's 3 elements rode along
+        for b, got in enumerate(grads):
+            want = expected[b].view(world, -1)[rank] if kind == "reducescatter" else expected[b]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_all_reduce_in_bf16_is_the_sum_of_the_rounded_values_copied_back_in_fp32():
+    values = [torch.tensor([1.0 + 2 ** -10, 3.0, -0.1]), torch.tensor([2 ** -12, 1.0, 0.2])]
+
+    def rank_fn(group):
+        reduction = AllReduce(group, wire_dtype=torch.bfloat16)
+        tensor = values[group.rank].clone()
+        handle = reduction.launch(0, tensor)
+        handle.wait()
+        return tensor, reduction.wire_bytes(tensor), AllReduce(group).wire_bytes(tensor)
+
+    expected = (values[0].bfloat16() + values[1].bfloat16()).float()  # gloo sums the bf16 tensors in bf16
+    for tensor, bf16_bytes, fp32_bytes in run_ranks(2, rank_fn):
+        assert tensor.dtype == torch.float32
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
+        assert bf16_bytes * 2 == fp32_bytes == 12
+    assert not torch.equal(expected, values[0] + values[1])  # the rounding shows: the test could fail
