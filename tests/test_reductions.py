@@ -6,12 +6,18 @@ against the sums computed here."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
 from elastic_dp.comm.reducer import GradientReducer, make_buckets
 from elastic_dp.comm.reductions import AllReduce, ReduceScatter
+from elastic_dp.modes.sync.program import SyncProgram
+from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
+from tests.tasks import MLP_TASK
 from tests.test_reducer import PartlyUsed
 
 
@@ -25,6 +31,9 @@ class Recorded:
     def launch(self, index, tensor, out=None):
         self.sent[index] = tensor.numel()
         return self.inner.launch(index, tensor, out)
+
+    def __getattr__(self, name):  # the rest of the interface is the inner reduction's
+        return getattr(self.inner, name)
 
 
 class NotASum(AllReduce):
@@ -103,3 +112,60 @@ def test_an_all_reduce_in_bf16_is_the_sum_of_the_rounded_values_copied_back_in_f
         torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
         assert bf16_bytes * 2 == fp32_bytes == 12
     assert not torch.equal(expected, values[0] + values[1])  # the rounding shows: the test could fail
+
+
+class Counting(AllReduce):
+    """A reduction with state: the launches it made on committed steps (as a compressor's
+    error feedback is state that a step which does not commit must not change)."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.count, self.kept, self.resized = torch.zeros(()), None, []
+
+    def launch(self, index, tensor, out=None):
+        self.count += 1
+        return super().launch(index, tensor, out)
+
+    def state(self):
+        return {"count": self.count.clone()}
+
+    def save(self):
+        self.kept = self.count.clone()
+
+    def restore(self):
+        self.count = self.kept.clone()
+
+    def resize(self, world_size):
+        self.resized.append(world_size)
+
+
+def test_a_step_that_does_not_commit_leaves_the_reduction_s_state_as_it_was_before_it():
+    def raising(model, batch):
+        raise RuntimeError("the task's loss failed")
+
+    task = MLP_TASK
+
+    def rank_fn(group):
+        program = SyncProgram(Replica(task, MLP_TASK.defaults, torch.device("cpu"), group))
+        program.replica.broadcast_state(0)
+        strategy = program.replica.strategy
+        reducer = strategy.reducer
+        strategy.reduction = reducer.reduction = counting = Counting(group)  # as a strategy builds its own
+        buckets = len(reducer.buckets)
+        first = program.step(0, np.arange(4) + 4 * group.rank)
+        after_first = float(counting.count)
+        if group.rank == 1:  # this rank's forward raises: the step commits on no rank
+            program.replica.task = dataclasses.replace(task, loss=raising)
+        failed = program.step(1, np.arange(4) + 4 * group.rank)
+        program.replica.task = task
+        after_failed = float(counting.count)
+        again = program.step(1, np.arange(4) + 4 * group.rank)
+        return first.committed, failed.committed, again.committed, buckets, after_first, after_failed, \
+            float(counting.count), counting.resized
+
+    for committed0, failed, committed1, buckets, after_first, after_failed, final, resized in run_ranks(2, rank_fn):
+        assert committed0 and not failed and committed1
+        assert after_first == buckets  # one launch a bucket
+        assert after_failed == after_first  # the failed step's launches were undone with it
+        assert final == 2 * buckets
+        assert resized == [2]  # told of the generation once, before its first step

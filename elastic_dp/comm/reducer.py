@@ -151,6 +151,7 @@ class GradientReducer:
             return
         self._armed = True
         self._next = 0
+        self.reduction.follow()  # a new generation: the reduction's state re-cut for it
         for bucket in self.buckets:
             bucket.pending, bucket.ready, bucket.work = len(bucket.params), False, None
             bucket.seen.clear()

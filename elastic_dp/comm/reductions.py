@@ -43,6 +43,15 @@ class Reduction:
 
     def __init__(self, group: CollectiveGroup) -> None:
         self.group = group
+        self._generation: int | None = None  # the generation the state is cut for
+
+    def follow(self) -> None:
+        """Before a step: where the group is of another generation than the state was cut
+        for, re-cut it (``resize``). A reduction lives as long as its strategy, across
+        generations, and is told of each one here."""
+        if self._generation != self.group.generation:
+            self._generation = self.group.generation
+            self.resize(self.group.world_size)
 
     def launch(self, index: int, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Any:
         """Start reducing bucket ``index``'s flat ``tensor`` (``out``: where this rank's

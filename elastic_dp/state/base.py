@@ -9,6 +9,7 @@ import torch
 
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer
+from elastic_dp.comm.reductions import Reduction
 from elastic_dp.comm.vote import Ballot, Vote
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, Wanted, cut_part
 from elastic_dp.durable.weights import TensorSpecs
@@ -20,6 +21,11 @@ class Strategy(Protocol):
 
     buffers: ModelBuffers
     """The model's buffers, which the step saves, restores and agrees on (``.buffers``)."""
+
+    @property
+    def reduction(self) -> Reduction:
+        """How the gradients cross the ranks (``comm.reductions``); the step saves its state
+        and restores it as it does the buffers'."""
 
     def zero_grad(self) -> None:
         """Zero the gradients before a step (or after one that did not commit)."""
@@ -217,6 +223,9 @@ class BucketedGradients:
     GradientReducer) reduces the gradients during backward."""
 
     reducer: GradientReducer
+    reduction: Reduction
+    """The reducer's reduction, built once with the strategy (its state outlives a
+    generation's reducer)."""
     equal_passes = False
 
     def zero_grad(self) -> None:
@@ -257,6 +266,10 @@ class LocalGradients:
 
     params: list[torch.nn.Parameter]
     equal_passes = False
+
+    @property
+    def reduction(self) -> Reduction:
+        raise RuntimeError("a strategy whose gradients stay on the worker has no reduction: its mode reduces them")
 
     def zero_grad(self) -> None:
         for p in self.params:

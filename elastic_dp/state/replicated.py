@@ -9,6 +9,7 @@ import torch
 
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer
+from elastic_dp.comm.reductions import AllReduce
 from elastic_dp.config import TrainConfig
 from elastic_dp.durable.checkpoint import TrainingState, Wanted, load_optimizer_state, optimizer_state
 from elastic_dp.faults import FaultHook
@@ -97,10 +98,11 @@ class Replicated(BucketedGradients, ReplicatedState):
                  group: CollectiveGroup, config: TrainConfig, device: torch.device,
                  faults: FaultHook | None = None) -> None:
         super().__init__(model, optimizer, group, device)
+        self.reduction = AllReduce(group)
         self.reducer = GradientReducer(self.params, group,
                                        bucket_bytes=config.buckets.bucket_bytes,
                                        first_bucket_bytes=config.buckets.first_bucket_bytes(device.type),
-                                       reduce_fp32=config.buckets.reduce_fp32)
+                                       reduce_fp32=config.buckets.reduce_fp32, reduction=self.reduction)
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         return [b.buffer for b in self.reducer.buckets]

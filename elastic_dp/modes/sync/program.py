@@ -159,6 +159,7 @@ class SyncProgram(Program):
             replica.model.train()
         strategy.zero_grad()
         self.buffers.save()  # the forward changes them before the vote is known
+        strategy.reduction.save()  # and the reduction's state (if it keeps one), before the vote too
         if replica.batch_stats is not None:
             replica.batch_stats.begin_step()
         self._share = len(indices) / replica.config.global_batch
@@ -186,7 +187,7 @@ class SyncProgram(Program):
         replica.progress.enter("reduce")
         vote = self._reduce_and_vote(step, result, local_error)
         if vote is None:
-            self.buffers.restore()
+            self._undo()
             return result  # the group failed: result.error says how
         result.stop = vote.stop
         t2 = time.perf_counter()
@@ -194,13 +195,13 @@ class SyncProgram(Program):
         if local_error is not None or not vote.commits:
             result.error = portable(local_error, result.rank, step) if local_error else None
             strategy.zero_grad()
-            self.buffers.restore()
+            self._undo()
             return result
         try:
             if not vote.updates:  # a loss or gradient is not finite somewhere: every rank skips the update
                 result.nonfinite = True
                 strategy.zero_grad()
-                self.buffers.restore()
+                self._undo()
                 strategy.skip_update(step)
             else:
                 if vote.payload is not None:
@@ -222,6 +223,12 @@ class SyncProgram(Program):
         if replica.config.stage.sharded:  # the forward's wait for the parameters' all-gathers
             result.timings["parameter_wait_s"] = parameter_wait
         return result
+
+    def _undo(self) -> None:
+        """The step leaves no trace in the state beside the parameters: the model's buffers
+        and the reduction's state go back to what they were before it."""
+        self.buffers.restore()
+        self.replica.strategy.reduction.restore()
 
     def _before_vote(self) -> None:
         ballot = self.replica.strategy.ballot

@@ -26,6 +26,7 @@ import torch
 
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer, make_buckets
+from elastic_dp.comm.reductions import ReduceScatter, Reduction
 from elastic_dp.config import TrainConfig
 from elastic_dp.durable.checkpoint import TrainingState, Wanted
 from elastic_dp.errors import CollectiveError
@@ -55,6 +56,8 @@ class Sharded(BucketedGradients):
         self.base_groups = optimizer.param_groups
         self.generation: int | None = None  # of the cut below; None: not built yet
         self.snapshots = PeerSnapshots()
+        self.reduction: Reduction = ReduceScatter(group)
+        """Each bucket's collective, kept across the generations' reducers (``comm.reductions``)."""
         self.buffers = ModelBuffers(model)
         self.history = BufferHistory(self.buffers)
         self._gathers: dict[int, Any] = {}  # bucket -> its parameter all-gather, in flight
@@ -108,7 +111,7 @@ class Sharded(BucketedGradients):
 
         self.reducer = GradientReducer(self.params, group, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bytes,
                                        reduce_fp32=config.buckets.reduce_fp32, group_of=group_of, pad_to=self.world_size,
-                                       **self._gradients())
+                                       reduction=self.reduction, **self._gradients())
         self._make_optimizer()
 
     def _index_buckets(self, group_of: dict[int, int]) -> None:

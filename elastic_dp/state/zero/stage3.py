@@ -128,7 +128,7 @@ class FullySharded(UnitChunks, Sharded):
         self._sums = None
         self.reducer = GradientReducer(self.params, group, bucket_bytes=WHOLE, reduce_fp32=config.buckets.reduce_fp32,
                                        group_of=group_of, pad_to=self.world_size, scatter_into=self.grad_chunks,
-                                       buckets=self.buckets)
+                                       buckets=self.buckets, reduction=self.reduction)
         self._grads_pending = {u: set() for u in self.unit_buckets}
         self._free_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._make_optimizer()
