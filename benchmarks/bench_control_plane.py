@@ -8,7 +8,7 @@ Three measures, each on the real code through the seams the coordinator's tests 
   joiner ending a window to ``mode.resize``. The real ``Coordinator``, ``Membership`` and
   ``ElasticPolicy`` over a fake pool (``tests.fakes``) and a mode that trains nothing.
 - ``reshard_plan_ms``: the median time to compute the driver's re-cut plan of a change at
-  ZeRO stages 1-2: the new rank order over the nodes (``spread_over_nodes``, 8 workers a
+  ZeRO stages 1-2: the new rank order over the nodes (``comm.mesh.rank_order``, 8 workers a
   node) and the newest step at which every old chunk is held (``chunk_sources``, every
   survivor reporting a live chunk and two snapshots of its own and of its neighbour's).
   ``rank_plan_ms`` is what each new rank then computes for itself: which old ranks' chunks
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, TrainConfig
+from elastic_dp.comm.mesh import rank_order
 from elastic_dp.control.coordinator import Coordinator
 from elastic_dp.control.membership import Membership
 from elastic_dp.faults import FaultPlan
@@ -45,7 +46,7 @@ from elastic_dp.messages import Heartbeat, StepResult, WindowPlan
 from elastic_dp.modes.base import MembersLost, RecoveryResult, classify
 from elastic_dp.modes.context import ModeContext
 from elastic_dp.modes.sync.mode import SyncMode
-from elastic_dp.modes.sync.sharded import chunk_sources, spread_over_nodes
+from elastic_dp.modes.sync.sharded import chunk_sources
 from elastic_dp.modes.watchdog import Transport
 from elastic_dp.observe.metrics import RunRecorder
 from elastic_dp.state.zero.chunks import needed_sources
@@ -168,7 +169,7 @@ def bench_plan(members: int, repeats: int) -> tuple[list[float], list[float]]:
                     for i in range(members) if i != lost}
         survivors = [m for m in old if m.id != lost]
         start = time.perf_counter()
-        order = spread_over_nodes(survivors, lambda m: m.info.node_id)
+        order = rank_order(survivors, lambda m: m.info.node_id, spread=True)
         plan = chunk_sources(members, holdings)
         plans.append(time.perf_counter() - start)
         assert plan is not None and plan.step == step and len(order) == members - 1

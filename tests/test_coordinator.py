@@ -11,6 +11,8 @@ import pytest
 from elastic_dp import CheckpointConfig, MembershipError, TrainConfig
 from elastic_dp.control.coordinator import Coordinator, RunState
 from elastic_dp.control.membership import Membership
+from elastic_dp.control.membership.policy import POLICIES, ElasticPolicy
+from elastic_dp.errors import ConfigError
 from elastic_dp.faults import Fault, FaultPlan
 from elastic_dp.modes.base import MembersLost, Recovery, RecoveryResult, SaveOutcome, classify
 from elastic_dp.observe.metrics import RunRecorder
@@ -91,6 +93,9 @@ class FakeMode:
     def close(self) -> None:
         pass  # no actors of its own
 
+    def standby(self, workers) -> None:
+        self.calls.append(("standby", [w.id for w in workers]))
+
 
 @dataclasses.dataclass
 class FakeState:
@@ -117,12 +122,12 @@ class FakeStore:
 
 
 def _run(mode, *, workers=3, min_workers=2, capacity=None, steps=6, faults=(), store=None, every=0,
-         wait_timeout_s=300.0, eval_every=None):
+         wait_timeout_s=300.0, eval_every=None, policy="elastic"):
     clock = FakeClock()
     pool = FakePool(capacity if capacity is not None else workers)
     joins = sum(f.kind == "join" for f in faults)
     membership = Membership(pool, min_workers=min_workers, max_workers=workers, held_back=joins,
-                            wait_timeout_s=wait_timeout_s, clock=clock)
+                            wait_timeout_s=wait_timeout_s, clock=clock, policy=policy)
     coordinator = Coordinator(mode, membership, train=TrainConfig(steps=steps, eval_every=eval_every),
                               faults=FaultPlan(faults),
                               recorder=RunRecorder(None, total_steps=steps, progress=False), store=store,
@@ -258,3 +263,22 @@ def test_a_loss_during_an_evaluation_re_runs_the_evaluation_never_a_step():
     change = next(e for e in coordinator.recorder.summary.events if e["kind"] == "membership_changed")
     assert change["steps_rerun"] == 0 and change["step"] == 8
     assert coordinator.recorder.summary.eval_loss == pytest.approx(1 / 10)
+
+
+class OneSpare(ElasticPolicy):
+    """A policy registered beside the elastic one: it keeps one ready worker beyond MAX."""
+
+    def wanted(self, current: int, pending: int) -> int:
+        return max(0, self.max_workers + 1 - current - pending)
+
+
+def test_a_registered_policy_that_keeps_a_worker_ready_has_the_mode_told_of_its_standby(monkeypatch):
+    monkeypatch.setitem(POLICIES, "one-spare", OneSpare)
+    mode = FakeMode(losses={3: [1]})
+    coordinator, pool, _ = _run(mode, workers=2, min_workers=2, capacity=3, steps=6, policy="one-spare")
+    coordinator.run()
+    told = [c[1] for c in mode.calls if c[0] == "standby"]
+    assert told == [[2], [3]]  # the third worker beside the two members; after the kill, its replacement
+    assert ("reform", 2) in mode.calls and "WAITING" not in _states(coordinator)  # w2 took w1's place at once
+    with pytest.raises(ConfigError, match="membership policy must be one of elastic, one-spare, got 'x'"):
+        Membership(pool, min_workers=1, max_workers=2, policy="x")

@@ -110,6 +110,7 @@ class Coordinator:
         self._forced: dict[Any, Any] = {}
         """Members stopped before their leave deadline (member -> (``LeaveNotice``, when)): their
         loss is that leave."""
+        self._standby: list = []  # the standby workers the mode was last told of
         self._handlers: dict[RunState, Callable[[], Transition]] = {
             RunState.STARTING: self._starting, RunState.RUNNING: self._running, RunState.SAVING: self._saving,
             RunState.EVALUATING: self._evaluating,
@@ -220,6 +221,10 @@ class Coordinator:
         if decision.action is Action.REFORM:
             self.decision = decision
             return Transition(RunState.RESIZING, decision.reason)
+        standby = self.membership.standby
+        if standby != self._standby:  # the policy keeps other workers ready beside the group now
+            self._standby = standby
+            self.mode.standby(list(standby))
         self.step = self.mode.advance(self.step, self._window_limit(), self._keep_going, self.membership.arrivals)
         self.save_due, self.eval_due = self._due(self.step), self._eval_due(self.step)
         return Transition(RunState.RUNNING)

@@ -169,3 +169,8 @@ class TrainingMode(Protocol):
 
     def close(self) -> None:
         """Stop the mode's own actors, if it has any (the coordinator stops the workers)."""
+
+    def standby(self, workers: Sequence[Any]) -> None:
+        """Between steps: ``workers`` are ready beside the group, not members (the membership
+        policy keeps them), as of now; a mode may keep them in step with the state. Told
+        whenever the set changes; the modes today do nothing with them."""

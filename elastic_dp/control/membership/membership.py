@@ -13,8 +13,8 @@ import logging
 import time
 from typing import Callable, Hashable, Protocol, Sequence
 
-from elastic_dp.control.membership.policy import Action, ElasticPolicy, MembershipDecision
-from elastic_dp.errors import PlacementError
+from elastic_dp.control.membership.policy import POLICIES, Action, MembershipDecision, Policy
+from elastic_dp.errors import ConfigError, PlacementError
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,17 @@ class Membership:
     """The members of the current generation, the ready joiners, and the pool behind them.
 
     ``held_back`` workers (injected joins) are not requested at the start: the target
-    grows by one for each when ``grow`` is called at its step.
+    grows by one for each when ``grow`` is called at its step. ``policy``: the name of the
+    membership policy in ``policy.POLICIES``.
     """
 
     def __init__(self, pool: Pool, *, min_workers: int, max_workers: int, held_back: int = 0,
                  wait_timeout_s: float = 300.0, placement_timeout_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 policy: str = "elastic") -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"the membership policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy_class = POLICIES[policy]
         self.pool = pool
         self.min_workers, self.max_workers = min_workers, max_workers
         self.target = max(min_workers, max_workers - held_back)
@@ -77,22 +82,30 @@ class Membership:
         """Members and joiners with a leave notice (``LeaveNotice``), until they are gone."""
 
     @property
-    def policy(self) -> ElasticPolicy:
-        return ElasticPolicy(min_workers=self.min_workers, max_workers=self.target,
-                             wait_timeout_s=self.wait_timeout_s)
+    def policy(self) -> Policy:
+        return self.policy_class(min_workers=self.min_workers, max_workers=self.target,
+                                 wait_timeout_s=self.wait_timeout_s)
+
+    @property
+    def standby(self) -> list:
+        """Ready workers the policy keeps beside the group (joiners it does not admit)."""
+        return [j for j in self.joiners if j not in self.leaving]
 
     def place(self) -> list:
-        """Request the first workers; return the ready ones once MIN are (more if placed).
-        The autoscaler is asked for room for the target (MAX) at once, so the nodes for
-        workers that do not fit now are started while the run trains on the others."""
+        """Request the first workers (as many as the policy wants: the target, and any it
+        keeps ready beside the group); return the ready ones once MIN are (more if placed,
+        up to the target: the rest wait as joiners). The autoscaler is asked for room for
+        the target (MAX) at once, so the nodes for workers that do not fit now are started
+        while the run trains on the others."""
         self.pool.request_capacity(self.target)
-        self.pool.start(self.target)
+        self.pool.start(self.policy.wanted(0, 0))
         ready = self.pool.wait_ready(self.min_workers, self.placement_timeout_s)
         if len(ready) < self.min_workers:
             raise self.pool.placement_error(self.min_workers, self.placement_timeout_s, len(ready))
         while self.pool.placed_but_starting() and len(ready) < self.target:  # placed: nearly ready
             ready += self.pool.wait_ready(1, self.placement_timeout_s)
-        return ready
+        self.joiners += ready[self.target:]
+        return ready[:self.target]
 
     def grow(self, count: int) -> None:
         """Injected joins: raise the target by ``count`` and wait until the new workers are ready."""

@@ -3,15 +3,21 @@
 ``Membership`` reports what it sees — which members of the current generation are alive,
 which new workers are ready to join, how long it has waited — and the policy returns a
 ``MembershipDecision``; the coordinator acts on it. Members are opaque ids; the
-order of ``MembershipDecision.members`` is the rank order of the next generation
-(survivors keep their relative order, joiners come after), so ranks stay dense.
+order of ``MembershipDecision.members`` is the membership's order of the next generation
+(survivors keep their relative order, joiners come after); the mode makes the rank order
+from it (``comm.mesh.rank_order``).
+
+The policies are registered by name in ``POLICIES``; ``Membership`` builds the one it is
+given (``policy=``) from the run's bounds. A policy that asks for more workers than it
+admits keeps the rest ready beside the group: the standby workers, which the coordinator
+tells the mode of (``TrainingMode.standby``).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Protocol, Sequence
 
 from elastic_dp.errors import ConfigError
 
@@ -34,6 +40,22 @@ class MembershipDecision:
     action: Action
     members: tuple[Hashable, ...] = ()
     reason: str = ""
+
+
+class Policy(Protocol):
+    """What ``Membership`` asks of a policy (built as ``cls(min_workers=, max_workers=,
+    wait_timeout_s=)``)."""
+
+    def wanted(self, current: int, pending: int) -> int:
+        """How many more workers to request, given ``current`` members and ``pending`` starts."""
+
+    def after_failure(self, survivors: Sequence[Hashable], joiners: Sequence[Hashable], *,
+                      waited_s: float, has_checkpoint: bool) -> MembershipDecision:
+        """Members of the current generation failed; ``survivors`` are the rest, in rank order."""
+
+    def at_step_boundary(self, members: Sequence[Hashable], joiners: Sequence[Hashable],
+                         leaving: dict[Hashable, str] | None = None) -> MembershipDecision:
+        """Between steps: whom to let go and whom to admit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,3 +134,7 @@ class ElasticPolicy:
         return MembershipDecision(Action.FAIL, reason=(
             f"only {have} workers available after waiting {waited_s:.0f} s, below the minimum of "
             f"{self.min_workers}: lower MIN in --workers MIN:MAX, add capacity, or raise --min-wait-timeout"))
+
+
+POLICIES: dict[str, type] = {"elastic": ElasticPolicy}
+"""The membership policies, by name (``Membership(policy=...)``)."""

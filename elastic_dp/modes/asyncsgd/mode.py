@@ -171,6 +171,9 @@ class AsyncMode:
         if earlier is not None:
             self.ledger.carry(earlier)
 
+    def standby(self, workers: list[Any]) -> None:
+        pass  # a ready worker is leased a step as soon as it joins: none waits beside the run
+
     def close(self) -> None:
         for actor in [*self.shards, *self._spawned, *([self.keeper] if self.keeper is not None else [])]:
             ray.kill(actor)

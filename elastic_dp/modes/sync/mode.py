@@ -53,6 +53,9 @@ class SyncMode:
     def close(self) -> None:
         pass  # the workers are all it has
 
+    def standby(self, workers: list[Any]) -> None:
+        pass  # standby workers are not kept in step (TrainingMode.standby)
+
     def finish(self) -> None:
         self.run.finish()
 
