@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elastic_dp import ClusterConfig, ConfigError, Trainer
+from elastic_dp import ConfigError
 from elastic_dp.data import ElasticSampler
 from elastic_dp.modes.asyncsgd.ledger import Ledger, snapshot_plan
 from elastic_dp.observe.report import plot_staleness, read_run
-from tests.records import read_lines
 from tests.reference import max_abs_diff, replay, replay_updates
+from tests.runs import fit
 from tests.tasks import TINY_GPT_TASK, PacedLoss, paced_task
 
 TOL = 2e-5  # float32 summation order (micro-batches against one full batch)
@@ -86,12 +86,9 @@ def test_the_newest_version_every_shard_still_holds_is_chosen():
 
 
 def _train(tmp_path, task, *, workers, inject=(), cluster=None, checkpoint=None, **train):
-    config = dataclasses.replace(task.defaults, mode="async", **train)
-    summary = Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=1, **(cluster or {})),
-                      checkpoint=checkpoint, out_dir=str(tmp_path), progress=False, inject=list(inject)).fit()
-    updates = read_lines(tmp_path / "updates.jsonl")
-    events = read_lines(tmp_path / "events.jsonl")
-    return summary, config, updates, events
+    run = fit(task, tmp_path, workers=workers, min_workers=1, inject=inject, cluster=cluster, checkpoint=checkpoint,
+              mode="async", **train)
+    return run.summary, run.config, run.lines("updates"), run.events
 
 
 def test_staleness_0_equals_the_synchronous_replay(ray_cluster, tmp_path):

@@ -11,10 +11,11 @@ import dataclasses
 import pytest
 from safetensors.torch import load_file
 
-from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, Trainer
+from elastic_dp import CheckpointConfig, ElasticSampler
 from elastic_dp.durable.checkpoint import CheckpointStore
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay, replay_updates
+from tests.runs import fit
 from tests.tasks import CNN_TASK, POISONED_CNN_TASK, KillsAt
 
 pytestmark = pytest.mark.ray
@@ -29,10 +30,8 @@ BN_COUNTERS = ("1.num_batches_tracked", "5.num_batches_tracked")
 
 def _fit(tmp_path, config, workers: int, inject: list[str], checkpoint: CheckpointConfig | None = None,
          task=CNN_TASK):
-    Trainer(task, train=config, cluster=ClusterConfig(workers=workers, min_workers=1), out_dir=str(tmp_path),
-            checkpoint=checkpoint, progress=False, inject=inject).fit()
-    changes = [e for e in read_lines(tmp_path / "events.jsonl") if e["kind"] == "membership_changed"]
-    return load_file(tmp_path / "final.safetensors"), changes
+    run = fit(task, tmp_path, workers=workers, min_workers=1, inject=inject, checkpoint=checkpoint, config=config)
+    return run.weights(), run.changes()
 
 
 def test_local_statistics_through_a_kill_and_a_join_count_each_step_once_and_agree(ray_cluster, tmp_path, caplog):

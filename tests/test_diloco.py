@@ -22,9 +22,9 @@ from elastic_dp.modes.diloco.program import DiLoCoProgram
 from elastic_dp.modes.diloco.settings import DiLoCoSettings
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
-from tests.reference import replay, replay_diloco
+from tests.reference import max_abs_diff, replay, replay_diloco
 from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression
-from tests.zero_runs import CPU, initial_weights, max_diff
+from tests.zero_runs import CPU, initial_weights
 
 
 def run(task: Task, config: TrainConfig, world: int, settings: DiLoCoSettings, initial):
@@ -68,8 +68,8 @@ def test_one_inner_step_of_plain_sgd_and_an_outer_rate_of_1_is_synchronous_data_
     ours, _ = run(task, config, 3, DiLoCoSettings(sync_every=1, outer_lr=1.0, outer_momentum=0.0), initial)
     save_file(initial, tmp_path / "initial.safetensors")
     sync = replay(task, config, str(tmp_path / "initial.safetensors"))
-    assert max_diff(ours, initial) > 1e-3
-    assert max_diff(ours, sync) < 1e-6
+    assert max_abs_diff(ours, initial) > 1e-3
+    assert max_abs_diff(ours, sync) < 1e-6
 
 
 def test_one_replica_with_an_outer_rate_of_1_and_no_momentum_is_plain_training(tmp_path):
@@ -80,7 +80,7 @@ def test_one_replica_with_an_outer_rate_of_1_and_no_momentum_is_plain_training(t
     initial = initial_weights(task, config.seed)
     ours, _ = run(task, config, 1, DiLoCoSettings(sync_every=4, outer_lr=1.0, outer_momentum=0.0), initial)
     save_file(initial, tmp_path / "initial.safetensors")
-    assert max_diff(ours, replay(task, config, str(tmp_path / "initial.safetensors"))) < 2e-5
+    assert max_abs_diff(ours, replay(task, config, str(tmp_path / "initial.safetensors"))) < 2e-5
 
 
 class _Constant(nn.Module):
@@ -127,8 +127,8 @@ def test_the_replicas_follow_the_replay_of_the_contract_and_hold_the_same_theta(
     ours, thetas = run(task, config, world, settings, initial)
     expected, history = replay_diloco(task, config, initial, world=world, sync_every=4, outer_lr=0.7,
                                       outer_momentum=0.9)
-    assert max_diff(ours, initial) > 1e-3
-    assert max_diff(ours, expected) < 2e-5
+    assert max_abs_diff(ours, initial) > 1e-3
+    assert max_abs_diff(ours, expected) < 2e-5
     assert len(thetas[0]) == len(history) == 3
     for t in range(3):
         assert all(torch.equal(thetas[r][t], thetas[0][t]) for r in range(world)), t

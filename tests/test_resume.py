@@ -11,16 +11,15 @@ from safetensors.torch import load_file
 from elastic_dp import CheckpointConfig, ClusterConfig, Trainer
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
+from tests.runs import fit
 from tests.tasks import SCHEDULED_TASK, TINY_GPT_TASK, mlp, sgd_two_groups, warmup_then_exponential
 
 TOL = 2e-5  # float32 reduction order, as in test_sync_equivalence
 
 
 def _fit(workers, out, *, steps, ckpt_dir=None, every=0, resume=False, zero=0):
-    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=steps, zero=zero)
     checkpoint = CheckpointConfig(dir=str(ckpt_dir) if ckpt_dir else None, every=every, resume=resume)
-    return Trainer(TINY_GPT_TASK, train=config, cluster=ClusterConfig(workers=workers),
-                   checkpoint=checkpoint, out_dir=str(out), progress=False).fit()
+    return fit(TINY_GPT_TASK, out, workers=workers, checkpoint=checkpoint, steps=steps, zero=zero).summary
 
 
 def _uninterrupted(out, steps: int):

@@ -22,6 +22,7 @@ from elastic_dp.errors import StorageError
 from elastic_dp.tokens import TokenWindows, write_token_files
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
+from tests.runs import fit
 from tests.tasks import TINY_GPT_TASK
 
 TOL = 2e-5  # float32 reduction order over 6 AdamW steps (as in test_resume)
@@ -58,10 +59,9 @@ def s3():
 
 
 def _fit(workers, out, *, steps, storage, every=0, zero=0, resume=None):
-    config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=steps, zero=zero)
-    return Trainer(TINY_GPT_TASK, train=config, cluster=ClusterConfig(workers=workers),
-                   checkpoint=CheckpointConfig(storage=storage, every=every, resume=resume),
-                   out_dir=str(out), progress=False).fit()
+    return fit(TINY_GPT_TASK, out, workers=workers, checkpoint=CheckpointConfig(storage=storage, every=every,
+                                                                               resume=resume),
+               steps=steps, zero=zero).summary
 
 
 def _events(out) -> list[dict]:

@@ -19,8 +19,9 @@ from elastic_dp.errors import CollectiveError
 from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
+from tests.reference import max_abs_diff
 from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression, mlp
-from tests.zero_runs import CPU, initial_weights, max_diff, train
+from tests.zero_runs import CPU, initial_weights, train
 
 
 @pytest.mark.parametrize("task", [MLP_TASK, TINY_GPT_TASK], ids=["sgd-two-groups", "adamw-gpt"])
@@ -33,7 +34,7 @@ def test_sharded_stages_reach_the_parameters_of_stage_0(task, zero, world):
     sharded, _, replicas = train(task, dataclasses.replace(config, zero=zero), world, range(6), initial)
     assert len(replicas[0].strategy.buckets) > 2
     assert all(r.strategy.defer_gather for r in replicas)  # each gather waited for in the next forward
-    assert max_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < 2e-5
 
 
 class _HeadOutsideForward(nn.Module):
@@ -62,7 +63,7 @@ def test_parameters_read_outside_their_modules_forward_are_gathered_at_the_end_o
     reference, _, _ = train(task, config, 2, range(5), initial)
     sharded, _, replicas = train(task, dataclasses.replace(config, zero=zero), 2, range(5), initial)
     assert [r.strategy.defer_gather for r in replicas] == [False, False]
-    assert max_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < 2e-5
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
@@ -112,9 +113,9 @@ def test_a_checkpoint_saved_at_3_workers_resumes_at_2_and_at_4():
     assert {k.rpartition("/")[2] for k in saved.optimizer_tensors} == {"exp_avg", "exp_avg_sq", "step"}
     for world in (2, 4):
         resumed, _, _ = train(task, config, world, range(3, 6), None, start=saved)
-        assert max_diff(resumed, uninterrupted) < 2e-5, world
+        assert max_abs_diff(resumed, uninterrupted) < 2e-5, world
     stage0, _, _ = train(task, dataclasses.replace(config, zero=0), 2, range(3, 6), None, start=saved)
-    assert max_diff(stage0, uninterrupted) < 2e-5
+    assert max_abs_diff(stage0, uninterrupted) < 2e-5
 
 
 
@@ -148,7 +149,7 @@ def test_the_forward_waits_for_the_all_gather_of_every_bucket_it_reads(zero, mon
     assert all(r.strategy.defer_gather for r in replicas)  # the gathers were left to the forward
     monkeypatch.undo()
     reference, _, _ = train(task, config, 2, range(4), initial)
-    assert max_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < 2e-5
 
 
 def test_the_forwards_wait_for_its_parameters_is_timed_apart_from_its_compute():
@@ -248,7 +249,7 @@ def test_a_peer_lost_after_the_vote_fails_the_norm_all_reduce_in_the_result(zero
     result, live, before, after = run_ranks(2, rank_fn)[0]
     assert not result.committed and isinstance(result.error, CollectiveError)
     assert "gradient norm all-reduce" in str(result.error)
-    assert live == 1 and max_diff(before, after) == 0.0  # no update applied
+    assert live == 1 and max_abs_diff(before, after) == 0.0  # no update applied
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -320,7 +321,7 @@ def test_gloo_with_cuda_tensors_stages_every_call_through_host_copies(monkeypatc
     assert staged
     monkeypatch.undo()
     reference, _, _ = train(MLP_TASK, config, 2, range(5), initial)
-    assert max_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < 2e-5
 
 
 

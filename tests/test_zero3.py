@@ -23,10 +23,10 @@ from elastic_dp.observe.plan import MemoryPlan
 from elastic_dp.state.units import default_units
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
-from tests.reference import replay
+from tests.reference import max_abs_diff, replay
 from tests.tasks import CNN_TASK, MLP_TASK, TINY_GPT_TASK, Regression, mlp
 from tests.test_eval import REL, plain_eval
-from tests.zero_runs import CPU, initial_weights, max_diff, train
+from tests.zero_runs import CPU, initial_weights, train
 
 MLP_UNITS = dataclasses.replace(MLP_TASK, shard_units=lambda model: [model[0], model[2]])
 """The MLP has no ModuleList: two of its Linear layers are units, the last one the root."""
@@ -46,10 +46,10 @@ def test_stage_3_reaches_the_parameters_of_stage_0_and_of_the_replay(task, world
     reference, _, _ = train(task, config, world, range(6), initial)
     sharded, _, replicas = train(task, dataclasses.replace(config, zero=3, reshard_after_forward=reshard), world,
                                  range(6), initial)
-    assert max_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < 2e-5
     save_file(initial, tmp_path / "initial.safetensors")
     expected = replay(task, config, str(tmp_path / "initial.safetensors"))
-    assert max_diff(sharded, expected) < 2e-5
+    assert max_abs_diff(sharded, expected) < 2e-5
     strategy = replicas[0].strategy
     assert len(strategy.units) == (2 if task is TINY_GPT_TASK else 2)
     held = sum(s.numel() for s in strategy.shards)
@@ -111,7 +111,7 @@ def test_a_stage_3_checkpoint_resumes_at_stage_0_and_2_at_other_world_sizes_and_
     at3, _, _ = train(task, config, 3, range(3), initial)
     checkpoint = _saved_at_stage_3(task, config, 3, range(3), initial, tmp_path)
     saved = checkpoint.read()
-    assert saved.step == 3 and max_diff(saved.model, at3) == 0.0, "the parts are the chunks, bit for bit"
+    assert saved.step == 3 and max_abs_diff(saved.model, at3) == 0.0, "the parts are the chunks, bit for bit"
     shares: dict[str, int] = {}  # elements of the model's parameters each rank's file holds
     params = [name for name, _ in task.model().named_parameters()]  # a tied one once
     for key in params:
@@ -121,10 +121,10 @@ def test_a_stage_3_checkpoint_resumes_at_stage_0_and_2_at_other_world_sizes_and_
     assert len(shares) == 3 and all(abs(n - total / 3) <= 2 * pieces for n in shares.values()), shares
     for zero, world in ((0, 2), (2, 4)):
         resumed, _, _ = train(task, dataclasses.replace(config, zero=zero), world, range(3, 6), None, start=saved)
-        assert max_diff(resumed, uninterrupted) < 2e-5, (zero, world)
+        assert max_abs_diff(resumed, uninterrupted) < 2e-5, (zero, world)
     _, states, _ = train(task, dataclasses.replace(config, zero=0), 2, range(3), initial)
     back, _, replicas = train(task, config, 3, range(3, 6), None, start=states[0])
-    assert max_diff(back, uninterrupted) < 2e-5
+    assert max_abs_diff(back, uninterrupted) < 2e-5
 
 
 def test_a_checkpoint_loads_at_stage_3_reading_only_the_rank_s_chunks(tmp_path, monkeypatch):
@@ -158,13 +158,13 @@ def test_a_checkpoint_loads_at_stage_3_reading_only_the_rank_s_chunks(tmp_path, 
         for world in (2, 4):
             read.clear()
             at_resume, _, _ = train(task, config, world, range(3, 3), None, start=saved)
-            assert max_diff(at_resume, {k: whole.model[k] for k in at_resume}) == 0.0
+            assert max_abs_diff(at_resume, {k: whole.model[k] for k in at_resume}) == 0.0
             assert len(read) == world
             if world == 4:  # own + left: 2/N of the parameters and of each optimizer-state tensor
                 kinds = 1 + len({k.rpartition("/")[2] for k in saved.manifest["tensors"] if k.startswith("optim/")})
                 assert max(read) <= kinds * params * 2 / world + 64, (read, kinds, params)
             resumed, _, _ = train(task, config, world, range(3, 6), None, start=saved)
-            assert max_diff(resumed, uninterrupted) < 2e-5, (saved_zero, saved_world, world)
+            assert max_abs_diff(resumed, uninterrupted) < 2e-5, (saved_zero, saved_world, world)
 
 
 def test_the_units_are_freed_after_their_forward_unless_kept():
@@ -344,7 +344,7 @@ def test_bf16_parameters_are_gathered_from_fp32_master_chunks_as_stage_1_keeps_t
     assert float((m3["0.weight/master"] - m1["0.weight/master"]).abs().max()) < 1e-6
     assert float((m3["0.weight/master"] - stage3["0.weight"].float()).abs().max()) > 0  # the masters moved further
     torch.testing.assert_close(m3["0.weight/master"].to(torch.bfloat16), stage3["0.weight"])
-    assert max_diff(stage3, stage1) <= 2 ** -8 * max(float(v.float().abs().max()) for v in stage1.values())
+    assert max_abs_diff(stage3, stage1) <= 2 ** -8 * max(float(v.float().abs().max()) for v in stage1.values())
 
 
 def test_balanced_slices_under_stage_3_reach_stage_0():
@@ -354,7 +354,7 @@ def test_balanced_slices_under_stage_3_reach_stage_0():
     initial = initial_weights(TINY_GPT_TASK, config.seed)
     reference, _, _ = train(TINY_GPT_TASK, config, 2, range(6), initial, sizes=(3, 11))
     sharded, _, _ = train(TINY_GPT_TASK, dataclasses.replace(config, zero=3), 2, range(6), initial, sizes=(3, 11))
-    assert max_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < 2e-5
 
 
 def test_a_non_finite_step_under_stage_3_is_skipped_on_every_rank():
@@ -367,5 +367,5 @@ def test_a_non_finite_step_under_stage_3_is_skipped_on_every_rank():
     initial = initial_weights(task, config.seed)
     reference, _, _ = train(task, config, 2, range(6), initial)
     sharded, _, replicas = train(task, dataclasses.replace(config, zero=3), 2, range(6), initial)
-    assert max_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < 2e-5
     assert all(torch.isfinite(v).all() for v in sharded.values())

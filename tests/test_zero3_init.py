@@ -17,9 +17,9 @@ from torch import nn
 from elastic_dp import Task, TaskError
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
-from tests.reference import replay
+from tests.reference import max_abs_diff, replay
 from tests.tasks import DEEP_TASK, MLP_TASK, TINY_GPT_TASK
-from tests.zero_runs import CPU, initial_weights, max_diff, train
+from tests.zero_runs import CPU, initial_weights, train
 
 
 def by_the_rule(task: Task, seed: int) -> dict[str, torch.Tensor]:
@@ -116,7 +116,7 @@ def test_a_model_twice_the_per_worker_budget_trains_at_4_ranks_and_no_rank_ever_
     assert all(model_bytes / world < peak < budget for peak in peaks.values()), (peaks, budget, model_bytes)
     print(f"held at most {max(peaks.values())} bytes of a {model_bytes}-byte model (budget {budget})")
     save_file(by_the_rule(task, config.seed), tmp_path / "initial.safetensors")
-    assert max_diff(final, replay(task, config, str(tmp_path / "initial.safetensors"))) < 1e-4
+    assert max_abs_diff(final, replay(task, config, str(tmp_path / "initial.safetensors"))) < 1e-4
 
 
 class _NoReset(nn.Module):
@@ -171,4 +171,4 @@ def test_activation_checkpointing_recomputes_each_unit_and_changes_nothing(zero,
     recomputed, _, _ = train(task, dataclasses.replace(config, activation_checkpointing=True), world, range(6),
                              initial, after_build=counting(True))
     assert calls[True] == 2 * calls[False] > 0
-    assert max_diff(recomputed, plain) < 1e-6
+    assert max_abs_diff(recomputed, plain) < 1e-6

@@ -22,8 +22,9 @@ from elastic_dp.state.zero import shm
 from elastic_dp.state.zero.chunks import Snapshot
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
+from tests.reference import max_abs_diff
 from tests.tasks import MLP_TASK, TINY_GPT_TASK
-from tests.zero_runs import CPU, initial_weights, max_diff, train
+from tests.zero_runs import CPU, initial_weights, train
 
 
 @pytest.fixture(params=["shared", "sent"])
@@ -86,7 +87,7 @@ def test_resharding_from_live_chunks_and_snapshots_continues_the_same_trajectory
         return replica.model_state()
 
     final = run_ranks(2, rank_fn)[0]
-    assert max_diff(final, uninterrupted) < 2e-5
+    assert max_abs_diff(final, uninterrupted) < 2e-5
 
 
 def test_snapshots_every_k_steps_roll_back_to_a_consistent_step(transport):

@@ -60,7 +60,3 @@ def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *,
 
     results = run_ranks(world, rank_fn)
     return results[0][0], [r[1] for r in results], [r[2] for r in results]
-
-
-def max_diff(a, b) -> float:
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
