@@ -47,8 +47,8 @@ from benchmarks.peers import DDPWorker, ShardedCollectivesWorker, local_ray, rem
 from benchmarks.stats import round_ratio_interval
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler
 from elastic_dp.api import build_coordinator
+from elastic_dp.observe.capacity import MemoryPlan
 from elastic_dp.observe.metrics import RunRecorder
-from elastic_dp.observe.plan import MemoryPlan
 from elastic_dp.state.zero import shm
 from jobs.gpt import TASK
 

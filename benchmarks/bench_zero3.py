@@ -32,7 +32,7 @@ import torch.distributed as dist
 from benchmarks.bench_zero import _coordinator
 from benchmarks.peers import FSDP2Worker, local_ray, remote
 from benchmarks.stats import round_ratio_interval
-from elastic_dp.observe.plan import MemoryPlan
+from elastic_dp.observe.capacity import MemoryPlan
 from jobs.gpt import TASK
 
 KINDS = ("parameters", "gradients", "optimizer_state")

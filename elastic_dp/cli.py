@@ -27,7 +27,7 @@ import sys
 from elastic_dp.api import Trainer
 from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig
 from elastic_dp.errors import SURFACE, ConfigError, ElasticDPError, TaskError
-from elastic_dp.observe.plan import MemoryPlan, parse_size, render
+from elastic_dp.observe.capacity import MemoryPlan, parse_size, render
 from elastic_dp.settings import arguments, declarations
 from elastic_dp.task import load_task
 

@@ -185,13 +185,18 @@ def describe(section: Any) -> str:
 
 def declarations(cls: type) -> dict[str, Declared]:
     """Every setting of ``cls``'s tree of parts, by name, first declaration first (a name
-    several parts declare, such as ``snapshot_every``, has one flag)."""
+    several parts declare, such as ``snapshot_every``, has one flag, whose help says what
+    each part does with it)."""
     out: dict[str, Declared] = {}
     for _, part_cls in _parts(cls):
         for f, declared, chosen, _ in _fields(part_cls):
             declared = declared or (chosen.declared if chosen else None)
-            if declared is not None and f.name not in out:
+            if declared is None:
+                continue
+            if f.name not in out:
                 out[f.name] = declared
+            elif declared.help not in out[f.name].help:  # another part's meaning of the same flag
+                out[f.name] = dataclasses.replace(out[f.name], help=f"{out[f.name].help}; {declared.help}")
     return out
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from elastic_dp import cli
 from elastic_dp.errors import ConfigError
-from elastic_dp.observe.plan import MemoryPlan, parse_size
+from elastic_dp.observe.capacity import MemoryPlan, parse_size
 
 
 @pytest.mark.parametrize("workers", [1, 8, 64])

@@ -19,7 +19,7 @@ from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore, manifest_
 from elastic_dp.durable.weights import save_tensor_parts
 from elastic_dp.errors import API_NAMES, CollectiveError
 from elastic_dp.modes.sync.program import SyncProgram
-from elastic_dp.observe.plan import MemoryPlan
+from elastic_dp.observe.capacity import MemoryPlan
 from elastic_dp.state.units import default_units
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks

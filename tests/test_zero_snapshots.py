@@ -17,7 +17,7 @@ import torch
 from elastic_dp import ElasticSampler
 from elastic_dp.data import split
 from elastic_dp.modes.sync.program import SyncProgram
-from elastic_dp.observe.plan import MemoryPlan
+from elastic_dp.observe.capacity import MemoryPlan
 from elastic_dp.state.zero import shm
 from elastic_dp.state.zero.chunks import Snapshot
 from elastic_dp.worker.replica import Replica

@@ -28,8 +28,9 @@ from elastic_dp.errors import TaskError
 from elastic_dp.messages import StepResult
 from elastic_dp.modes.base import MembersLost
 from elastic_dp.modes.calls import Calls
-from elastic_dp.modes.context import ModeContext, check_resume, dataset_length, record_resume, write_weights
-from elastic_dp.modes.saving import SaveOutcome, Saves
+from elastic_dp.modes.context import ModeContext
+from elastic_dp.modes.saving import SaveOutcome, Saves, write_weights
+from elastic_dp.modes.start import check_resume, dataset_length, record_resume
 from elastic_dp.modes.sync.generations import Generations
 from elastic_dp.modes.sync.layouts import make_layout
 from elastic_dp.modes.watchdog import HangBounds

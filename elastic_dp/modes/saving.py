@@ -14,6 +14,9 @@ the checkpoint before it stays the latest. A storage that fails a write is the r
 error (``StorageError``): training on without checkpoints is not what was asked for.
 With ``asynchronous=False`` both halves run in one call on the training thread and the
 save is committed before the next step.
+
+The run's weights files (``write_weights``: ``initial`` and ``final``) are written here too,
+by whichever side of the mode can.
 """
 
 from __future__ import annotations
@@ -21,14 +24,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import ray
 
 from elastic_dp.durable.checkpoint import CheckpointStore, manifest_of
+from elastic_dp.durable.weights import TensorSpecs
 from elastic_dp.faults import Fault
 from elastic_dp.modes.base import SaveOutcome
 from elastic_dp.modes.calls import Calls
+from elastic_dp.observe.metrics import RunRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +135,20 @@ def commit(store: CheckpointStore, directory: str, reports: list[dict], *, step:
     manifest = manifest_of(reports, step=step, sampler=sampler, world_size=world_size, settings=settings)
     checkpoint = store.commit(directory, manifest)
     return checkpoint.url, sum(f["bytes"] for f in manifest["files"].values())
+
+
+def write_weights(recorder: RunRecorder, name: str, state: Callable[[], dict[str, Any]],
+                  on_worker: Callable[[Any, str], None] | None = None,
+                  parts: Callable[[], tuple[TensorSpecs, Iterable[dict[str, Any]]]] | None = None) -> None:
+    """``<out>/<name>.safetensors`` (nothing without ``--out``): to an ``--out`` URI by a
+    worker straight from its memory where the mode has one that can (``on_worker(storage,
+    file name)``), else by this driver from ``state()``, or from ``parts()`` (the file's
+    ``TensorSpecs``, then its tensors a part at a time) where the mode gives them."""
+    if recorder.storage is None:
+        return
+    if recorder.remote and on_worker is not None:
+        on_worker(recorder.storage, f"{name}.safetensors")
+    elif parts is not None:
+        recorder.weight_parts(name, *parts())
+    else:
+        recorder.weights(name, state())

@@ -35,14 +35,9 @@ from elastic_dp.modes.asyncsgd.drains import DrainWatch
 from elastic_dp.modes.asyncsgd.ledger import Ledger, Update, snapshot_plan
 from elastic_dp.modes.asyncsgd.shard import Keeper, ParameterShard, flat_bounds
 from elastic_dp.modes.base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
-from elastic_dp.modes.context import (
-    ModeContext,
-    check_resume,
-    dataset_length,
-    record_resume,
-    write_weights,
-)
-from elastic_dp.modes.saving import commit
+from elastic_dp.modes.context import ModeContext
+from elastic_dp.modes.saving import commit, write_weights
+from elastic_dp.modes.start import check_resume, dataset_length, record_resume
 from elastic_dp.modes.watchdog import HangBounds, Watchdog
 from elastic_dp.schedules import factor_rule
 

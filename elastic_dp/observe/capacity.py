@@ -1,4 +1,4 @@
-"""``elastic-dp plan``: per-worker memory and communication of data-parallel training.
+"""``elastic-dp plan``, capacity planning: per-worker memory and communication of data-parallel training.
 
 The memory model of docs/zero.md, per parameter (Ψ parameters, N workers):
 
