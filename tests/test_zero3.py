@@ -92,7 +92,7 @@ def _saved_at_stage_3(task, config, world: int, steps: range, initial, tmp_path)
         parts[replica.group.rank] = replica.checkpoint_part(steps.stop, {"seed": config.seed})
 
     train(task, config, world, steps, initial, before_exit=save)
-    store = CheckpointStore(str(tmp_path / f"ckpt-{config.stage}-{world}"))
+    store = CheckpointStore(str(tmp_path / f"ckpt-{config.stage.number}-{world}"))
     directory = store.begin(steps.stop)
     reports = [write_part(store.storage, directory, parts[r]) for r in range(world)]
     return store.commit(directory, manifest_of(reports, step=steps.stop, sampler={"seed": config.seed},
