@@ -52,7 +52,7 @@ def test_stage_3_reaches_the_parameters_of_stage_0_and_of_the_replay(task, world
     assert max_abs_diff(sharded, expected) < 2e-5
     strategy = replicas[0].strategy
     assert len(strategy.units) == (2 if task is TINY_GPT_TASK else 2)
-    held = sum(s.numel() for s in strategy.shards)
+    held = sum(s.numel() for s in strategy.param_chunks)
     total = sum(p.numel() for p in replicas[0].model.parameters())
     assert held == sum(strategy.chunks) and held * world >= total and held <= -(-total // world) + len(strategy.chunks)
     assert all(b.untyped_storage().size() == 0 for b in strategy.param_buffers), "a gathered unit was left"
@@ -339,7 +339,7 @@ def test_bf16_parameters_are_gathered_from_fp32_master_chunks_as_stage_1_keeps_t
     stage1, parts1, _ = train(task, config, 2, range(5), initial)
     stage3, parts3, replicas = train(task, dataclasses.replace(config, zero=3), 2, range(5), initial)
     assert all(m.dtype == torch.float32 for m in replicas[0].strategy.masters)
-    assert all(s.dtype == torch.bfloat16 for s in replicas[0].strategy.shards)
+    assert all(s.dtype == torch.bfloat16 for s in replicas[0].strategy.param_chunks)
     m1, m3 = merge_parts(parts1).optimizer_tensors, merge_parts(parts3).optimizer_tensors
     assert float((m3["0.weight/master"] - m1["0.weight/master"]).abs().max()) < 1e-6
     assert float((m3["0.weight/master"] - stage3["0.weight"].float()).abs().max()) > 0  # the masters moved further

@@ -87,7 +87,7 @@ class MemoryPlan:
             raise ConfigError(f"--zero must be stage {', '.join(first)} or {last}, got {self.zero!r}")
         if self.unit_params is not None and not 0 < self.unit_params <= self.params:
             raise ConfigError(f"--unit-params must be positive and at most --params, got {self.unit_params}")
-        if (self.unit_params is not None or not self.reshard) and "parameters" not in self._shards:
+        if (self.unit_params is not None or not self.reshard) and "parameters" not in self._partitioned:
             raise ConfigError("--unit-params and --no-reshard-after-forward are ZeRO stage 3's: add --zero 3")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
@@ -95,9 +95,9 @@ class MemoryPlan:
             raise ConfigError(f"--optimizer must be one of {sorted(OPTIMIZER_MOMENTS)}, got {self.optimizer!r}")
 
     @property
-    def _shards(self) -> frozenset[str]:
-        """What the stage cuts over the workers (``Stage.shards``)."""
-        return STAGES[self.zero].shards
+    def _partitioned(self) -> frozenset[str]:
+        """What the stage partitions over the workers (``Stage.partitioned``)."""
+        return STAGES[self.zero].partitioned
 
     # bytes per parameter, whole (unsharded)
     @property
@@ -109,16 +109,16 @@ class MemoryPlan:
         """Per-worker bytes per parameter: parameters, gradients, optimizer state, total."""
         n = workers or self.workers
         p, g, k = self._pgk
-        shards = self._shards
-        k /= n if "optimizer" in shards else 1
-        g /= n if "gradients" in shards else 1
-        p /= n if "parameters" in shards else 1
+        partitioned = self._partitioned
+        k /= n if "optimizer" in partitioned else 1
+        g /= n if "gradients" in partitioned else 1
+        p /= n if "parameters" in partitioned else 1
         return {"parameters": p, "gradients": g, "optimizer_state": k, "total": p + g + k}
 
     def gathered_bytes(self) -> float:
         """Stage 3: the bytes of gathered units a worker holds at the busiest moment of a
         step, on top of its training state (0 at the other stages, or with no ``unit_params``)."""
-        if "parameters" not in self._shards:
+        if "parameters" not in self._partitioned:
             return 0.0
         p, g, _ = self._pgk
         if not self.reshard:
@@ -131,7 +131,7 @@ class MemoryPlan:
     def snapshot_bytes(self) -> dict[str, float]:
         """Per-worker bytes of peer snapshots: host memory with the left neighbour on
         another host, and on the same host; the device's extra while one is sent (NCCL)."""
-        if not self._shards or self.workers == 1:
+        if not self._partitioned or self.workers == 1:
             return {"host": 0.0, "host_neighbour_on_same_host": 0.0, "device_while_sent": 0.0}
         one = (4 + 4 * OPTIMIZER_MOMENTS[self.optimizer]) * self.params / self.workers
         return {"host": 2 * SNAPSHOTS_KEPT * one, "host_neighbour_on_same_host": SNAPSHOTS_KEPT * one,
@@ -142,8 +142,8 @@ class MemoryPlan:
         ``with_units``: and the gathered units, ``gathered_bytes``); None when no number of
         workers is enough at this stage."""
         whole = dict(zip(("parameters", "gradients", "optimizer"), self._pgk))
-        fixed = sum(v for k, v in whole.items() if k not in self._shards)
-        sharded = sum(v for k, v in whole.items() if k in self._shards)
+        fixed = sum(v for k, v in whole.items() if k not in self._partitioned)
+        sharded = sum(v for k, v in whole.items() if k in self._partitioned)
         room = gpu_memory / self.params - fixed - (self.gathered_bytes() if with_units else 0.0) / self.params
         if room < 0 or (room == 0 and sharded > 0):
             return None
@@ -154,9 +154,9 @@ class MemoryPlan:
         n = self.workers
         p, g, _ = self._pgk
         share = (n - 1) / n
-        if "gradients" not in self._shards and "optimizer" not in self._shards:
+        if "gradients" not in self._partitioned and "optimizer" not in self._partitioned:
             per_param = 2 * share * g
-        elif "parameters" in self._shards and self.reshard:
+        elif "parameters" in self._partitioned and self.reshard:
             per_param = share * (2 * p + g)
         else:
             per_param = share * (g + p)
@@ -190,7 +190,7 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
         lines.append(f"    {key.replace('_', ' '):16} {r['bytes_per_param'][key]:10.3f}  {r['per_worker_bytes'][key] / gib:10.2f}")
     by_stage = " / ".join(f"{v / gib:.2f}" for v in r["per_worker_bytes_by_stage"].values())
     lines.append(f"  stages {' / '.join(map(str, STAGES))} per worker: {by_stage} GiB")
-    if "parameters" in STAGES[plan.zero].shards:
+    if "parameters" in STAGES[plan.zero].partitioned:
         lines.append(f"  gathered units in flight: {r['gathered_bytes'] / gib:.2f} GiB more at the busiest moment"
                      if r["gathered_bytes"] else "  gathered units in flight: give --unit-params (the largest unit's "
                      "parameters) to add them")

@@ -1,10 +1,11 @@
-"""Each ZeRO stage: its settings, what it shards, its code, and the registry that
+"""Each ZeRO stage: its settings, what it partitions, its code, and the registry that
 ``--zero`` chooses from.
 
 A stage is its part here, one line in ``STAGES`` and its code, which the part names: the
 worker's state strategy (``strategy``) and the sync mode's driver half of its state
 (``layout``), imported when a run first builds them. What the rest of elastic_dp needs to
-know of a stage it asks of the part (``sharded``, ``shards_parameters``), never its number.
+know of a stage it asks of the part (``partitioned``, ``sharded``, ``shards_parameters``), never
+its number.
 
 Stage 0 (replicated state) reads no setting; stages 1-3 keep a copy of each worker's chunk
 on a peer (``--snapshot-every``); stage 3 alone gathers parameters, and may keep them from
@@ -38,9 +39,9 @@ class Stage:
 
     number: ClassVar[int]
     """``--zero``'s value."""
-    shards: ClassVar[frozenset[str]]
+    partitioned: ClassVar[frozenset[str]]
     """Which of ``optimizer`` (its state, with the fp32 masters), ``gradients`` and
-    ``parameters`` are cut over the ranks."""
+    ``parameters`` are partitioned over the ranks (each rank holds a chunk of them)."""
     strategy: ClassVar[str]
     """The worker's state strategy (``state.base.Strategy``), as ``module:Class``."""
     layout: ClassVar[str]
@@ -50,13 +51,13 @@ class Stage:
     def sharded(self) -> bool:
         """Each rank holds a chunk of some state: peer snapshots, resharding on resize, and
         the parameters all-gathered after each update."""
-        return bool(self.shards)
+        return bool(self.partitioned)
 
     @property
     def shards_parameters(self) -> bool:
         """No rank holds the whole model: a forward is a collective (every rank runs as
         many), and the whole model (weights, a sample) is gathered unit by unit."""
-        return "parameters" in self.shards
+        return "parameters" in self.partitioned
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -64,7 +65,7 @@ class Stage0(Stage):
     """Replicated state: every worker holds everything."""
 
     number = 0
-    shards = frozenset()
+    partitioned = frozenset()
     strategy = "elastic_dp.state.replicated:Replicated"
     layout = "elastic_dp.modes.sync.layouts:ReplicatedLayout"
 
@@ -74,7 +75,7 @@ class Stage1(Stage):
     """The optimizer state (and the fp32 masters of bf16 parameters) sharded."""
 
     number = 1
-    shards = frozenset({"optimizer"})
+    partitioned = frozenset({"optimizer"})
     strategy = "elastic_dp.state.zero.stage1:ShardedOptimizer"
     layout = "elastic_dp.modes.sync.sharded:ShardedLayout"
     snapshot_every: int = _snapshot_every()
@@ -88,7 +89,7 @@ class Stage2(Stage):
     """The gradients sharded too, reduce-scattered in buckets during backward."""
 
     number = 2
-    shards = frozenset({"optimizer", "gradients"})
+    partitioned = frozenset({"optimizer", "gradients"})
     strategy = "elastic_dp.state.zero.stage2:ShardedGradients"
     layout = "elastic_dp.modes.sync.sharded:ShardedLayout"
     snapshot_every: int = _snapshot_every()
@@ -102,7 +103,7 @@ class Stage3(Stage):
     """The parameters sharded too, gathered unit by unit for the forward and the backward."""
 
     number = 3
-    shards = frozenset({"optimizer", "gradients", "parameters"})
+    partitioned = frozenset({"optimizer", "gradients", "parameters"})
     strategy = "elastic_dp.state.zero.stage3:FullySharded"
     layout = "elastic_dp.modes.sync.sharded:ShardedLayout"
     snapshot_every: int = _snapshot_every()

@@ -9,7 +9,7 @@ partition does not depend on ``N``, only the padding: ``chunks``), so the re-cut
 resize, the peer snapshots, the holdings and the checkpoint's optimizer state are the
 stages 1-2 ones (``sharded.Sharded``), with pieces where those have buckets.
 
-Between steps a rank holds only its chunk of every piece (``shards``; the fp32 masters,
+Between steps a rank holds only its chunk of every piece (``param_chunks``; the fp32 masters,
 which are the chunks themselves for fp32 parameters) and the parameters' full buffers
 have no storage. In the forward the root is all-gathered first and kept to the end of the
 backward; each unit is all-gathered before its forward (the next unit's gather is started
@@ -110,17 +110,17 @@ class FullySharded(UnitChunks, Sharded):
         self.forward_order = [b for u in [self.root, *range(self.root)] for b in self.unit_buckets[u]]
 
         # parameters become views into one flat buffer per piece, whose storage exists only
-        # while the piece is gathered; the rank keeps its chunk of it (``shards``). Unit by
+        # while the piece is gathered; the rank keeps its chunk of it (``param_chunks``). Unit by
         # unit in the initialisation rule's order: a model built on the meta device is
         # materialised one unit at a time, and each unit freed before the next
         self.param_buffers = [torch.empty(0)] * len(self.buckets)
-        self.shards = [torch.empty(0)] * len(self.buckets)
+        self.param_chunks = [torch.empty(0)] * len(self.buckets)
         for u in range(self.root + 1):
             if self.init is not None:
                 self.init.unit(u)
             for b in self.unit_buckets[u]:
                 self._lay_out(b)
-        self.masters = [torch.nn.Parameter(s if s.dtype == torch.float32 else s.float()) for s in self.shards]
+        self.masters = [torch.nn.Parameter(s if s.dtype == torch.float32 else s.float()) for s in self.param_chunks]
         self.snapshots.configure(group, 0)  # no rank holds another's parameters between steps
 
         self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
@@ -146,7 +146,7 @@ class FullySharded(UnitChunks, Sharded):
                 view.copy_(p.detach().reshape(-1))
             p.data = view.view_as(p)
         chunk = bucket.padded // self.world_size
-        self.shards[b] = buffer[self.rank * chunk:(self.rank + 1) * chunk].clone()
+        self.param_chunks[b] = buffer[self.rank * chunk:(self.rank + 1) * chunk].clone()
         self.param_buffers[b] = buffer
         buffer.untyped_storage().resize_(0)
 
@@ -160,7 +160,7 @@ class FullySharded(UnitChunks, Sharded):
         return self.grad_chunks
 
     def _own_params(self, b: int) -> torch.Tensor:
-        return self.shards[b]
+        return self.param_chunks[b]
 
     # -- gathering and freeing units ----------------------------------------------------------
     def _start_gather(self, b: int) -> None:
@@ -168,7 +168,7 @@ class FullySharded(UnitChunks, Sharded):
         storage = buffer.untyped_storage()
         if storage.size() == 0:
             storage.resize_(buffer.numel() * buffer.element_size())
-        self._gathers[b] = self.group.all_gather_async(buffer, self.shards[b])
+        self._gathers[b] = self.group.all_gather_async(buffer, self.param_chunks[b])
 
     def _gather(self, u: int, wait: bool) -> None:
         """Start unit ``u``'s all-gather unless it is here or on its way; with ``wait``, wait for it."""
@@ -317,8 +317,8 @@ class FullySharded(UnitChunks, Sharded):
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
             self.optimizer.step()
             master.grad = None
-            if self.shards[b].data_ptr() != master.data_ptr():
-                self.shards[b].copy_(master)
+            if self.param_chunks[b].data_ptr() != master.data_ptr():
+                self.param_chunks[b].copy_(master)
         self.live_step = step + 1
 
     def _gather_params(self) -> None:
@@ -331,9 +331,9 @@ class FullySharded(UnitChunks, Sharded):
         self._gathered = set()
 
     def state_bytes(self) -> dict[str, int]:
-        separate = [m for m, s in zip(self.masters, self.shards) if m.data_ptr() != s.data_ptr()]
+        separate = [m for m, s in zip(self.masters, self.param_chunks) if m.data_ptr() != s.data_ptr()]
         state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return {"parameters": nbytes(self.shards), "gradients": nbytes(self.grad_chunks),
+        return {"parameters": nbytes(self.param_chunks), "gradients": nbytes(self.grad_chunks),
                 "optimizer_state": nbytes(state) + nbytes(separate), "snapshots": self.snapshots.bytes_held()}
 
     # -- state ------------------------------------------------------------------------------

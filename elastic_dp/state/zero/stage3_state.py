@@ -73,7 +73,7 @@ class UnitChunks:
             lo = self.rank * self.chunks[b]
             for p, offset, a, e in zero_format._pieces(bucket, lo, lo + self.chunks[b]):
                 for key in keys[id(p)]:
-                    add_piece(part, model_file, f"model/{key}", self.shards[b][a - lo:e - lo], a - offset,
+                    add_piece(part, model_file, f"model/{key}", self.param_chunks[b][a - lo:e - lo], a - offset,
                               list(p.shape))
         part.files = {f: t for f, t in part.files.items() if t}
         return part
