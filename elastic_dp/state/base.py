@@ -261,8 +261,10 @@ class BucketedGradients:
 class LocalGradients:
     """The gradient part of the Strategy interface, for a strategy whose gradients stay on
     the worker (a mode that reduces none: its program calls ``zero_grad`` and reads
-    ``.grad``, and casts no vote). ``zero_grad`` keeps a zero gradient on every parameter,
-    as the reducer's bucket views do, so that an optimizer steps the same parameters."""
+    ``.grad``, and casts no vote). ``zero_grad`` leaves the gradients as the reducer's
+    buckets did in these modes, so that an optimizer steps the same parameters: a zero
+    gradient on each fp32 parameter (a bucket view), none on a bf16 or fp16 one (its
+    bucket was fp32: no view). A parameter no forward uses keeps that (issue 43)."""
 
     params: list[torch.nn.Parameter]
     equal_passes = False
@@ -273,7 +275,9 @@ class LocalGradients:
 
     def zero_grad(self) -> None:
         for p in self.params:
-            if p.grad is None:
+            if p.dtype in (torch.bfloat16, torch.float16):
+                p.grad = None
+            elif p.grad is None:
                 p.grad = torch.zeros_like(p)
             else:
                 p.grad.zero_()
