@@ -91,3 +91,26 @@ def test_an_abort_of_the_generation_releases_a_rank_blocked_in_its_sub_group_and
         return inside is not outcome["first"], inside.generation, float(inside.all_reduce(torch.ones(1)))
 
     assert run_ranks(2, next_generation, generation=1, hosts=("A", "A")) == [(True, 1, 2.0)] * 2
+
+
+def test_a_sub_group_whose_peer_never_comes_is_ended_by_the_abort_and_not_left_half_built():
+    outcome: dict = {}
+    done = threading.Event()
+
+    def rank_fn(group):
+        if group.rank == 1:
+            done.wait(20)  # alive, and never asks for the sub-group
+            return
+        timer = threading.Timer(0.2, group.abort)
+        timer.start()
+        start = time.perf_counter()
+        with pytest.raises(CollectiveError, match="not every rank joined|aborted"):
+            group.subgroup("host")
+        outcome["ended_s"] = time.perf_counter() - start
+        with pytest.raises(CollectiveError, match="aborted"):  # asked again: the abort, not a group half built
+            group.subgroup("host")
+        timer.join()
+        done.set()
+
+    run_ranks(2, rank_fn, hosts=("A", "A"))
+    assert outcome["ended_s"] < 5

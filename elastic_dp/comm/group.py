@@ -267,9 +267,15 @@ class CollectiveGroup:
             sub._aborted = self._aborted
             self._subs[dim] = sub  # an abort from now on reaches it
         if len(ranks) > 1:
-            sub._store = dist.PrefixStore(f"sub/{dim}/{self.mesh.index(dim, self.rank)}/", self._store)
-            sub._arrive(self.generation, sub.rank, sub.world_size)
-            sub._build(sub.rank, sub.world_size)
+            try:
+                sub._store = dist.PrefixStore(f"sub/{dim}/{self.mesh.index(dim, self.rank)}/", self._store)
+                sub._arrive(self.generation, sub.rank, sub.world_size)
+                sub._build(sub.rank, sub.world_size)
+            except BaseException:  # not built: the next ask tries again, or meets the abort
+                with self._lock:
+                    self._subs.pop(dim, None)
+                sub._forget()
+                raise
             if self.generation <= self._aborted:  # aborted while it was being built
                 sub.abort(self.generation)
         return sub
