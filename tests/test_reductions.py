@@ -17,6 +17,7 @@ from elastic_dp.comm.reductions import AllReduce, ReduceScatter
 from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
+from tests.reference import max_abs_diff
 from tests.tasks import MLP_TASK
 from tests.test_reducer import PartlyUsed
 
@@ -169,3 +170,70 @@ def test_a_step_that_does_not_commit_leaves_the_reduction_s_state_as_it_was_befo
         assert after_failed == after_first  # the failed step's launches were undone with it
         assert final == 2 * buckets
         assert resized == [2]  # told of the generation once, before its first step
+
+
+class Rowed:
+    """A state of a rank's own (as error feedback is), on top of the strategy's reduction."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.value = torch.full((2, 3), -1.0)
+
+    def state(self):
+        return {"residual": self.value.clone()}
+
+    def load_state(self, state):
+        self.value = state["residual"].clone() if state else torch.zeros(2, 3)
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_a_reduction_s_state_is_saved_a_row_a_rank_and_comes_back_at_the_saved_world_size_only(zero, tmp_path):
+    """Saved at 2 ranks after a step, each rank's state its own (rank + 1 everywhere);
+    resumed at 2 ranks each takes its row back, at 3 it starts fresh. The strategies'
+    loaders leave the rows alone: the model and optimizer state the resumed ranks hold are
+    the saved ones (stage 0, 2 and 3 each read the optimizer state their own way)."""
+    from elastic_dp.durable.checkpoint import CheckpointStore, manifest_of, write_part
+
+    config = dataclasses.replace(MLP_TASK.defaults, zero=zero, micro_batch=None)
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    directory = store.begin(1)
+
+    def build(group):
+        program = SyncProgram(Replica(MLP_TASK, config, torch.device("cpu"), group))
+        strategy = program.replica.strategy
+        rowed = type("RowedReduction", (Rowed, type(strategy.reduction)), {})  # AllReduce or ReduceScatter
+        strategy.reduction = rowed(group)  # as a strategy builds its own: a sharded one's reducers take it
+        if hasattr(strategy, "reducer"):  # stage 0's reducer is built with it
+            strategy.reducer.reduction = strategy.reduction
+        return program
+
+    def save(group):
+        program = build(group)
+        program.replica.broadcast_state(0)
+        assert program.step(0, np.arange(4) + 4 * group.rank).committed
+        program.replica.strategy.reduction.value.fill_(group.rank + 1.0)
+        part = program.checkpoint_part(1, {"seed": config.seed})
+        return write_part(store.storage, directory, part), program.replica.model_state(), \
+            program.replica.training_state(1, {"seed": config.seed})
+
+    saved = run_ranks(2, save)
+    checkpoint = store.commit(directory, manifest_of([s[0] for s in saved], step=1, sampler={"seed": config.seed},
+                                                     world_size=2))
+    assert checkpoint.manifest["tensors"]["optim/reduction/residual"]["shape"] == [2, 2, 3]
+
+    def resume(group):
+        program = build(group)
+        program.load_checkpoint(checkpoint)
+        loaded = program.replica.strategy.reduction.value.clone()
+        state, model = program.replica.training_state(1, {"seed": config.seed}), program.replica.model_state()
+        stepped = program.step(1, np.arange(4) + 4 * group.rank).committed  # the optimizer state loaded whole
+        return loaded, model, state, stepped
+
+    for world in (2, 3):
+        for rank, (value, model, state, stepped) in enumerate(run_ranks(world, resume)):
+            expected = torch.full((2, 3), rank + 1.0) if world == 2 else torch.zeros(2, 3)
+            assert torch.equal(value, expected), (world, rank, value)
+            assert max_abs_diff(model, saved[0][1]) == 0.0 and stepped
+            assert not any(k.startswith("reduction/") for k in state.optimizer_tensors)
+            if world == 2:  # each rank's share of the optimizer state, as it was saved
+                assert max_abs_diff(state.optimizer_tensors, saved[rank][2].optimizer_tensors) == 0.0

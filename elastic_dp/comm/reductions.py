@@ -17,10 +17,12 @@ of its own; a reduction whose result is not a plain sum (a compressor) has the v
 a channel of its own (``elastic_dp.comm.vote.Ballot.send``).
 
 A reduction may keep state between steps (a compressor's error feedback): it declares it
-as ``ModelBuffers`` declares the model's buffers, and the strategy saves it before each
-step, restores it when the step does not commit, writes it with each checkpoint part and
-re-cuts it when the world size changes (``state``, ``load_state``, ``save``, ``restore``,
-``resize``). The built-in ones keep none.
+as ``ModelBuffers`` declares the model's buffers (``state``, ``load_state``). The step saves
+it before the vote and restores it when the step does not commit (``save``, ``restore``);
+each new generation re-cuts it (``resize``); each rank's checkpoint part holds its own as a
+row of ``reduction/<key>`` (one row a rank), which a resumed run hands back to it whole
+(``load_rows``: at the saved world size each rank takes its own row). The built-in ones
+keep none.
 """
 
 from __future__ import annotations
@@ -79,6 +81,16 @@ class Reduction:
 
     def resize(self, world_size: int) -> None:
         """A new generation of ``world_size`` ranks: re-cut the state for it."""
+
+    def load_rows(self, rows: dict[str, torch.Tensor], rank: int, world_size: int) -> None:
+        """From a checkpoint: ``rows[key]`` holds every saved rank's ``state()[key]``, one
+        row a rank (none: the checkpoint has no state of a reduction). At the saved world
+        size rank ``rank`` takes its own row; at another the state starts fresh (a reduction
+        whose state must outlive a change of world size re-cuts the rows here instead)."""
+        if rows and all(v.shape[0] == world_size for v in rows.values()):
+            self.load_state({k: v[rank].clone() for k, v in rows.items()})
+        else:
+            self.load_state({})
 
 
 class _CopiedBack:

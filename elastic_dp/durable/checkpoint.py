@@ -125,6 +125,11 @@ class Part:
     """Rank 0's optimizer param groups and non-tensor state (others: empty)."""
 
 
+REDUCTION = "reduction/"
+"""The optimizer-state keys of a reduction's state (``comm.reductions``): one row a rank,
+which the strategies' loaders leave to the reduction."""
+
+
 def part_files(rank: int) -> tuple[str, str]:
     """The model and optimizer file names of part ``rank``."""
     return f"model-{rank:05d}.safetensors", f"optim-{rank:05d}.safetensors"

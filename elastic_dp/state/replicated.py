@@ -11,7 +11,7 @@ from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer
 from elastic_dp.comm.reductions import AllReduce
 from elastic_dp.config import TrainConfig
-from elastic_dp.durable.checkpoint import TrainingState, Wanted, load_optimizer_state, optimizer_state
+from elastic_dp.durable.checkpoint import REDUCTION, TrainingState, Wanted, load_optimizer_state, optimizer_state
 from elastic_dp.faults import FaultHook
 from elastic_dp.state.base import BucketedGradients, LocalGradients, WholeModel, broadcast_tensors, inside, nbytes
 from elastic_dp.state.buffers import ModelBuffers
@@ -86,7 +86,8 @@ class ReplicatedState(WholeModel):
         # copies: the optimizer steps its state in place (0-dim step counts stay on the CPU)
         tensors = {k: v.to(self.device, copy=True) if v.dim() > 0 else v.clone()
                    for k, v in state.optimizer_tensors.items()
-                   if not k.endswith("/master")}  # fp32 masters are ZeRO's; stage 0 has none
+                   if not k.endswith("/master")  # fp32 masters are ZeRO's; stage 0 has none
+                   and not k.startswith(REDUCTION)}  # the reduction's own state: its rows, not the optimizer's
         load_optimizer_state(self.optimizer, self.names, tensors, state.optimizer_meta)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from elastic_dp.comm.vote import Vote
 from elastic_dp.data import ElasticSampler, rank_slice
+from elastic_dp.durable.checkpoint import REDUCTION, Checkpoint, Part, add_piece, part_files
 from elastic_dp.errors import CollectiveError
 from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult, WindowPlan
@@ -67,6 +68,27 @@ class SyncProgram(Program):
     def leave(self) -> None:
         """Every window ends at the next step boundary (the coordinator lets this worker go there)."""
         self.grants.leave()
+
+    def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
+        """The replica's part, and this rank's row of its reduction's state (if it keeps one)."""
+        part = super().checkpoint_part(step, sampler)
+        group, file = self.replica.group, part_files(self.replica.group.rank)[1]
+        for key, value in self.replica.strategy.reduction.state().items():
+            part.files.setdefault(file, {})
+            add_piece(part, file, f"optim/{REDUCTION}{key}", value, group.rank * value.numel(),
+                      [group.world_size, *value.shape])
+        return part
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """The replica's state, then the reduction's rows (``Reduction.load_rows``)."""
+        super().load_checkpoint(checkpoint)
+        keys = {k for k in checkpoint.manifest["tensors"] if k.startswith(f"optim/{REDUCTION}")}
+        rows: dict = {}
+        if keys:
+            _, saved = checkpoint.read_ranges({}, whole=lambda k: k in keys or k == "rng")  # rng: a state's own
+            rows = {k.removeprefix(REDUCTION): v for k, v in saved.optimizer_tensors.items() if k.startswith(REDUCTION)}
+        group = self.replica.group
+        self.replica.strategy.reduction.load_rows(rows, group.rank, group.world_size)
 
     def grant(self, window: int, until: int, final: bool, faults: dict[int, Fault],
               sizes: tuple[int, tuple[int, ...] | None] | None = None, stop: bool = False) -> None:

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, add_piece, cut_part, part_files
+from elastic_dp.durable.checkpoint import (
+    REDUCTION,
+    Checkpoint,
+    Part,
+    TrainingState,
+    add_piece,
+    cut_part,
+    part_files,
+)
 from elastic_dp.durable.weights import TensorSpecs
 from elastic_dp.state.base import copied_state
 from elastic_dp.state.zero import format as zero_format
@@ -115,7 +123,8 @@ class UnitChunks:
         self._current()
         self.settle()
         tensors = checkpoint.manifest["tensors"]
-        fields = sorted({k.rpartition("/")[2] for k in tensors if k.startswith("optim/")})
+        fields = sorted({k.rpartition("/")[2] for k in tensors  # the reduction's rows are not the optimizer's
+                         if k.startswith("optim/") and not k.startswith(f"optim/{REDUCTION}")})
         left = (self.rank - 1) % self.world_size
         ranks = [self.rank, left] if self.world_size > 1 else [self.rank]
         ranges = zero_format.chunk_ranges(self.buckets, self.chunks, self.names, ranks, fields)
