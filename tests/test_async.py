@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from elastic_dp import ConfigError
 from elastic_dp.data import ElasticSampler
-from elastic_dp.modes.asyncsgd.ledger import Ledger, snapshot_plan
+from elastic_dp.modes.asyncsgd.ledger import Ledger, copy_plan
 from elastic_dp.observe.report import plot_staleness, read_run
 from tests.reference import max_abs_diff, replay, replay_updates
 from tests.runs import fit
@@ -72,17 +72,17 @@ def test_a_roll_back_leases_the_undone_steps_and_those_out_again():
 
 
 def test_the_newest_version_every_shard_still_holds_is_chosen():
-    keeper_of = {0: 1, 1: 2, 2: 0}.__getitem__  # shard i's snapshots are kept by shard i + 1
+    keeper_of = {0: 1, 1: 2, 2: 0}.__getitem__  # shard i's copies are kept by shard i + 1
     own = {0: [4, 6], 1: [4, 6], 2: [4, 6]}
     kept = {1: {0: [4, 6]}, 2: {1: [4, 6]}, 0: {2: [4, 6]}}
-    # shard 1 lost after the snapshot of 6 reached its keeper, shard 2
-    assert snapshot_plan(3, {0, 2}, {0: own[0], 2: own[2]}, {0: kept[0], 2: kept[2]}, keeper_of) == (
+    # shard 1 lost after the copy of 6 reached its keeper, shard 2
+    assert copy_plan(3, {0, 2}, {0: own[0], 2: own[2]}, {0: kept[0], 2: kept[2]}, keeper_of) == (
         6, [("own", 0), ("kept", 2), ("own", 2)])
     # ... and before it did: back to 4
-    assert snapshot_plan(3, {0, 2}, {0: own[0], 2: own[2]}, {0: kept[0], 2: {1: [2, 4]}}, keeper_of)[0] == 4
+    assert copy_plan(3, {0, 2}, {0: own[0], 2: own[2]}, {0: kept[0], 2: {1: [2, 4]}}, keeper_of)[0] == 4
     # shards 1 and 2 lost together: shard 1's copy went with its keeper
-    assert snapshot_plan(3, {0}, {0: own[0]}, {0: kept[0]}, keeper_of) is None
-    assert snapshot_plan(1, set(), {}, {}, lambda i: "keeper") is None  # no snapshot yet
+    assert copy_plan(3, {0}, {0: own[0]}, {0: kept[0]}, keeper_of) is None
+    assert copy_plan(1, set(), {}, {}, lambda i: "keeper") is None  # no copy yet
 
 
 def _train(tmp_path, task, *, workers, inject=(), cluster=None, checkpoint=None, **train):

@@ -1,6 +1,6 @@
 """Long scenarios of ``--mode async`` (moved out of tests/test_async.py to keep the suite
 within its time; ``python3 dev.py test benchmarks/scenarios`` runs them): checkpoints
-passed between the modes, and a parameter-server shard lost before and after a snapshot."""
+passed between the modes, and a parameter-server shard lost before and after a copy."""
 
 from __future__ import annotations
 
@@ -49,10 +49,10 @@ def test_one_worker_and_checkpoints_passed_between_the_modes_end_on_the_replay(r
 
 
 def test_a_lost_parameter_server_shard_restores_the_checkpoint_or_rolls_back_to_a_snapshot(ray_cluster, tmp_path):
-    """Two shards, snapshots every 4 versions, a checkpoint every 2 steps. Shard 1 dies as
-    it applies update 3, before any snapshot: the run restores the checkpoint of step 2.
+    """Two shards, copies every 4 versions, a checkpoint every 2 steps. Shard 1 dies as
+    it applies update 3, before any copy: the run restores the checkpoint of step 2.
     Shard 0 dies as it applies update 9: the model rolls back to version 8, the newest
-    snapshot both shards still hold (shard 1 its own, shard 0 the copy shard 1 keeps), and
+    copy both shards still hold (shard 1 its own, shard 0 the copy shard 1 keeps), and
     the updates after it are undone and their steps trained again. The run ends on the
     replay of updates.jsonl, every step applied once."""
     task = paced_task(PacedLoss(seconds=0.005))

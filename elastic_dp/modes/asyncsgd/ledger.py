@@ -89,7 +89,7 @@ class Ledger:
 
     def roll_back(self, version: int) -> list[int]:
         """The model is back at ``version`` (a lost parameter-server shard rebuilt from a
-        snapshot): the steps of later updates, and every step out, are leased again.
+        copy): the steps of later updates, and every step out, are leased again.
         Returns the steps to lease again."""
         undone = [self.applied.pop(v).step for v in range(version + 1, self.version + 1) if v in self.applied]
         undone += list(self.leased.values())
@@ -123,10 +123,10 @@ class Ledger:
         return not self.leased
 
 
-def snapshot_plan(shards: int, alive: set[int], own: dict[int, list[int]],
+def copy_plan(shards: int, alive: set[int], own: dict[int, list[int]],
                   kept: dict[Any, dict[int, list[int]]], keeper_of: Callable[[int], Any]) -> tuple[int, list] | None:
     """The newest version at which every shard's state is still held: by the shard itself
-    (alive, ``own`` snapshot) or by its keeper (``kept[keeper_of(i)][i]``, the keeper alive:
+    (alive, ``own`` copy) or by its keeper (``kept[keeper_of(i)][i]``, the keeper alive:
     only live keepers are in ``kept``). Returns it and, per shard, ``("own", i)`` or
     ``("kept", keeper)``; None when some shard's state is lost with its keeper's copy."""
     versions = {v for vs in own.values() for v in vs} | {v for k in kept.values() for vs in k.values() for v in vs}

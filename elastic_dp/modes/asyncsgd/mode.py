@@ -32,7 +32,7 @@ from elastic_dp.config import ClusterConfig
 from elastic_dp.errors import ConfigError
 from elastic_dp.faults import Fault
 from elastic_dp.modes.asyncsgd.drains import DrainWatch
-from elastic_dp.modes.asyncsgd.ledger import Ledger, Update, snapshot_plan
+from elastic_dp.modes.asyncsgd.ledger import Ledger, Update, copy_plan
 from elastic_dp.modes.asyncsgd.shard import Keeper, ParameterShard, flat_bounds
 from elastic_dp.modes.base import Failure, MembersLost, Recovery, RecoveryResult, SaveOutcome
 from elastic_dp.modes.context import ModeContext
@@ -112,7 +112,7 @@ class AsyncMode:
         """The model has buffers: shard 0 keeps them, and a lease pulls them with the parameters."""
         up = ray.is_initialized()
         self.keeper: Any = _new_keeper() if up and train.mode.ps_shards == 1 else None
-        """The snapshots' keeper of a lone shard."""
+        """The copies' keeper of a lone shard."""
         self._spawned = [_new_shard(train.mode.ps_device) for _ in range(min(train.mode.ps_shards, SPAWN_AHEAD))] if up else []
         """Shard processes started at once: they import torch while the workers are placed."""
         self._last_update = time.perf_counter()
@@ -279,9 +279,9 @@ class AsyncMode:
         self.guard.check_update(update.version, job.step, repr(member), meta["finite"], meta["loss_finite"])
         every = self.train.mode.snapshot_every
         if update.version % every == 0:  # every shard at exactly this version: consistent
-            snaps = [shard.snapshot.remote() for shard in self.shards]
-            for i, snap in enumerate(snaps):
-                self._holder(self._keeper_of(i)).keep.remote(i, snap)
+            copies = [shard.copy_state.remote() for shard in self.shards]
+            for i, copied in enumerate(copies):
+                self._holder(self._keeper_of(i)).keep.remote(i, copied)
         self._check_shards(wait_s=0.0)
 
     def _pace(self, member: Any, compute_s: float) -> None:
@@ -293,7 +293,7 @@ class AsyncMode:
 
     # -- a lost parameter-server shard -----------------------------------------------------
     def _keeper_of(self, i: int) -> int | str:
-        """Who keeps shard ``i``'s snapshots: the next shard, or the keeper of a lone shard."""
+        """Who keeps shard ``i``'s copies: the next shard, or the keeper of a lone shard."""
         return (i + 1) % len(self.shards) if len(self.shards) > 1 else "keeper"
 
     def _holder(self, key: int | str) -> Any:
@@ -328,29 +328,29 @@ class AsyncMode:
 
     def _rebuild_shards(self, failure: Failure) -> RecoveryResult:
         """Every shard back at the newest version of which each one's state is still held
-        (its own snapshot, or its keeper's copy); the updates after it are undone and their
+        (its own copy, or the one its keeper holds); the updates after it are undone and their
         steps leased again. None held: ``STATE_LOST``, the checkpoint's turn."""
         lost, shards = sorted(self._lost_shards), len(self.shards)
         alive = set(range(shards)) - set(lost)
         own = dict(zip(sorted(alive), ray.get([self.shards[i].own_versions.remote() for i in sorted(alive)])))
         keepers = sorted({self._keeper_of(i) for i in range(shards)} - set(lost), key=str)
         kept = dict(zip(keepers, ray.get([self._holder(k).held.remote() for k in keepers])))
-        plan = snapshot_plan(shards, alive, own, kept, self._keeper_of)
+        plan = copy_plan(shards, alive, own, kept, self._keeper_of)
         if plan is None:
             return RecoveryResult(Recovery.STATE_LOST, reason=(
-                f"parameter-server shard {', '.join(map(str, lost))} died before a snapshot of it was kept "
+                f"parameter-server shard {', '.join(map(str, lost))} died before a copy of it was kept "
                 f"(--snapshot-every {self.train.mode.snapshot_every})"))
         version, sources = plan
-        snaps = [self.shards[i].own_snapshot.remote(version) if kind == "own" else
+        copies = [self.shards[i].own_copy.remote(version) if kind == "own" else
                  self._holder(src).export.remote(i, version) for i, (kind, src) in enumerate(sources)]
-        ray.wait(snaps, num_returns=len(snaps), timeout=None)  # out of the survivors before anything changes
+        ray.wait(copies, num_returns=len(copies), timeout=None)  # out of the survivors before anything changes
         self._drain()
         self._replace_lost()
-        ray.get([s.restore.remote(snap) for s, snap in zip(self.shards, snaps)])  # each forgets later copies
+        ray.get([s.restore.remote(copied) for s, copied in zip(self.shards, copies)])  # each forgets later copies
         if self.keeper is not None:
             self.keeper.trim.remote(version)
-        for i, snap in enumerate(snaps):  # a rebuilt keeper holds its copies again
-            self._holder(self._keeper_of(i)).keep.remote(i, snap)
+        for i, copied in enumerate(copies):  # a rebuilt keeper holds its copies again
+            self._holder(self._keeper_of(i)).keep.remote(i, copied)
         undone = self.ledger.roll_back(version)
         self.recorder.event("ps_shards_restored", shards=lost, version=version, updates_undone=failure.step - version,
                             steps_leased_again=sorted(undone))
@@ -372,13 +372,13 @@ class AsyncMode:
     def _move(self) -> None:
         """Each holder on a draining node hands its state to its successor (which Ray placed
         on another node): a shard its parameters and optimizer state at the current version,
-        and the snapshots it keeps for the shard before it; a keeper its copies. Quiescent:
+        and the copies it keeps for the shard before it; a keeper its copies. Quiescent:
         no update is out, so none is lost or applied twice."""
         version = self.ledger.version
         for key, (new, built) in self.drains.started.items():
             old = self._holder(key)
             ray.get(built)
-            restored = [] if key == "keeper" else [new.restore.remote(old.snapshot.remote())]  # at ``version``
+            restored = [] if key == "keeper" else [new.restore.remote(old.copy_state.remote())]  # at ``version``
             kept = ray.get(old.held.remote())
             ray.get([*restored, *(new.keep.remote(i, old.export.remote(i, v)) for i, vs in kept.items() for v in vs)])
             if key == "keeper":

@@ -12,7 +12,7 @@ update exactly as the whole would.
 Its calls run one at a time in the order the coordinator submits them (a Ray actor's
 calls from one caller are ordered): ``apply`` the update of version ``v``, then a
 ``params`` submitted after it returns the pieces at exactly version ``v`` on every shard,
-so a worker always pulls one consistent model version. A ``snapshot`` submitted there
+so a worker always pulls one consistent model version. A ``copy_state`` submitted there
 copies the shard's state at exactly ``v``, the same version on every shard: the shard
 keeps it, and another actor (``Keeper``: the next shard, or a keeper of its own when
 there is one shard) keeps a copy in its memory, so that a lost shard can be rebuilt.
@@ -58,7 +58,7 @@ def flat_bounds(numel: int, shards: int) -> list[int]:
 
 
 SNAPSHOTS_KEPT = 2
-"""Snapshots kept of each shard, by the shard and by its keeper: the two newest."""
+"""Copies kept of each shard, by the shard and by its keeper: the two newest."""
 
 State = dict[str, Any]
 """A shard's state at one version: ``version``, ``masters`` and ``state`` (per piece, its
@@ -66,20 +66,20 @@ optimizer state), in host memory."""
 
 
 class Keeper:
-    """Holds other shards' snapshots in its memory (each shard is one for the next)."""
+    """Holds other shards' copies in its memory (each shard is one for the next)."""
 
     def __init__(self) -> None:
-        keep_freed_memory()  # each update's pull and snapshot reuse the last one's memory (elastic_dp.malloc)
+        keep_freed_memory()  # each update's pull and copy reuse the last one's memory (elastic_dp.malloc)
         self.kept: dict[int, list[State]] = {}
 
-    def keep(self, index: int, snapshot: State) -> None:
-        """Keep shard ``index``'s ``snapshot`` (the two newest)."""
-        self.kept[index] = [s for s in self.kept.get(index, []) if s["version"] != snapshot["version"]][
-            -(SNAPSHOTS_KEPT - 1):] + [snapshot]
+    def keep(self, index: int, state: State) -> None:
+        """Keep shard ``index``'s copy ``state`` (the two newest)."""
+        self.kept[index] = [s for s in self.kept.get(index, []) if s["version"] != state["version"]][
+            -(SNAPSHOTS_KEPT - 1):] + [state]
 
     def held(self) -> dict[int, list[int]]:
         """Shard index -> versions kept."""
-        return {i: [s["version"] for s in snaps] for i, snaps in self.kept.items()}
+        return {i: [s["version"] for s in copies] for i, copies in self.kept.items()}
 
     def export(self, index: int, version: int) -> State:
         return next(s for s in self.kept[index] if s["version"] == version)
@@ -92,7 +92,7 @@ class Keeper:
     def trim(self, version: int) -> None:
         """Forget the copies of versions after ``version``: the model went back to it, and
         a later version will be another (a roll-back, or a checkpoint restored)."""
-        self.kept = {i: [s for s in snaps if s["version"] <= version] for i, snaps in self.kept.items()}
+        self.kept = {i: [s for s in copies if s["version"] <= version] for i, copies in self.kept.items()}
 
 
 class ParameterShard(Keeper):
@@ -185,35 +185,35 @@ class ParameterShard(Keeper):
         self.version = version
         return version
 
-    # -- snapshots: a lost shard is rebuilt from its keeper's copy ---------------------------
-    def snapshot(self) -> State:
+    # -- copies: a lost shard is rebuilt from its keeper's copy ---------------------------
+    def copy_state(self) -> State:
         """Copy this shard's state at its version into host memory; keep it and return it
         (the coordinator hands it to this shard's keeper)."""
-        snap = {"version": self.version, "masters": [m.detach().to("cpu", copy=True) for m in self.masters],
+        copied = {"version": self.version, "masters": [m.detach().to("cpu", copy=True) for m in self.masters],
                 "state": [{k: v.detach().to("cpu", copy=True) for k, v in self.optimizer.state.get(m, {}).items()
                            if isinstance(v, torch.Tensor)} for m in self.masters],  # in host memory
                 "buffers": self.buffers}  # replaced, never changed in place, by apply
-        self.own = [s for s in self.own if s["version"] != self.version][-(SNAPSHOTS_KEPT - 1):] + [snap]
-        return snap
+        self.own = [s for s in self.own if s["version"] != self.version][-(SNAPSHOTS_KEPT - 1):] + [copied]
+        return copied
 
     def own_versions(self) -> list[int]:
         return [s["version"] for s in self.own]
 
-    def own_snapshot(self, version: int) -> State:
+    def own_copy(self, version: int) -> State:
         return next(s for s in self.own if s["version"] == version)
 
     @torch.no_grad()
-    def restore(self, snap: State) -> int:
-        """Become the shard of ``snap`` (its own or its keeper's copy of it)."""
-        for master, value, state in zip(self.masters, snap["masters"], snap["state"]):
+    def restore(self, copied: State) -> int:
+        """Become the shard of ``copied`` (its own or its keeper's copy of it)."""
+        for master, value, state in zip(self.masters, copied["masters"], copied["state"]):
             master.copy_(value)
             if state:  # 0-dim step counts stay where the optimizer keeps them (host, unless fused/capturable)
                 self.optimizer.state[master] = {k: v.clone() if v.dim() == 0 else v.to(master.device, copy=True)
                                                 for k, v in state.items()}
             else:
                 self.optimizer.state.pop(master, None)
-        self.version = snap["version"]
-        self.buffers = snap.get("buffers", self.buffers)
+        self.version = copied["version"]
+        self.buffers = copied.get("buffers", self.buffers)
         self.own = [s for s in self.own if s["version"] <= self.version]
         self.trim(self.version)
         return self.version
@@ -261,7 +261,7 @@ class ParameterShard(Keeper):
             return start < hi and lo < start + numel
 
         state = checkpoint.read(wanted)
-        self.own, self.kept = [], {}  # snapshots of another history
+        self.own, self.kept = [], {}  # copies of another history
         for (name, start, length, _), master in zip(self.pieces, self.masters):
             master.copy_(state.model[name].reshape(-1)[start:start + length].float())
             fields = {}
