@@ -46,7 +46,7 @@ def test_a_drain_in_async_mode_lets_the_worker_finish_its_gradient_and_moves_the
     assert summary["updates"] == 20
     moved = {e["shard"]: e for e in report["events"] if e["kind"] == "ps_shard_moved"}
     assert 0 in moved and set(moved) <= {0, "keeper"}  # Ray may have put the keeper there too
-    assert all(e["time"] < report["notice_at"] + 8 for e in moved.values())  # before the deadline
+    assert all(e["time"] < report["notice_at"] + 12 for e in moved.values())  # before the deadline (12 s)
     assert not any(e["kind"] == "ps_shards_restored" for e in report["events"])
 
 
