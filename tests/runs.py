@@ -38,11 +38,6 @@ class Run:
     def weights(self, name: str = "final") -> dict:
         return load_file(Path(self.out) / f"{name}.safetensors")
 
-    @property
-    def initial(self) -> str:
-        """The initial weights file, which a replay starts from."""
-        return str(Path(self.out) / "initial.safetensors")
-
 
 def fit(task: Task, out: Path | str, *, workers: int = 2, min_workers: int | None = None, inject=(),
         checkpoint: CheckpointConfig | None = None, cluster: dict[str, Any] | None = None,

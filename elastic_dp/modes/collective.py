@@ -215,3 +215,45 @@ class CollectiveRun:
         """The saves that ended (committed or abandoned) since the last call; ``wait``:
         first wait for the one in flight."""
         return self.saves.poll(wait) if self.saves is not None else []
+
+
+class OnCollectiveRun:
+    """The part of ``TrainingMode`` that a mode over a ``CollectiveRun`` (its ``run``)
+    answers as the run does: the generation and its members, the start, evaluation, saves,
+    a restart from a checkpoint and the end. The sync mode and DiLoCo are built on it and
+    add how steps are trained and what a change of members does (a mode overrides what it
+    does otherwise: DiLoCo's start)."""
+
+    run: CollectiveRun
+
+    @property
+    def generation(self) -> int:
+        return self.run.generation
+
+    @property
+    def members(self) -> list[Any]:
+        return self.run.members
+
+    def start(self, members: list[Any], resume: Checkpoint | None) -> int:
+        return self.run.start(members, resume)
+
+    def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
+        self.run.restore(members, checkpoint)
+
+    def evaluate(self, step: int) -> tuple[float, int]:
+        return self.run.evaluate(step)
+
+    def save(self, store: CheckpointStore, step: int) -> None:
+        self.run.save(store, step)
+
+    def settle_saves(self, wait: bool = False) -> list[SaveOutcome]:
+        return self.run.settle_saves(wait)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+    def close(self) -> None:
+        pass  # the workers are all it has
+
+    def standby(self, workers: list[Any]) -> None:
+        pass  # standby workers are not kept in step (TrainingMode.standby)

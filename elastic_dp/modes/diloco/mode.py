@@ -16,16 +16,17 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
+from elastic_dp.durable.checkpoint import Checkpoint
 from elastic_dp.faults import STEP_PHASES
 from elastic_dp.modes.base import Failure, MembersLost, Recovery, RecoveryResult
-from elastic_dp.modes.collective import CollectiveRun
+from elastic_dp.modes.collective import CollectiveRun, OnCollectiveRun
 from elastic_dp.modes.context import ModeContext
-from elastic_dp.modes.saving import SaveOutcome
 
 
-class DiLoCoMode:
-    """DiLoCo over one collective group per generation (``TrainingMode``)."""
+class DiLoCoMode(OnCollectiveRun):
+    """DiLoCo over one collective group per generation (``TrainingMode``). A restart from a
+    checkpoint is the collective run's: every member loads θ and the outer state (and, at the
+    saved world size, its own inner state) through its program."""
 
     def __init__(self, context: ModeContext) -> None:
         context.train.mode.check_run(context.train, context.cluster, context.checkpoint)  # outer boundaries
@@ -34,27 +35,10 @@ class DiLoCoMode:
         self.gens = self.run.gens
         self.every = context.train.mode.sync_every
 
-    @property
-    def generation(self) -> int:
-        return self.gens.generation
-
-    @property
-    def members(self) -> list[Any]:
-        return self.gens.members
-
     def start(self, members: list[Any], resume: Checkpoint | None) -> int:
-        step = self.run.start(members, resume)
+        step = super().start(members, resume)
         self.gens.call_all("call", "sync_from", 0, step)  # θ_0: rank 0's model, which every member now has
         return step
-
-    def close(self) -> None:
-        pass  # the workers are all it has
-
-    def standby(self, workers: list[Any]) -> None:
-        pass  # standby workers are not kept in step (TrainingMode.standby)
-
-    def finish(self) -> None:
-        self.run.finish()
 
     # -- the windows -------------------------------------------------------------------------
     def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True,
@@ -121,18 +105,3 @@ class DiLoCoMode:
         members = [m for m in self.members if m in kept] + [m for m in members if m not in before]
         self.gens.form(self.run.rank_order(members))  # stage 0's: this order is kept
         self.gens.call_all("call", "sync_from", 0, step)
-
-    def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
-        """Every member loads θ and the outer state (and, at the saved world size, its own
-        inner state) from ``checkpoint``."""
-        self.run.restore(members, checkpoint)
-
-    # -- evaluation and checkpoints: the collective run's (θ, at outer boundaries) -------------
-    def evaluate(self, step: int) -> tuple[float, int]:
-        return self.run.evaluate(step)
-
-    def save(self, store: CheckpointStore, step: int) -> None:
-        self.run.save(store, step)
-
-    def settle_saves(self, wait: bool = False) -> list[SaveOutcome]:
-        return self.run.settle_saves(wait)

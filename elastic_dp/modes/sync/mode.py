@@ -14,17 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from elastic_dp.durable.checkpoint import Checkpoint, CheckpointStore
 from elastic_dp.messages import StepResult
 from elastic_dp.modes.base import Failure, MembersLost, Recovery, RecoveryResult
-from elastic_dp.modes.collective import CollectiveRun
+from elastic_dp.modes.collective import CollectiveRun, OnCollectiveRun
 from elastic_dp.modes.context import ModeContext
-from elastic_dp.modes.saving import SaveOutcome
 from elastic_dp.modes.sync.balance import Balancer
 from elastic_dp.modes.sync.window import Committed, Window
 
 
-class SyncMode:
+class SyncMode(OnCollectiveRun):
     """Synchronous SGD over one collective group per generation (``TrainingMode``)."""
 
     def __init__(self, context: ModeContext) -> None:
@@ -37,27 +35,6 @@ class SyncMode:
         self.balancer = Balancer(self.train.global_batch) if self.train.mode.balance else None
         self._sizes: tuple[int, ...] | None = None  # the last slicing recorded ...
         self._sized: list[Any] = []  # ... and the members it was for
-
-    @property
-    def generation(self) -> int:
-        return self.gens.generation
-
-    @property
-    def members(self) -> list[Any]:
-        return self.gens.members
-
-    # -- start and end: the collective run's ----------------------------------------------
-    def start(self, members: list[Any], resume: Checkpoint | None) -> int:
-        return self.run.start(members, resume)
-
-    def close(self) -> None:
-        pass  # the workers are all it has
-
-    def standby(self, workers: list[Any]) -> None:
-        pass  # standby workers are not kept in step (TrainingMode.standby)
-
-    def finish(self) -> None:
-        self.run.finish()
 
     # -- the step --------------------------------------------------------------------------
     def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True,
@@ -125,16 +102,3 @@ class SyncMode:
                                                                            if r.samples]
             self.run.record(failure.step, results)
         return result
-
-    def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
-        self.run.restore(members, checkpoint)
-
-    # -- evaluation and checkpoints: the collective run's ---------------------------------
-    def evaluate(self, step: int) -> tuple[float, int]:
-        return self.run.evaluate(step)
-
-    def save(self, store: CheckpointStore, step: int) -> None:
-        self.run.save(store, step)
-
-    def settle_saves(self, wait: bool = False) -> list[SaveOutcome]:
-        return self.run.settle_saves(wait)
