@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, TrainConfig
-from elastic_dp.comm.mesh import rank_order
+from elastic_dp.comm.mesh import Mesh, rank_order
 from elastic_dp.control.coordinator import Coordinator
 from elastic_dp.control.membership import Membership
 from elastic_dp.faults import FaultPlan
@@ -169,12 +169,13 @@ def bench_plan(members: int, repeats: int) -> tuple[list[float], list[float]]:
                     for i in range(members) if i != lost}
         survivors = [m for m in old if m.id != lost]
         start = time.perf_counter()
-        order = rank_order(survivors, lambda m: m.info.node_id, spread=True)
-        plan = chunk_sources(members, holdings)
+        order = rank_order(survivors, lambda m: m.info.node_id)
+        plan = chunk_sources(members, holdings, Mesh(tuple(m.info.node_id for m in old)).right)
         plans.append(time.perf_counter() - start)
         assert plan is not None and plan.step == step and len(order) == members - 1
         start = time.perf_counter()
-        needed_sources(r % (members - 1), numels, members - 1, members)
+        rank = r % (members - 1)
+        needed_sources(rank, Mesh(tuple(m.info.node_id for m in order)).left(rank), numels, members - 1, members)
         ranks.append(time.perf_counter() - start)
     return plans, ranks
 

@@ -145,6 +145,20 @@ def paced_task(loss: PacedLoss, **defaults) -> Task:
                 defaults=dataclasses.replace(MLP_TASK.defaults, **defaults))
 
 
+@dataclasses.dataclass(frozen=True)
+class PacedGPTLoss:
+    """The GPT job's loss after sleeping ``seconds`` per call, until the file ``until`` exists
+    (a scenario that must act while the run trains: the replay uses ``gpt.loss``)."""
+
+    seconds: float
+    until: str
+
+    def __call__(self, model: nn.Module, batch) -> torch.Tensor:
+        if not os.path.exists(self.until):
+            time.sleep(self.seconds)
+        return gpt.loss(model, batch)
+
+
 def tiny_gpt() -> nn.Module:
     return gpt.GPT(context=16, dim=32, layers=2, heads=2)
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from elastic_dp.comm.mesh import Mesh
+from elastic_dp.comm.mesh import Mesh, rank_order
 from elastic_dp.errors import CollectiveError
 from tests.ranks import run_ranks
 
@@ -21,15 +21,47 @@ def test_the_dimensions_of_an_uneven_mesh():
     mesh = Mesh(("A", "A", "B", "B", "B"))
     assert mesh.groups("world") == [(0, 1, 2, 3, 4)]
     assert mesh.groups("host") == [(0, 1), (2, 3, 4)]
-    assert mesh.groups("across") == [(0, 2), (1, 3), (4,)]  # local index 2 exists on host B only
+    # three pieces (host B's ranks): on host A rank 0 owns pieces 0 and 1, rank 1 piece 2
+    assert mesh.pieces == 3 and [mesh.owned(r) for r in range(5)] == [range(0, 2), range(2, 3), *map(range, (0, 1, 2), (1, 2, 3))]
+    assert mesh.groups("across") == [(0, 2), (0, 3), (1, 4)]
     assert [mesh.local_rank(r) for r in range(5)] == [0, 1, 0, 1, 2]
-    assert mesh.group("across", 3) == (1, 3) and mesh.index("across", 3) == 1
+    assert mesh.group("across", 3) == (0, 3) and mesh.indices("across", 0) == [0, 1]
     with pytest.raises(ValueError, match="dimensions world, host, across, not 'rack'"):
         mesh.groups("rack")
 
 
+def test_equal_hosts_pair_one_local_index_across():
+    mesh = Mesh(("A", "A", "B", "B", "C", "C"))
+    assert mesh.pieces == 2 and mesh.groups("across") == [(0, 2, 4), (1, 3, 5)]
+    assert mesh.spans_hosts() and not Mesh(("A", "B")).spans_hosts() and not Mesh(("A", "A")).spans_hosts()
+
+
+def test_the_rank_order_keeps_each_host_contiguous_and_a_joiner_beside_its_host():
+    host = {"a0": "A", "a1": "A", "b0": "B", "b1": "B", "a2": "A"}
+    # the policy lists survivors, then the joiner a2 (on host A): it sits beside A's ranks
+    assert rank_order(["a0", "b0", "a1", "b1", "a2"], host.__getitem__) == ["a0", "a1", "a2", "b0", "b1"]
+    assert rank_order(["b1", "a0", "b0"], host.__getitem__) == ["b1", "b0", "a0"]
+
+
+@pytest.mark.parametrize("hosts", [("A", "A", "B", "B"), ("A", "A", "A", "B", "B"), ("A", "A", "B"),
+                                   ("A", "B", "C", "C"), ("A",) * 3])
+def test_the_snapshot_ring_puts_each_ranks_keeper_on_another_host_wherever_it_can(hosts):
+    mesh = Mesh(hosts)
+    n = len(hosts)
+    assert sorted(mesh.ring) == list(range(n))
+    assert all(mesh.left(mesh.right(r)) == r for r in range(n))
+    crossing = sum(hosts[r] != hosts[mesh.right(r)] for r in range(n))
+    largest = max(hosts.count(h) for h in set(hosts))
+    if largest <= n // 2:  # every rank's keeper on another host
+        assert crossing == n
+    elif len(set(hosts)) > 1:  # a host holds more than half: as many as its others can take
+        assert crossing >= 2 * (n - largest)
+    else:
+        assert crossing == 0
+
+
 def test_sums_over_each_dimension_and_two_levels_equal_the_flat_sum():
-    hosts = ("A", "B", "A", "B")  # interleaved, as ZeRO's rank order spreads neighbours over hosts
+    hosts = ("A", "B", "A", "B")  # interleaved: a mesh takes the hosts in any order
 
     def rank_fn(group):
         value = float(2 ** group.rank)  # distinct bits: a sum names the ranks in it

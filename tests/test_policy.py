@@ -125,19 +125,28 @@ def test_chunk_sources_after_a_kill_during_a_snapshot():
     assert plan == ChunkPlan(7, ((1, "peer"), (1, "own")))
 
 
-def test_ranks_alternate_between_nodes_so_each_peer_snapshot_is_on_another_node():
-    from elastic_dp.comm.mesh import rank_order
+def test_the_snapshot_ring_alternates_between_nodes_so_each_peer_snapshot_is_on_another_node():
+    from elastic_dp.comm.mesh import Mesh
 
-    node = {"a1": "A", "a2": "A", "b1": "B", "b2": "B", "c1": "C"}
-    assert rank_order(["a1", "a2", "b1", "b2"], node.get, spread=True) == ["a1", "b1", "a2", "b2"]
-    assert rank_order(["a1", "a2"], node.get, spread=True) == ["a1", "a2"]  # one node: the order is kept
-    assert rank_order(["a1", "a2", "b1", "c1"], node.get, spread=True) == ["a1", "b1", "a2", "c1"]
+    assert Mesh(("A", "A", "B", "B")).ring == (0, 2, 1, 3)  # ranks contiguous by host; the ring alternates
+    assert Mesh(("A", "A")).ring == (0, 1)  # one node: the rank order
+    assert Mesh(("A", "A", "B", "C")).ring == (0, 2, 1, 3)
     rng = random.Random(1)
     for _ in range(500):
         n = rng.randint(2, 16)
-        nodes = [rng.randint(0, 3) for _ in range(n)]
-        members = list(range(n))
-        order = rank_order(members, nodes.__getitem__, spread=True)
-        assert sorted(order) == members
+        nodes = tuple(sorted(rng.randint(0, 3) for _ in range(n)))  # a rank order: each node's ranks contiguous
+        mesh = Mesh(tuple(map(str, nodes)))
+        assert sorted(mesh.ring) == list(range(n))
         if max(nodes.count(k) for k in set(nodes)) <= n // 2:  # then every snapshot can be elsewhere
-            assert all(nodes[order[i]] != nodes[order[(i + 1) % n]] for i in range(n)), (nodes, order)
+            assert all(nodes[r] != nodes[mesh.right(r)] for r in range(n)), (nodes, mesh.ring)
+
+
+def test_chunk_sources_finds_a_peer_snapshot_at_the_rings_right_neighbour():
+    # ranks 0, 1 on node A and 2, 3 on node B; the ring 0 2 1 3: rank 0's snapshot is kept by rank 2.
+    # Node A lost: ranks 0 and 1's chunks come from their keepers on node B (2 and 3)
+    from elastic_dp.comm.mesh import Mesh
+
+    right = Mesh(("A", "A", "B", "B")).right
+    plan = chunk_sources(4, {2: _held(7, (6, 7), (6, 7)), 3: _held(7, (6, 7), (6, 7))}, right)
+    assert plan == ChunkPlan(7, ((2, "peer"), (3, "peer"), (2, "live"), (3, "live")))
+    assert chunk_sources(4, {2: _held(7, (6, 7), (6, 7)), 3: _held(7, (6, 7), (6, 7))}) is None  # next-rank keepers

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from elastic_dp.comm.reducer import GradientReducer, make_buckets
-from elastic_dp.comm.reductions import AllReduce, ReduceScatter
+from elastic_dp.comm.mesh import Mesh
+from elastic_dp.comm.reductions import AllReduce, Hierarchical, ReduceScatter, all_reduce
+from elastic_dp.errors import CollectiveError
 from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
@@ -237,3 +239,77 @@ def test_a_reduction_s_state_is_saved_a_row_a_rank_and_comes_back_at_the_saved_w
             assert not any(k.startswith("reduction/") for k in state.optimizer_tensors)
             if world == 2:  # each rank's share of the optimizer state, as it was saved
                 assert max_abs_diff(state.optimizer_tensors, saved[rank][2].optimizer_tensors) == 0.0
+
+
+@pytest.mark.parametrize("hosts", [("A", "A", "B", "B"), ("A", "A", "B", "B", "B"), ("A", "A", "B"),
+                                   ("A", "B", "B", "C")])
+def test_the_hierarchical_all_reduce_sums_like_the_flat_one_on_even_and_uneven_hosts(hosts):
+    """Integer-valued floats: every order of summing gives the exact sum, so the two compare
+    with ==; 1,003 elements do not divide into the pieces, and the last bucket carries the vote."""
+    world = len(hosts)
+
+    def rank_fn(group):
+        torch.manual_seed(group.rank)
+        tensors = [torch.randint(-50, 50, (n,)).float() for n in (1003, 7, 1)]
+        reduction = Hierarchical(group)
+        got = [t.clone() for t in tensors]
+        handles = [reduction.launch(i, t) for i, t in enumerate(got)]
+        for h in handles:
+            h.wait()
+        flat = [group.all_reduce(t.clone()) for t in tensors]
+        return reduction.active(), [torch.equal(g, f) for g, f in zip(got, flat)], sorted(group._subs)
+
+    results = run_ranks(world, rank_fn, hosts=hosts)
+    assert all(active and all(equal) for active, equal, _ in results)
+    # the host's group and the across groups of the pieces this rank owns, no others
+    mesh = Mesh(hosts)
+    for rank, (_, _, subs) in enumerate(results):
+        assert subs == sorted([f"host/{mesh.index('host', rank)}", *(f"across/{i}" for i in mesh.owned(rank))])
+
+
+def test_the_reducer_with_the_hierarchical_all_reduce_gives_the_flat_gradients_and_the_vote():
+    torch.manual_seed(0)
+    initial = PartlyUsed().state_dict()
+
+    def rank_fn(group):
+        results = []
+        for reduction in (AllReduce(group), Hierarchical(group)):
+            model = PartlyUsed()
+            model.load_state_dict(initial)
+            reducer = GradientReducer(list(model.parameters()), group, bucket_bytes=100, reduce_fp32=True,
+                                      reduction=reduction)
+            reducer.zero_grad()
+            reducer.arm()
+            x = torch.full((2, 6), float(group.rank + 1))
+            model(x).sum().backward()
+            if group.rank == 2:
+                reducer.ballot.stop()
+            vote = reducer.finish()
+            results.append(({n: p.grad.clone() for n, p in model.named_parameters()}, vote.stop))
+            reducer.close()
+        return results
+
+    for (flat, flat_stop), (hier, hier_stop) in run_ranks(4, rank_fn, hosts=("A", "A", "B", "B")):
+        assert max_abs_diff(flat, hier) < 1e-6 and flat_stop and hier_stop
+
+
+def test_all_reduce_chooses_flat_or_hierarchical_by_the_setting_and_the_mesh():
+    def rank_fn(group):
+        auto, forced, flat = all_reduce(group, None), all_reduce(group, "hierarchical"), all_reduce(group, "flat")
+        return auto.active(), forced.active(), type(flat).__name__
+
+    assert run_ranks(4, rank_fn, hosts=("A", "A", "B", "B"))[0] == (True, True, "AllReduce")
+    assert run_ranks(2, rank_fn, hosts=("A", "B"))[0] == (False, True, "AllReduce")  # one rank a host: flat
+    assert run_ranks(2, rank_fn, hosts=("A", "A"))[0] == (False, True, "AllReduce")  # one host: flat
+
+
+def test_a_bucket_of_an_earlier_generation_does_not_meet_the_next_ones_groups():
+    def launched_then_moved(group):
+        reduction = Hierarchical(group)
+        group.generation = 1  # the group moved on before a bucket launched in generation 0 had its turn
+        with pytest.raises(CollectiveError, match="launched in generation 0 met generation 1"):
+            reduction._reduce(torch.ones(10), 0)
+        group.generation = 0
+        return True
+
+    assert all(run_ranks(2, launched_then_moved, hosts=("A", "A")))

@@ -76,7 +76,7 @@ def test_every_setting_of_a_part_the_run_did_not_choose_is_refused_naming_it(mod
 
 
 def _a_value_other_than_the_default(name: str):
-    values = {"bucket_mb": 5.0, "first_bucket_mb": 1.0, "reduce_fp32": False, "snapshot_every": 3,
+    values = {"bucket_mb": 5.0, "first_bucket_mb": 1.0, "all_reduce": "flat", "reduce_fp32": False, "snapshot_every": 3,
               "reshard_after_forward": False, "balance": True, "prefetch": True, "batch_stats": "local",
               "max_staleness": 2, "staleness_lr": "inverse", "ps_shards": 2, "ps_device": "cpu", "sync_every": 10,
               "outer_lr": 1.0, "outer_momentum": 0.5, "outer_nesterov": False, "outer_reduce": "bf16",

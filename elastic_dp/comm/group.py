@@ -247,33 +247,39 @@ class CollectiveGroup:
             options._timeout = self.timeout
             self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
 
-    def subgroup(self, dim: str) -> CollectiveGroup:
+    def subgroup(self, dim: str, index: int | None = None) -> CollectiveGroup:
         """This rank's group along the mesh's dimension ``dim`` (``mesh.DIMS``) in the current
-        generation, as a group of its own with the same calls (its ranks renumbered from 0
-        in rank order), built the first time it is asked for: every rank of it must ask at
-        the same point (a rendezvous on the generation's store, which an abort ends). It is
-        aborted and destroyed with this group; ``--inject slowlink`` does not delay it."""
+        generation (``index``: which of ``mesh.groups(dim)``, for a rank in several; default
+        the first that holds it), as a group of its own with the same calls (its ranks
+        renumbered from 0 in rank order), built the first time it is asked for: every rank
+        of it must ask at the same point (a rendezvous on the generation's store, which an
+        abort ends). It is aborted and destroyed with this group; ``--inject slowlink`` does
+        not delay it."""
         self._require()
+        index = self.mesh.index(dim, self.rank) if index is None else index
+        key = f"{dim}/{index}"
         with self._lock:
-            sub = self._subs.get(dim)
+            sub = self._subs.get(key)
         if sub is not None:
             return sub
-        ranks = self.mesh.group(dim, self.rank)
+        ranks = self.mesh.groups(dim)[index]
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not in the {dim} group {index} {ranks}")
         sub = CollectiveGroup(backend=self.backend, timeout_s=self.timeout_s)
         sub.generation, sub.rank, sub.world_size = self.generation, ranks.index(self.rank), len(ranks)
         sub.mesh = Mesh(tuple(self.mesh.hosts[r] for r in ranks))
         with self._lock:
             self._check_not_aborted(self.generation, self.rank)
             sub._aborted = self._aborted
-            self._subs[dim] = sub  # an abort from now on reaches it
+            self._subs[key] = sub  # an abort from now on reaches it
         if len(ranks) > 1:
             try:
-                sub._store = dist.PrefixStore(f"sub/{dim}/{self.mesh.index(dim, self.rank)}/", self._store)
+                sub._store = dist.PrefixStore(f"sub/{key}/", self._store)
                 sub._arrive(self.generation, sub.rank, sub.world_size)
                 sub._build(sub.rank, sub.world_size)
             except BaseException:  # not built: the next ask tries again, or meets the abort
                 with self._lock:
-                    self._subs.pop(dim, None)
+                    self._subs.pop(key, None)
                 sub._forget()
                 raise
             if self.generation <= self._aborted:  # aborted while it was being built
@@ -310,7 +316,7 @@ class CollectiveGroup:
         if self.world_size == 1:
             return tensor
         with self._lock:
-            side = self._subs.get("world")
+            side = self._subs.get("world/0")
         if side is None:
             raise RuntimeError("the collective group was built without its side group (CollectiveGroup.side)")
         return side.all_reduce(tensor)
@@ -384,6 +390,24 @@ class CollectiveGroup:
             work = pg.alltoall_base(target.view(-1), send.view(-1), [], [], dist.AllToAllOptions())
             return _Staged(work, [(output, target)] if target is not output else [], keep=send)
         return pg._allgather_base(output, input)
+
+    def all_to_all_async(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                         input_splits: list[int]):
+        """Start an all-to-all of flat tensors: rank j receives ``input``'s ``j``-th run of
+        ``input_splits[j]`` elements, and ``output`` gets every rank's run for this rank in
+        rank order, ``output_splits[j]`` elements from rank ``j`` (uneven runs allowed).
+        Not delayed by ``--inject slowlink`` (the hierarchical all-reduce's steps use it)."""
+        pg = self._require()
+        if pg is None:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        if self._staging(input) or self._staging(output):
+            send = _host(input)
+            target = torch.empty(output.shape, dtype=output.dtype)
+            work = pg.alltoall_base(target, send, output_splits, input_splits, dist.AllToAllOptions())
+            return _Staged(work, [(output, target)], keep=send)
+        return pg.alltoall_base(output, input, output_splits, input_splits, dist.AllToAllOptions())
 
     def exchange_async(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> list:
         """Start sending ``send`` to rank ``dst`` and receiving rank ``src``'s tensor into

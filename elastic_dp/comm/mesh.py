@@ -7,16 +7,27 @@ collective can run over:
 
     world    every rank (a second process group beside the generation's main one)
     host     the ranks on this rank's host (the fast link inside a node)
-    across   the ranks with this rank's local index on every host (the slow link between
-             nodes: a hierarchical all-reduce reduces inside each host, then across)
+    across   per piece of a hierarchical all-reduce, its owner on every host (the slow link
+             between nodes: the all-reduce reduces inside each host, then across)
 
-``CollectiveGroup.subgroup(dim)`` builds the group of a dimension on demand, on the
+``CollectiveGroup.subgroup(dim, index)`` builds a group of a dimension on demand, on the
 generation's rendezvous store; it is aborted and destroyed with the generation.
 
-The rank order of a generation is decided here, once (``rank_order``), from what the
-state needs of it: where each rank copies its chunk to its neighbour (ZeRO's peer
-snapshots) the neighbours are spread over hosts, so that losing a host keeps a copy of
-every chunk; elsewhere the given order (the membership policy's) is kept.
+The rank order of a generation is decided here, once (``rank_order``): the ranks of one host
+are contiguous, the hosts in the order the membership policy lists their first member, and
+a host's ranks in the policy's order; a joiner takes its place beside its host's ranks, not
+at the end. A ring over the ranks then crosses each host boundary once.
+
+Where a rank copies its ZeRO chunk to a peer (peer snapshots), the peer is its right
+neighbour in the snapshot ring (``right``, ``left``), which is not the rank order: the ring
+alternates hosts wherever the hosts allow, so that losing a host keeps a copy of every chunk.
+
+A hierarchical all-reduce (``comm.reductions.Hierarchical``) cuts a tensor into
+``pieces`` pieces, one per rank of the largest host; on each host the pieces are dealt out
+in contiguous blocks to its ranks (``owner``: with as many ranks as pieces, one each; with
+fewer, some rank owns several), and the ``across`` group of piece ``i`` is its owner on
+every host. On hosts of equal size a rank owns one piece and ``across`` pairs the ranks of
+one local index.
 """
 
 from __future__ import annotations
@@ -60,38 +71,87 @@ class Mesh:
         if dim == "host":
             return [self.on_host(h) for h in self.host_names]
         if dim == "across":
-            hosts = [self.on_host(h) for h in self.host_names]
-            return [tuple(ranks[i] for ranks in hosts if i < len(ranks))
-                    for i in range(max(len(ranks) for ranks in hosts))]
+            return [tuple(self.owner(h, i) for h in self.host_names) for i in range(self.pieces)]
         raise ValueError(f"the mesh has the dimensions {', '.join(DIMS)}, not {dim!r}")
 
     def group(self, dim: str, rank: int) -> tuple[int, ...]:
-        """The ranks of ``rank``'s group along ``dim``."""
-        return next(g for g in self.groups(dim) if rank in g)
+        """The ranks of ``rank``'s group along ``dim`` (the first, where it is in several)."""
+        return self.groups(dim)[self.index(dim, rank)]
 
     def index(self, dim: str, rank: int) -> int:
-        """Which of ``groups(dim)`` holds ``rank`` (the group's name on the store)."""
-        return next(i for i, g in enumerate(self.groups(dim)) if rank in g)
+        """Which of ``groups(dim)`` holds ``rank`` (the group's name on the store; the
+        first, where it is in several)."""
+        return self.indices(dim, rank)[0]
+
+    def indices(self, dim: str, rank: int) -> list[int]:
+        """Every one of ``groups(dim)`` that holds ``rank``."""
+        return [i for i, g in enumerate(self.groups(dim)) if rank in g]
+
+    # -- the hierarchical all-reduce's pieces -----------------------------------------------------
+    @property
+    def pieces(self) -> int:
+        """How many pieces a hierarchical all-reduce cuts a tensor into: the ranks of the
+        largest host."""
+        return max((len(self.on_host(h)) for h in self.host_names), default=1)
+
+    def owner(self, host: str, piece: int) -> int:
+        """The rank on ``host`` that owns ``piece`` (contiguous blocks of pieces per rank)."""
+        ranks = self.on_host(host)
+        return ranks[piece * len(ranks) // self.pieces]
+
+    def owned(self, rank: int) -> range:
+        """The pieces ``rank`` owns (contiguous)."""
+        host = self.hosts[rank]
+        mine = [i for i in range(self.pieces) if self.owner(host, i) == rank]
+        return range(mine[0], mine[-1] + 1)
+
+    def spans_hosts(self) -> bool:
+        """More than one host, and some host holds more than one rank: where a hierarchical
+        all-reduce sends fewer bytes over the hosts' links than a flat ring."""
+        return len(self.host_names) > 1 and self.pieces > 1
+
+    # -- the snapshot ring ----------------------------------------------------------------------
+    @property
+    def ring(self) -> tuple[int, ...]:
+        """The ranks in snapshot-ring order: each rank's right neighbour (the next, cyclically)
+        keeps its peer snapshot, on another host wherever the hosts allow."""
+        return tuple(_spread(list(range(self.world_size)), lambda r: self.hosts[r]))
+
+    def right(self, rank: int) -> int:
+        """The rank that keeps ``rank``'s peer snapshot."""
+        ring = self.ring
+        return ring[(ring.index(rank) + 1) % len(ring)]
+
+    def left(self, rank: int) -> int:
+        """The rank whose peer snapshot ``rank`` keeps."""
+        ring = self.ring
+        return ring[(ring.index(rank) - 1) % len(ring)]
 
 
-def rank_order(members: Sequence[Any], host_of: Callable[[Any], str], spread: bool) -> list[Any]:
+def rank_order(members: Sequence[Any], host_of: Callable[[Any], str]) -> list[Any]:
     """A generation's rank order over ``members`` (given in the membership policy's order):
-    with ``spread``, one in which rank ``r+1`` (cyclically: the holder of rank ``r``'s peer
-    snapshot) is on another host than rank ``r`` wherever the hosts allow; else the given
-    order.
-
-    The hosts' members, the largest host first, fill the even positions and then the odd
-    ones: two cyclic neighbours are then at least ``n // 2`` apart in that sequence, so
-    every pair is on two hosts when no host holds more than ``n // 2`` members. On one host
-    the given order is kept."""
+    each host's members contiguous, the hosts in the order of their first member."""
     by_host: dict[str, list[Any]] = {}
     for m in members:
         by_host.setdefault(host_of(m), []).append(m)
-    if not spread or len(by_host) < 2:
-        return list(members)
+    return [m for group in by_host.values() for m in group]
+
+
+def _spread(items: list[Any], host_of: Callable[[Any], str]) -> list[Any]:
+    """``items`` in a cyclic order in which each one's successor is on another host than it
+    wherever the hosts allow (on one host: as given).
+
+    The hosts' items, the largest host first, fill the even positions and then the odd
+    ones: two cyclic neighbours are then at least ``n // 2`` apart in that sequence, so
+    every pair is on two hosts when no host holds more than ``n // 2`` items."""
+    by_host: dict[str, list[Any]] = {}
+    for item in items:
+        by_host.setdefault(host_of(item), []).append(item)
+    if len(by_host) < 2:
+        return list(items)
     sequence = [m for group in sorted(by_host.values(), key=len, reverse=True) for m in group]
-    slots = [*range(0, len(members), 2), *range(1, len(members), 2)]
-    order: list[Any] = [None] * len(members)
-    for slot, member in zip(slots, sequence):
-        order[slot] = member
+    slots = [*range(0, len(items), 2), *range(1, len(items), 2)]
+    order: list[Any] = [None] * len(items)
+    for slot, item in zip(slots, sequence):
+        order[slot] = item
     return order

@@ -10,6 +10,11 @@ that reduces a tensor of its own goes through the same interface (DiLoCo's pseud
   step); with ``wire_dtype`` the tensor crosses in that dtype (DiLoCo's ``--outer-reduce
   bf16``: half the bytes, the sum rounded) and the result is copied back into it.
 - ``ReduceScatter``: each rank receives its chunk of the SUM (ZeRO stages 1 to 3).
+- ``Hierarchical``: every rank receives the SUM, in three steps that keep most bytes inside
+  the hosts (``--all-reduce hierarchical``, docs/hosts.md): a reduce-scatter among the ranks
+  of each host, an all-reduce of each piece among its owners on the other hosts, an
+  all-gather inside each host. Where the generation does not span hosts with more than one
+  rank on some host, it is the flat ``AllReduce`` (unless forced).
 
 A reduction says whether its result is the plain SUM of what every rank sent (``sums``):
 then the commit vote rides the tail of the last bucket's collective, costing no collective
@@ -28,11 +33,15 @@ keep none.
 from __future__ import annotations
 
 import datetime
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import torch
 
 from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.errors import CollectiveError
+from elastic_dp.threads import set_os_name
 
 
 class Reduction:
@@ -140,3 +149,101 @@ class ReduceScatter(Reduction):
         if out is None:
             raise ValueError("a reduce-scatter needs out, this rank's chunk")
         return self.group.reduce_scatter_async(out, tensor)
+
+
+class _Chained:
+    """A reduction run as several collectives one after another on the reduction's thread:
+    ``wait()`` waits for the last, and raises what any of them raised."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self.future.result(None if timeout is None else timeout.total_seconds())
+        return True
+
+
+class Hierarchical(Reduction):
+    """Every rank receives the SUM, reduced inside each host first (``comm.mesh``: hosts, pieces).
+
+    A bucket of ``n`` elements is cut into ``mesh.pieces`` pieces (one per rank of the
+    largest host). On each host, every rank sends each of its peers the pieces that peer
+    owns and sums what it receives for its own (an all-to-all: on a host with fewer ranks
+    than pieces, a rank owns a contiguous block of several); each piece is all-reduced among
+    its owners, one on every host (the ``across`` groups: the only bytes that cross the
+    hosts' links, 2(H-1)/H of the bucket per host on a ring of H hosts, whatever the hosts'
+    sizes); then each rank sends its summed pieces to its host's peers (an all-to-all into
+    the bucket itself).
+
+    The steps of one bucket run one after another on a thread of the reduction's own, and
+    the buckets in launch order, so every rank issues the same collectives on each sub-group
+    in the same order, while the training thread goes on with backward. A bucket launched in
+    one generation and run after the group moved on raises ``CollectiveError`` instead of
+    meeting the next generation's sub-groups. The sum is the flat one up to float order (each
+    host's sum first, in rank order, then theirs).
+
+    ``always``: reduce this way on any mesh (``--all-reduce hierarchical``); otherwise only
+    where the mesh spans more than one host and some host holds more than one rank
+    (``Mesh.spans_hosts``), else as ``AllReduce``.
+    """
+
+    name = "hierarchical"
+
+    def __init__(self, group: CollectiveGroup, *, always: bool = False) -> None:
+        super().__init__(group)
+        self.always = always
+        self._thread: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def active(self) -> bool:
+        """Whether this generation reduces hierarchically (else flat)."""
+        return self.group.world_size > 1 and (self.always or self.group.mesh.spans_hosts())
+
+    def launch(self, index: int, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Any:
+        if out is not None:
+            raise ValueError("an all-reduce leaves its result in place: it takes no out")
+        if not self.active():
+            return self.group.all_reduce_async(tensor)
+        with self._lock:
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-dp-hierarchical",
+                                                  initializer=set_os_name, initargs=("edp-hierarchy",))
+        return _Chained(self._thread.submit(self._reduce, tensor, self.group.generation))
+
+    def _reduce(self, tensor: torch.Tensor, generation: int) -> None:
+        group = self.group
+        if group.generation != generation:
+            raise CollectiveError(f"a bucket launched in generation {generation} met generation {group.generation}",
+                                  rank=group.rank)
+        mesh, rank, flat = group.mesh, group.rank, tensor.view(-1)
+        n, pieces = flat.numel(), mesh.pieces
+        bounds = [i * n // pieces for i in range(pieces + 1)]
+        peers = mesh.on_host(mesh.hosts[rank])
+        spans = [mesh.owned(r) for r in peers]  # each peer's pieces, in local rank order
+        sizes = [bounds[s[-1] + 1] - bounds[s[0]] for s in spans]
+        mine = spans[peers.index(rank)]
+        lo, hi = bounds[mine[0]], bounds[mine[-1] + 1]
+        own = flat[lo:hi]
+        inside = group.subgroup("host")
+        if len(peers) > 1:  # every peer's copy of this rank's pieces, summed in rank order
+            received = torch.empty(len(peers) * own.numel(), dtype=flat.dtype, device=flat.device)
+            inside.all_to_all_async(received, flat, [own.numel()] * len(peers), sizes).wait()
+            rows = received.view(len(peers), -1)
+            torch.add(rows[0], rows[1], out=own)
+            for row in rows[2:]:
+                own.add_(row)
+        works = [group.subgroup("across", i).all_reduce_async(flat[bounds[i]:bounds[i + 1]])
+                 for i in mine if bounds[i + 1] > bounds[i]]
+        for work in works:
+            work.wait()
+        if len(peers) > 1:  # this rank's summed pieces to every peer, every peer's into the bucket
+            sent = own.repeat(len(peers))
+            inside.all_to_all_async(flat, sent, sizes, [own.numel()] * len(peers)).wait()
+
+
+def all_reduce(group: CollectiveGroup, choice: str | None) -> Reduction:
+    """The gradient all-reduce ``--all-reduce`` chooses (``comm.settings.Buckets.all_reduce``):
+    ``flat``, ``hierarchical``, or by the mesh of each generation (None)."""
+    if choice == "flat":
+        return AllReduce(group)
+    return Hierarchical(group, always=choice == "hierarchical")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from elastic_dp.errors import ConfigError
 from elastic_dp.settings import setting
@@ -20,6 +21,13 @@ class Buckets:
         "closes at this many MiB, so that its reduction overlaps the rest of backward (default: 1 on a GPU, as DDP's; "
         "on a CPU none smaller than --bucket-mb: gloo's threads take the cores the compute needs, and the second "
         "collective cost more than the overlap gave, docs/sync.md)", kind=float)
+    all_reduce: Literal["flat", "hierarchical"] | None = setting(
+        None, "--all-reduce", choices=("flat", "hierarchical"), kind=str, help=(
+            "how ZeRO stage 0 all-reduces each gradient bucket: flat, one ring over every rank; hierarchical, a "
+            "reduce-scatter among the ranks of each host, an all-reduce of each piece across the hosts, an "
+            "all-gather inside each host, which sends 2(H-1)/H of the gradient bytes over each of H hosts' links "
+            "instead of about 2x (default: hierarchical when the workers span more than one host and a host holds "
+            "more than one of them, else flat; docs/hosts.md)"))
     reduce_fp32: bool = setting(True, off="--no-reduce-fp32",
                                 help="reduce bf16 gradients in bf16 (default: in fp32, even when parameters are bf16)")
 

@@ -68,9 +68,8 @@ class CollectiveRun:
     # -- start and end -------------------------------------------------------------------
     def rank_order(self, members: list[Any]) -> list[Any]:
         """The rank order of a generation over ``members`` (in the membership policy's
-        order): where the stage keeps peer snapshots, neighbours spread over hosts
-        (``comm.mesh.rank_order``)."""
-        return rank_order(members, lambda m: m.info.node_id, spread=self.train.stage.sharded)
+        order): each host's members contiguous (``comm.mesh.rank_order``)."""
+        return rank_order(members, lambda m: m.info.node_id)
 
     def start(self, members: list[Any], resume: Checkpoint | None) -> int:
         """Form the first generation over ``members`` and give it one state: the checkpoint

@@ -9,7 +9,7 @@ import torch
 
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer
-from elastic_dp.comm.reductions import AllReduce
+from elastic_dp.comm.reductions import all_reduce
 from elastic_dp.config import TrainConfig
 from elastic_dp.durable.checkpoint import REDUCTION, TrainingState, Wanted, load_optimizer_state, optimizer_state
 from elastic_dp.faults import FaultHook
@@ -99,7 +99,7 @@ class Replicated(BucketedGradients, ReplicatedState):
                  group: CollectiveGroup, config: TrainConfig, device: torch.device,
                  faults: FaultHook | None = None) -> None:
         super().__init__(model, optimizer, group, device)
-        self.reduction = AllReduce(group)
+        self.reduction = all_reduce(group, config.buckets.all_reduce)
         self.reducer = GradientReducer(self.params, group,
                                        bucket_bytes=config.buckets.bucket_bytes,
                                        first_bucket_bytes=config.buckets.first_bucket_bytes(device.type),

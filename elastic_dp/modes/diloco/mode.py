@@ -103,5 +103,5 @@ class DiLoCoMode(OnCollectiveRun):
         order (rank 0's θ is sent), then the joiners."""
         kept, before = set(members), set(self.members)
         members = [m for m in self.members if m in kept] + [m for m in members if m not in before]
-        self.gens.form(self.run.rank_order(members))  # stage 0's: this order is kept
+        self.gens.form(self.run.rank_order(members))
         self.gens.call_all("call", "sync_from", 0, step)

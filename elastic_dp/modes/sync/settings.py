@@ -42,6 +42,9 @@ class SyncSettings(ModeSettings):
 
     def check(self, train: Any) -> None:
         """What this mode's settings need of the run's core."""
+        if self.buckets.all_reduce is not None and self.zero.number != 0:
+            raise ConfigError(f"--all-reduce {self.buckets.all_reduce} chooses ZeRO stage 0's all-reduce; stage "
+                              f"{self.zero.number} reduce-scatters its gradients: drop --all-reduce")
         if self.batch_stats == "global" and train.micro_batch is not None:
             raise ConfigError("--batch-stats global computes batch-norm statistics over the global batch in one "
                               "forward per worker: drop --micro-batch, or use --batch-stats local")

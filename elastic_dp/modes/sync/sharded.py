@@ -1,9 +1,8 @@
 """The sharded layout (ZeRO stages 1 to 3), seen from the coordinator.
 
-Each rank owns one chunk of the state and its right neighbour keeps a peer snapshot of
-it (``elastic_dp.state.zero.sharded``); ranks alternate between nodes (the rank order of a
-sharded stage: ``comm.mesh.rank_order``), so that neighbour is on another node wherever
-the cluster allows. After a failure the survivors report what they hold, and
+Each rank owns one chunk of the state and its right neighbour in the snapshot ring keeps a
+peer snapshot of it (``elastic_dp.state.zero.sharded``); the ring alternates between nodes
+(``comm.mesh.Mesh.ring``), so that neighbour is on another node wherever the cluster allows. After a failure the survivors report what they hold, and
 ``chunk_sources`` picks the newest step at which every old chunk is still held
 somewhere; the holders export those chunks to Ray's object store, and each rank of the
 next generation re-cuts its new chunk out of them. The exported chunks stay the source
@@ -17,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from elastic_dp.comm.mesh import Mesh
 from elastic_dp.durable.checkpoint import Checkpoint
 from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
@@ -34,26 +34,29 @@ class ChunkPlan:
     """Per old rank: (the old rank that holds the chunk, ``live`` | ``own`` | ``peer``)."""
 
 
-def chunk_sources(world_size: int, holdings: dict[int, dict]) -> ChunkPlan | None:
+def chunk_sources(world_size: int, holdings: dict[int, dict],
+                  right: Callable[[int], int] | None = None) -> ChunkPlan | None:
     """Pick the newest step at which every old rank's chunk is still held somewhere.
 
     ``holdings`` maps each surviving old rank to what it reported: ``live`` (the step of
     its live chunk), ``own`` (steps of snapshots of its own chunk) and ``peer`` (steps of
-    snapshots of rank ``r-1``'s chunk). A chunk at step ``t`` is held by its owner (live or
-    own snapshot) or by its right neighbour (peer snapshot). None: some chunk and its
+    snapshots of its left neighbour's chunk). A chunk at step ``t`` is held by its owner (live
+    or own snapshot) or by its right neighbour (peer snapshot; ``right(rank)``: the old
+    generation's snapshot ring, ``comm.mesh.Mesh.right``; default the next rank). None: some chunk and its
     replica are both lost, and only a durable checkpoint can restore the state.
     """
+    right = right or (lambda rank: (rank + 1) % world_size)
     steps = sorted({t for h in holdings.values() for t in (h["live"], *h["own"], *h["peer"])}, reverse=True)
     for step in steps:
         sources = []
         for rank in range(world_size):
-            owner, right = holdings.get(rank), holdings.get((rank + 1) % world_size)
+            owner, keeper = holdings.get(rank), holdings.get(right(rank))
             if owner is not None and owner["live"] == step:
                 sources.append((rank, "live"))
             elif owner is not None and step in owner["own"]:
                 sources.append((rank, "own"))
-            elif right is not None and step in right["peer"] and world_size > 1:
-                sources.append(((rank + 1) % world_size, "peer"))
+            elif keeper is not None and step in keeper["peer"] and world_size > 1:
+                sources.append((right(rank), "peer"))
             else:
                 break
         else:
@@ -113,7 +116,8 @@ class ShardedLayout:
         old = self.gens.members
         reports = self.gens.run(holders, {m.actor.chunk_holdings.remote(): m for m in holders})
         rank_of = {m: rank for rank, m in enumerate(old)}
-        plan = chunk_sources(len(old), {rank_of[m]: r for m, r in reports.items()})
+        ring = Mesh(tuple(m.info.node_id for m in old))
+        plan = chunk_sources(len(old), {rank_of[m]: r for m, r in reports.items()}, ring.right)
         if plan is None:
             return False
         metas, refs = {}, []

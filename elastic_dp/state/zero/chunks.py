@@ -116,9 +116,9 @@ def sources(rank: int, numels: list[int], world_size: int, old_world_size: int) 
     return sorted(found) or [0]
 
 
-def needed_sources(rank: int, numels: list[int], world_size: int, old_world_size: int) -> list[int]:
-    """Old ranks whose chunks overlap new rank ``rank``'s chunk or its left neighbour's."""
-    left = (rank - 1) % world_size
+def needed_sources(rank: int, left: int, numels: list[int], world_size: int, old_world_size: int) -> list[int]:
+    """Old ranks whose chunks overlap new rank ``rank``'s chunk or its left neighbour's
+    (``left``: the rank whose peer snapshot it keeps, ``comm.mesh.Mesh.left``)."""
     return sorted(set(sources(rank, numels, world_size, old_world_size))
                   | set(sources(left, numels, world_size, old_world_size)))
 

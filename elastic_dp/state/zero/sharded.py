@@ -211,9 +211,9 @@ class Sharded(BucketedGradients):
             self._wait_gathers()
 
     def _copy_left_masters(self, pending: Exchange) -> None:
-        """Complete rank r-1's snapshot in flight with its master chunks, out of this rank's
+        """Complete the left neighbour's snapshot in flight with its master chunks, out of this rank's
         gathered parameters (their all-gather has been waited for, the next not started)."""
-        left, offset = (self.rank - 1) % self.world_size, 0
+        left, offset = self.group.mesh.left(self.rank), 0
         for buffer, chunk in zip(self.param_buffers, self.chunks):
             pending.received[offset:offset + chunk].copy_(buffer[left * chunk:(left + 1) * chunk])
             offset += chunk
@@ -346,7 +346,7 @@ class Sharded(BucketedGradients):
                               master=[m.detach().to("cpu", torch.float32) for m in self.masters], state=state,
                               buffers=self.history.of(step, self.live_step))
         snap = self.snapshots.find(kind, step)
-        rank = self.rank if kind == "own" else (self.rank - 1) % self.world_size
+        rank = self.rank if kind == "own" else self.group.mesh.left(self.rank)
         shard = unpack(snap, self.chunks, self.world_size, rank)
         shard.buffers = self.history.of(step, self.live_step)
         return shard
@@ -354,7 +354,7 @@ class Sharded(BucketedGradients):
     # -- resharding ----------------------------------------------------------------------
     def needed_sources(self, old_world_size: int) -> list[int]:
         """Old ranks whose chunks overlap this rank's new chunk or its left neighbour's."""
-        return needed_sources(self.rank, self.numels, self.world_size, old_world_size)
+        return needed_sources(self.rank, self.group.mesh.left(self.rank), self.numels, self.world_size, old_world_size)
 
     def import_chunks(self, fetch: Callable[[list[int]], list[ChunkState]], old_world_size: int, step: int) -> None:
         """Become this generation's rank from the old generation's chunks at ``step``;
@@ -375,7 +375,7 @@ class Sharded(BucketedGradients):
         own = cut(self.rank, self.numels, self.world_size, fetch, old_world_size, step)
         self._set_live(own)
         self._gather_params()
-        left = (cut((self.rank - 1) % self.world_size, self.numels, self.world_size, fetch, old_world_size, step)
+        left = (cut(self.group.mesh.left(self.rank), self.numels, self.world_size, fetch, old_world_size, step)
                 if self.world_size > 1 else None)
         self.snapshots.reset(own, left)
 
@@ -405,7 +405,7 @@ class Sharded(BucketedGradients):
                            master=[self._own_params(b).detach().float().cpu() for b in range(len(self.buckets))],
                            buffers=self.history.current())
         self._set_live(shard)
-        left = (self.rank - 1) % self.world_size
+        left = self.group.mesh.left(self.rank)
         self.snapshots.reset(shard, ChunkState(step=step, world_size=self.world_size, rank=left,
                                                master=self._peer_masters(left)) if self.world_size > 1 else None)
 
@@ -428,7 +428,7 @@ class Sharded(BucketedGradients):
         neighbour's (the peer snapshot it keeps): a checkpoint's other files are not read."""
         self._current()
         return zero_format.wanted(self.buckets, self.chunks, self.names,
-                                  {self.rank, (self.rank - 1) % self.world_size})
+                                  {self.rank, self.group.mesh.left(self.rank)})
 
     def load(self, state: TrainingState) -> None:
         self._current()

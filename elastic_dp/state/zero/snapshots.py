@@ -1,15 +1,17 @@
 """Peer snapshots of a ZeRO chunk (docs/design.md, no single copy): what a rank keeps of its own chunk
 and of its left neighbour's, and the transfer between them.
 
-Every ``snapshot_every`` committed steps rank ``r`` packs its chunk into host memory
-(``keep_own``) and sends it to rank ``r+1`` while it receives rank ``r-1``'s (``send``):
+The neighbours are the snapshot ring's (``comm.mesh.Mesh.right``, ``left``), which alternates
+hosts wherever it can, not the rank order (where a host's ranks are contiguous). Every
+``snapshot_every`` committed steps a rank packs its chunk into host memory (``keep_own``)
+and sends it to its right neighbour while it receives its left one's (``send``):
 the transfer runs on a thread of its own while the next step trains, and is waited for
 at the next snapshot, or when the coordinator asks what the rank holds (``wait``). A
 received snapshot counts only once it has arrived whole (``keep_peer``). A receive from
 a peer that died never completes: the group's abort makes it fail, and it is dropped.
 
 With fp32 parameters the first ``unsent`` elements (the masters, packed first) are not
-sent: the all-gather brings rank ``r-1``'s chunk of the parameters to this rank, and
+sent: the all-gather brings the left neighbour's chunk of the parameters to this rank, and
 ``elastic_dp.state.zero.sharded`` copies it into the received snapshot (``Exchange.masters_pending``).
 
 A neighbour on the same host is sent nothing: the owner packs its snapshots into slots
@@ -54,7 +56,7 @@ peer's arrives in milliseconds; after an abort the wait fails at once)."""
 
 @dataclass(slots=True)
 class Exchange:
-    """A peer snapshot on its way: ours to rank r+1 (``own``), rank r-1's into ``received``."""
+    """A peer snapshot on its way: ours to the right neighbour (``own``), the left one's into ``received``."""
 
     step: int
     own: Snapshot
@@ -63,7 +65,7 @@ class Exchange:
     done: Future
     """Completes when both transfers have."""
     masters_pending: bool = False
-    """Rank r-1's master chunk was not sent: its fp32 masters are its chunk of the
+    """The left neighbour's master chunk was not sent: its fp32 masters are its chunk of the
     parameters, which the all-gather brings. It is copied out of the gathered parameters
     once they have arrived, before the next all-gather overwrites them."""
 
@@ -151,7 +153,7 @@ class PeerSnapshots:
         """Agree with both neighbours whether they share memory, for snapshots of ``numel``:
         offer a segment to the right one and map the left one's (a collective)."""
         group, self._agreed = self.group, self._agreed + 1
-        left, right = (self.rank - 1) % self.world_size, (self.rank + 1) % self.world_size
+        left, right = group.mesh.left(self.rank), group.mesh.right(self.rank)
         key = f"snapshot-memory/{self._agreed}"
         out = shm.Segment.create(numel) if shm.enabled() else None
         try:
@@ -178,7 +180,7 @@ class PeerSnapshots:
             received = spare(self._peer)  # not held while it is overwritten
             if received is None or received.device != device or received.shape != own.flat.shape:
                 received = torch.empty(own.flat.shape, dtype=own.flat.dtype, device=device)
-        dst, src = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        dst, src = group.mesh.right(self.rank), group.mesh.left(self.rank)
         if self._sender is None:
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-dp-snapshot",
                                               initializer=set_os_name, initargs=("edp-snapshot",))

@@ -125,7 +125,7 @@ class UnitChunks:
         tensors = checkpoint.manifest["tensors"]
         fields = sorted({k.rpartition("/")[2] for k in tensors  # the reduction's rows are not the optimizer's
                          if k.startswith("optim/") and not k.startswith(f"optim/{REDUCTION}")})
-        left = (self.rank - 1) % self.world_size
+        left = self.group.mesh.left(self.rank)
         ranks = [self.rank, left] if self.world_size > 1 else [self.rank]
         ranges = zero_format.chunk_ranges(self.buckets, self.chunks, self.names, ranks, fields)
         params = {f"model/{k}" for k, v in self.model.state_dict(keep_vars=True).items() if id(v) in self.unit_of}

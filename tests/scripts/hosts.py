@@ -1,0 +1,52 @@
+"""Run in host 0 of a testbed (benchmarks/hosts.py) by benchmarks/scenarios/test_hosts.py:
+the GPT job on the testbed's Ray cluster, the driver on the head's host as on a real
+cluster; the test acts on the hosts (kills one, cuts its link) from outside while it trains,
+reading ``OUT/metrics.jsonl``. Prints one JSON line: the distance of the final parameters from
+the one-process replay of the same batches, the steps and world sizes, the events.
+
+    python -m tests.scripts.hosts OUT SCENARIO [all_reduce=flat|hierarchical] [zero=N] [steps=N]
+
+    steady     4 workers (2 a host), unpaced
+    kill_join  3 to 4 workers: rank 1 killed at step 6 (--inject), a worker joins at step 12
+    host_lost  2 to 4 workers, paced until OUT/fast exists: the test kills a host or cuts its link
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from tests.reference import max_abs_diff, replay
+from tests.runs import fit
+from tests.tasks import TINY_GPT_TASK, PacedGPTLoss
+
+SCENARIOS = {
+    "steady": dict(workers=4, min_workers=4, paced=False, inject=()),
+    "kill_join": dict(workers=4, min_workers=3, paced=True, inject=("kill:step=6:rank=1", "join:step=12")),
+    "host_lost": dict(workers=4, min_workers=2, paced=True, inject=()),
+}
+
+
+def main(out: Path, scenario: str, options: dict[str, str]) -> None:
+    s = SCENARIOS[scenario]
+    task = TINY_GPT_TASK
+    if s["paced"]:
+        task = dataclasses.replace(task, loss=PacedGPTLoss(seconds=0.1, until=str(out / "fast")))
+    sync = {"zero": int(options.get("zero", 0))}
+    if "all_reduce" in options:
+        sync["all_reduce"] = options["all_reduce"]
+    run = fit(task, out, workers=s["workers"], min_workers=s["min_workers"], inject=s["inject"],
+              steps=int(options.get("steps", 24)), micro_batch=1, **sync)
+    expected = replay(TINY_GPT_TASK, run.config, str(out / "initial.safetensors"))
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    print(json.dumps({"diff": max_abs_diff(load_file(out / "final.safetensors"), expected), "events": events,
+                      "steps": [m["step"] for m in metrics], "world_sizes": [m["world_size"] for m in metrics]}))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], dict(a.split("=", 1) for a in sys.argv[3:]))
