@@ -62,6 +62,8 @@ def _tc(namespace: str | None, *args: str) -> None:
 class Testbed:
     """``hosts`` namespaces of ``slots`` Ray CPU slots each, joined by links of ``rate_mbit``."""
 
+    __test__ = False  # not a test class, for pytest
+
     def __init__(self, hosts: int, slots: int, rate_mbit: float, *, name: str | None = None) -> None:
         if not 1 <= hosts <= 200:
             raise ValueError(f"hosts must be 1..200, got {hosts}")

@@ -4,7 +4,9 @@ cluster; the test acts on the hosts (kills one, cuts its link) from outside whil
 reading ``OUT/metrics.jsonl``. Prints one JSON line: the distance of the final parameters from
 the one-process replay of the same batches, the steps and world sizes, the events.
 
-    python -m tests.scripts.hosts OUT SCENARIO [all_reduce=flat|hierarchical] [zero=N] [steps=N]
+    python -m tests.scripts.hosts OUT SCENARIO [all_reduce=flat|hierarchical] [zero=N] [steps=N] [task=tiny|gpt]
+
+    task: the tiny GPT (default; micro-batches of 1) or jobs.gpt's (3.3 MB of gradients, its own batches)
 
     steady     4 workers (2 a host), unpaced
     kill_join  3 to 4 workers: rank 1 killed at step 6 (--inject), a worker joins at step 12
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from jobs import gpt
 from tests.reference import max_abs_diff, replay
 from tests.runs import fit
 from tests.tasks import TINY_GPT_TASK, PacedGPTLoss
@@ -33,15 +36,17 @@ SCENARIOS = {
 
 def main(out: Path, scenario: str, options: dict[str, str]) -> None:
     s = SCENARIOS[scenario]
-    task = TINY_GPT_TASK
+    plain = gpt.TASK if options.get("task") == "gpt" else TINY_GPT_TASK
+    task = plain
     if s["paced"]:
         task = dataclasses.replace(task, loss=PacedGPTLoss(seconds=0.1, until=str(out / "fast")))
-    sync = {"zero": int(options.get("zero", 0))}
+    train = {"zero": int(options.get("zero", 0)), "steps": int(options.get("steps", 24))}
     if "all_reduce" in options:
-        sync["all_reduce"] = options["all_reduce"]
-    run = fit(task, out, workers=s["workers"], min_workers=s["min_workers"], inject=s["inject"],
-              steps=int(options.get("steps", 24)), micro_batch=1, **sync)
-    expected = replay(TINY_GPT_TASK, run.config, str(out / "initial.safetensors"))
+        train["all_reduce"] = options["all_reduce"]
+    if plain is TINY_GPT_TASK:
+        train["micro_batch"] = 1
+    run = fit(task, out, workers=s["workers"], min_workers=s["min_workers"], inject=s["inject"], **train)
+    expected = replay(plain, run.config, str(out / "initial.safetensors"))
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     print(json.dumps({"diff": max_abs_diff(load_file(out / "final.safetensors"), expected), "events": events,
