@@ -8,7 +8,7 @@
     elastic-dp report RUN_DIR [--out DIR]
     elastic-dp release (--node NODE_ID | --actor ACTOR_ID)... [--address ADDR] [--deadline S]
     elastic-dp tokenize TEXT... --out DIR|URI [--tokenizer MODULE:NAME] [--dtype uint16|uint32]
-    elastic-dp plan --params 7.5e9 --workers 64 --zero 1 [--gpu-memory 80GB]
+    elastic-dp plan --params 7.5e9 --workers 64 --zero 1 [--gpu-memory 80GB] [--hosts 8 --workers-per-host 8]
         [--precision bf16|fp32] [--optimizer adam|adamw|sgd-momentum|sgd] [--json]
 
 JOB is an importable module that defines ``TASK`` (e.g. ``jobs.gpt``); its defaults
@@ -90,7 +90,11 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="per-worker memory and communication for a model size and ZeRO stage")
     plan.add_argument("--params", required=True, help="parameter count, e.g. 7.5e9 or 125M")
-    plan.add_argument("--workers", type=int, required=True, help="data-parallel workers")
+    plan.add_argument("--workers", type=int, default=None, help="data-parallel workers (or --hosts and "
+                      "--workers-per-host)")
+    plan.add_argument("--hosts", type=int, default=None, help="hosts the workers are spread over: also say the "
+                      "bytes each host sends over its link per step (docs/hosts.md)")
+    plan.add_argument("--workers-per-host", type=int, default=None, help="workers on each host (with --hosts)")
     plan.add_argument("--zero", type=int, default=0, help="ZeRO stage 0, 1, 2 or 3 (default 0)")
     plan.add_argument("--unit-params", default=None,
                       help="stage 3: the largest unit's parameters (e.g. 3.2e9), to add the gathered units")
@@ -125,7 +129,17 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    plan = MemoryPlan(params=parse_size(args.params, "--params"), workers=args.workers, zero=args.zero,
+    workers = args.workers
+    if args.workers_per_host is not None:
+        if args.hosts is None:
+            raise ConfigError("--workers-per-host needs --hosts")
+        if workers is not None and workers != args.hosts * args.workers_per_host:
+            raise ConfigError(f"--workers {workers} is not --hosts {args.hosts} x --workers-per-host "
+                              f"{args.workers_per_host}: give one or the other")
+        workers = args.hosts * args.workers_per_host
+    if workers is None:
+        raise ConfigError("give --workers, or --hosts and --workers-per-host")
+    plan = MemoryPlan(params=parse_size(args.params, "--params"), workers=workers, zero=args.zero, hosts=args.hosts,
                       precision=args.precision, optimizer=args.optimizer,
                       unit_params=parse_size(args.unit_params, "--unit-params") if args.unit_params else None,
                       reshard=args.reshard)

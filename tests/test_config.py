@@ -167,3 +167,10 @@ def test_stragglers_that_cannot_slow_anything_are_refused():
     with pytest.raises(ConfigError, match="one spec per rank"):
         parse_faults(["slow:rank=0:factor=2", "slow:rank=0:factor=3"], TrainConfig(steps=4),
                      ClusterConfig(workers=2), CheckpointConfig())
+
+
+def test_the_all_reduce_is_stage_0s_and_refused_at_the_sharded_stages_naming_it():
+    assert TrainConfig(all_reduce="hierarchical").buckets.all_reduce == "hierarchical"
+    with pytest.raises(ConfigError, match=r"TrainConfig\.all_reduce='hierarchical' chooses ZeRO stage 0's all-reduce; "
+                                          r"stage 2 reduce-scatters"):
+        TrainConfig(zero=2, all_reduce="hierarchical")

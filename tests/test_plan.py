@@ -121,3 +121,31 @@ def test_bad_plan_input_is_named(args, message, capsys):
     assert message in capsys.readouterr().err
     with pytest.raises(ConfigError):
         MemoryPlan(params=0, workers=1, zero=0)
+
+
+def test_the_bytes_over_each_hosts_link_follow_the_closed_forms_of_docs_hosts():
+    gradient = 4 * 1e6  # fp32
+    two = MemoryPlan(params=1e6, workers=4, zero=0, precision="fp32", hosts=2).link_bytes_per_step()
+    assert two == {"flat": pytest.approx(1.5 * gradient), "hierarchical": pytest.approx(1.0 * gradient)}
+    eight = MemoryPlan(params=1e6, workers=64, zero=0, precision="fp32", hosts=8).link_bytes_per_step()
+    assert eight == {"flat": pytest.approx(2 * 63 / 64 * gradient), "hierarchical": pytest.approx(2 * 7 / 8 * gradient)}
+    # stage 2 moves gradients and parameters: gloo's all-to-alls send W(H-1)/H of them per host, NCCL's rings (N-1)/N
+    zero2 = MemoryPlan(params=1e6, workers=4, zero=2, precision="fp32", hosts=2).link_bytes_per_step()
+    assert zero2 == {"gloo": pytest.approx(2 * 0.5 * 2 * gradient), "nccl": pytest.approx(0.75 * 2 * gradient)}
+    zero3 = MemoryPlan(params=1e6, workers=4, zero=3, precision="fp32", hosts=2).link_bytes_per_step()
+    assert zero3["gloo"] == pytest.approx(2 * 0.5 * 3 * gradient)
+    assert MemoryPlan(params=1e6, workers=4, zero=0, hosts=1).link_bytes_per_step() == {"flat": 0.0, "hierarchical": 0.0}
+    assert MemoryPlan(params=1e6, workers=4, zero=0).link_bytes_per_step() == {}
+
+
+def test_plan_takes_hosts_and_workers_per_host_and_refuses_what_does_not_add_up(capsys):
+    from elastic_dp.cli import main
+
+    assert main(["plan", "--params", "1M", "--hosts", "2", "--workers-per-host", "2", "--precision", "fp32"]) == 0
+    assert "over each host's link per step (2 hosts of 2 workers): flat 6 MB, hierarchical 4 MB" in capsys.readouterr().out
+    for argv, message in ((["--workers-per-host", "2"], "--workers-per-host needs --hosts"),
+                          (["--hosts", "2", "--workers-per-host", "2", "--workers", "5"], "--workers 5 is not --hosts 2"),
+                          (["--hosts", "3", "--workers", "4"], "--hosts must be a positive divisor of the 4 workers"),
+                          ([], "give --workers, or --hosts and --workers-per-host")):
+        assert main(["plan", "--params", "1M", *argv]) != 0
+        assert message in capsys.readouterr().err

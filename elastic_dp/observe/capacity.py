@@ -34,6 +34,13 @@ peer snapshots apart: stage 0 all-reduces the gradients, 2(N-1)/N · GΨ; stages
 reduce-scatter them and all-gather the updated parameters, (N-1)/N · (G + P)Ψ; stage 3
 all-gathers the parameters in the forward and again in the backward and reduce-scatters
 the gradients, (N-1)/N · (2P + G)Ψ (one all-gather less with ``--no-reshard-after-forward``).
+
+Over the hosts' links (``--hosts H --workers-per-host W``, N = H·W; the ranks of a host
+contiguous, docs/hosts.md), bytes each host sends per step: stage 0 with a flat ring,
+2(N-1)/N · GΨ (one rank of each host sends to the next host); with the hierarchical
+all-reduce, 2(H-1)/H · GΨ. Stages 1 to 3 move (G + P)Ψ, or (2P + G)Ψ at stage 3 (call it
+X): on gloo their collectives are all-to-alls, in which each of a host's W ranks sends a
+chunk to each of the N-W ranks elsewhere, W(H-1)/H · X; NCCL's rings send (N-1)/N · X.
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ class MemoryPlan:
     """Stage 3: the largest unit's parameters (None: not known, nothing added for them)."""
     reshard: bool = True
     """Stage 3: the units are freed after their forward (``--no-reshard-after-forward``: not)."""
+    hosts: int | None = None
+    """The hosts the workers are spread over, ``workers`` / ``hosts`` on each (None: not given)."""
 
     def __post_init__(self) -> None:
         if not self.params > 0:
@@ -93,6 +102,8 @@ class MemoryPlan:
             raise ConfigError(f"--precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if self.optimizer not in OPTIMIZER_MOMENTS:
             raise ConfigError(f"--optimizer must be one of {sorted(OPTIMIZER_MOMENTS)}, got {self.optimizer!r}")
+        if self.hosts is not None and (self.hosts < 1 or self.workers % self.hosts):
+            raise ConfigError(f"--hosts must be a positive divisor of the {self.workers} workers, got {self.hosts}")
 
     @property
     def _partitioned(self) -> frozenset[str]:
@@ -162,6 +173,22 @@ class MemoryPlan:
             per_param = share * (g + p)
         return per_param * self.params
 
+    def link_bytes_per_step(self) -> dict[str, float]:
+        """Bytes each host sends over its link per step, by how the step communicates (needs
+        ``hosts``): stage 0 ``flat`` and ``hierarchical``; a sharded stage on ``gloo`` (all-to-alls)
+        and on ``nccl`` (rings)."""
+        if self.hosts is None:
+            return {}
+        h, n = self.hosts, self.workers
+        w = n // h
+        p, g, _ = self._pgk
+        if h == 1:
+            return {k: 0.0 for k in (("flat", "hierarchical") if not self._partitioned else ("gloo", "nccl"))}
+        if not self._partitioned:
+            return {"flat": 2 * (n - 1) / n * g * self.params, "hierarchical": 2 * (h - 1) / h * g * self.params}
+        moved = (2 * p + g if "parameters" in self._partitioned and self.reshard else p + g) * self.params
+        return {"gloo": w * (h - 1) / h * moved, "nccl": (n - 1) / n * moved}
+
     def report(self, gpu_memory: float | None = None) -> dict:
         out = {"inputs": {**asdict(self), "gpu_memory": gpu_memory},
                "bytes_per_param": self.bytes_per_param(),
@@ -172,6 +199,8 @@ class MemoryPlan:
                "snapshot_bytes": self.snapshot_bytes(),
                "gathered_bytes": self.gathered_bytes(),
                "comm_bytes_per_step": self.comm_bytes_per_step()}
+        if self.hosts is not None:
+            out["link_bytes_per_host_per_step"] = self.link_bytes_per_step()
         if gpu_memory is not None:
             out["fits"] = self.per_worker_bytes()["total"] + self.gathered_bytes() <= gpu_memory
             out["workers_needed"] = self.workers_needed(gpu_memory)
@@ -200,6 +229,10 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
                      f"({snap['host_neighbour_on_same_host'] / gib:.2f} GiB with the neighbour on the same host); "
                      f"with NCCL, {snap['device_while_sent'] / gib:.2f} GiB more on the device while one is sent")
     lines.append(f"  communication per step: {r['comm_bytes_per_step'] / 1e9:.3f} GB sent by each worker")
+    if plan.hosts is not None:
+        per_host = ", ".join(f"{k} {v / 1e6:.3g} MB" for k, v in r["link_bytes_per_host_per_step"].items())
+        lines.append(f"  over each host's link per step ({plan.hosts} hosts of {plan.workers // plan.hosts} workers): "
+                     f"{per_host}")
     if gpu_memory is not None:
         need = r["workers_needed"]
         lines.append(f"  on {gpu_memory / 1e9:.3g} GB devices: " + ("fits" if r["fits"] else "does NOT fit")
