@@ -90,21 +90,29 @@ def test_a_kill_and_a_join_across_hosts_with_the_hierarchical_all_reduce_end_on_
     assert [c["lost"] for c in changes][:1] == [1] and any(c.get("joined") for c in changes)
 
 
-@pytest.mark.parametrize("how", ["killed", "partitioned"])
-def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(bed, tmp_path, how):
-    """Host 1's Ray node and workers killed by id, or its link cut: the run goes on with host
-    0's two workers, from their replica (no checkpoint: none is configured). Afterwards the
-    host is brought back (a new Ray node; the link healed) for the next test."""
+@pytest.mark.parametrize("how,zero", [("killed", 0), ("partitioned", 0), ("killed", 2), ("drained", 0)])
+def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(bed, tmp_path, how, zero):
+    """Host 1's Ray node and workers killed by id, its link cut, or the node drained for
+    preemption with Ray's own CLI (``ray drain-node``): the run goes on with host 0's two
+    workers, from their replica at stage 0, and at ZeRO-2 from the peer snapshots the
+    snapshot ring put on host 0 (no checkpoint: none is configured). Afterwards the host is
+    brought back (the link healed, a new Ray node) for the next test."""
     fast = tmp_path / "fast"
-    proc = _start(bed, tmp_path, "host_lost", "all_reduce=hierarchical")
+    proc = _start(bed, tmp_path, "host_lost", f"zero={zero}", *(["all_reduce=hierarchical"] if zero == 0 else []))
     metrics = tmp_path / "metrics.jsonl"
     try:
         wait_for(metrics, lambda ms: len(ms) >= 4 and ms[-1]["world_size"] == 4, timeout_s=120)
         at = time.monotonic()
         if how == "killed":
             assert bed.kill(1), "no process ran on host 1"
-        else:
+        elif how == "partitioned":
             bed.cut(1)
+        else:
+            node = next(n for n, address in bed.live_nodes().items() if address == bed.address_of(1))
+            drained = bed.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--reason",
+                               "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "test_hosts",
+                               "--deadline-remaining-seconds", "60", node])
+            assert drained.returncode == 0, drained.stderr
         wait_for(metrics, lambda ms: ms[-1]["world_size"] == 2, timeout_s=60)
         went_on_s = time.monotonic() - at
         fast.touch()
@@ -117,7 +125,10 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
         bed.start_node(1)
     assert report["diff"] < TOL
     change = next(e for e in report["events"] if e["kind"] == "membership_changed")
-    assert change["lost"] == 2 and sorted(change["lost_ranks"]) == [2, 3]  # host 1's ranks, contiguous
+    if how == "drained":  # a planned leave at a step boundary: nothing lost, nothing re-run
+        assert change["lost"] == 0 and sorted(change["left_ranks"]) == [2, 3] and change["steps_rerun"] == 0
+    else:
+        assert change["lost"] == 2 and sorted(change["lost_ranks"]) == [2, 3]  # host 1's ranks, contiguous
     assert report["world_sizes"][-1] == 2
     if how == "partitioned":
         assert went_on_s < DETECT_S + 5, went_on_s

@@ -39,7 +39,7 @@ def main(out: Path, scenario: str, options: dict[str, str]) -> None:
     plain = gpt.TASK if options.get("task") == "gpt" else TINY_GPT_TASK
     task = plain
     if s["paced"]:
-        task = dataclasses.replace(task, loss=PacedGPTLoss(seconds=0.1, until=str(out / "fast")))
+        task = dataclasses.replace(task, loss=PacedGPTLoss(seconds=0.2, until=str(out / "fast")))
     train = {"zero": int(options.get("zero", 0)), "steps": int(options.get("steps", 24))}
     if "all_reduce" in options:
         train["all_reduce"] = options["all_reduce"]

@@ -7,8 +7,9 @@ Prints one JSON line with what the test checks.
     python -m tests.scripts.node_loss OUT zero3        the same at ZeRO-3 (the MLP's layers its units)
 
 In the zero scenarios the second node joins after the run has started on the first
-node's two workers, so the workers become ready node by node (A A B B): only the rank
-order the sharded layout chooses keeps each peer snapshot on the other node. It is also
+node's two workers, so the workers become ready node by node (A A B B), and the rank
+order keeps them so: only the snapshot ring (0 2 1 3, ``comm.mesh.Mesh.ring``) keeps each
+peer snapshot on the other node. It is also
 how an autoscaler grows a run: the run asks for room for MAX workers
 (``request_resources``; this local cluster has no autoscaler, so the request is read
 back from where Ray keeps it), starts on the MIN that fit, and the workers placed on the

@@ -1,0 +1,109 @@
+"""Several hosts on one slow link each (the testbed, benchmarks/hosts.py): bytes each host
+sends over its link per step, from the kernel's counters, and samples/s, for elastic_dp's
+flat and hierarchical all-reduce and torch DDP (a flat gloo ring, started with torchrun on
+each host), all training jobs.gpt in the same namespaces, next to ``elastic-dp plan``'s
+figure. As root (the namespaces); docs/BENCHMARKS.md has the figures.
+
+    python -m benchmarks.bench_hosts [--hosts 2] [--workers-per-host 2] [--rate-mbit 200] [--steps 24] [--rounds 1]
+
+Bytes and step times are read between the reports of steps 4 and steps-4 (start-up and the
+end left out); samples/s is the global batch over the median step time there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.hosts import Testbed
+from elastic_dp.observe.capacity import MemoryPlan
+from jobs.gpt import TASK
+from tests.scripts.scenario import lines, wait_for
+
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+def _measure(bed: Testbed, progress: Path, procs: list[subprocess.Popen], first: int, last: int,
+             timeout_s: float = 600) -> dict:
+    """Bytes per host per step and the step times between steps ``first`` and ``last``."""
+    wait_for(progress, lambda ms: len(ms) >= first + 1, timeout_s=timeout_s)
+    before = bed.sent()
+    wait_for(progress, lambda ms: len(ms) >= last + 1, timeout_s=timeout_s)
+    after = bed.sent()
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{proc.args[-8:]} failed ({proc.returncode}): {err[-3000:]}")
+    steps = [m for m in lines(progress) if first < m["step"] <= last]
+    return {"bytes_per_host_per_step": [(b - a) / (last - first) for a, b in zip(before, after)],
+            "step_s": statistics.median(m["step_s"] for m in steps)}
+
+
+def elastic_dp(bed: Testbed, workers: int, steps: int, all_reduce: str, out: Path) -> dict:
+    proc = bed.popen([sys.executable, "-m", "elastic_dp.cli", "train", "jobs.gpt", "--workers", str(workers),
+                      "--steps", str(steps), "--all-reduce", all_reduce, "--out", str(out), "--no-progress"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    return _measure(bed, out / "metrics.jsonl", [proc], 4, steps - 4)
+
+
+def ddp(bed: Testbed, per_host: int, steps: int, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    progress = out / "progress.jsonl"
+    procs = [bed.popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={bed.hosts}",
+                        f"--nproc-per-node={per_host}", f"--node-rank={h}", f"--master-addr={bed.address_of(0)}",
+                        "--master-port=29500", "-m", "benchmarks.ddp_gpt", "--steps", str(steps),
+                        "--progress", str(progress)],
+                       host=h, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+               for h in range(bed.hosts)]
+    return _measure(bed, progress, procs, 4, steps - 4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--workers-per-host", type=int, default=2)
+    parser.add_argument("--rate-mbit", type=float, default=200)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    reason = Testbed.unavailable()
+    if reason:
+        sys.exit(f"no testbed: {reason}")
+    workers = args.hosts * args.workers_per_host
+    params = sum(p.numel() for p in TASK.model().parameters())
+    plan = MemoryPlan(params=params, workers=workers, zero=0, precision="fp32", hosts=args.hosts)
+    gradient_bytes = 4 * params
+    results: dict[str, list[dict]] = {"flat": [], "hierarchical": [], "ddp": []}
+    root = Path(tempfile.mkdtemp(prefix="edp-bench-hosts-"))
+    with Testbed(hosts=args.hosts, slots=args.workers_per_host, rate_mbit=args.rate_mbit) as bed:
+        for r in range(args.rounds):
+            for name in results:
+                out = root / f"{name}-{r}"
+                started = time.monotonic()
+                if name == "ddp":
+                    result = ddp(bed, args.workers_per_host, args.steps, out)
+                else:
+                    result = elastic_dp(bed, workers, args.steps, name, out)
+                result["wall_s"] = time.monotonic() - started
+                results[name].append(result)
+                print(name, json.dumps(result), flush=True)
+    batch = TASK.defaults.global_batch
+    print(f"\n{args.hosts} hosts x {args.workers_per_host} workers, {args.rate_mbit:g} Mbit/s links, jobs.gpt "
+          f"({gradient_bytes / 1e6:.2f} MB of fp32 gradients), {args.rounds} round(s) of {args.steps} steps")
+    print(f"{'':14}{'bytes/host/step':>18}{'x gradients':>13}{'plan':>8}{'s/step':>9}{'samples/s':>11}")
+    figures = plan.link_bytes_per_step()
+    for name, runs in results.items():
+        sent = statistics.median(b for run in runs for b in run["bytes_per_host_per_step"])
+        step_s = statistics.median(run["step_s"] for run in runs)
+        planned = figures.get(name, figures["flat"]) / gradient_bytes
+        print(f"{name:14}{sent:18,.0f}{sent / gradient_bytes:13.3f}{planned:8.2f}{step_s:9.3f}{batch / step_s:11.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""torch DDP on jobs.gpt, started the way its users start it on several hosts: ``torchrun`` on
+each host (``--nnodes H --nproc-per-node W --node-rank i --master-addr <host 0>``), a gloo
+process group, each rank looping over its own steps with no driver in between. The peer of
+``benchmarks/bench_hosts.py`` on the testbed. Each rank trains its contiguous slice of the
+same sampler steps as elastic_dp (``ElasticSampler``, global batch 32).
+
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr 10.213.57.1 \\
+        --master-port 29500 -m benchmarks.ddp_gpt --steps 24 --progress OUT.jsonl
+
+Rank 0 appends one JSON line per step to ``--progress`` (step, wall time, step seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_dp.data import ElasticSampler, split
+from jobs.gpt import TASK
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--progress", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(TASK.defaults.seed)
+    model = DistributedDataParallel(TASK.model(), bucket_cap_mb=25)
+    optimizer = TASK.optimizer(model.module)
+    dataset = TASK.dataset()
+    sampler = ElasticSampler(len(dataset), global_batch=TASK.defaults.global_batch, seed=TASK.defaults.seed)
+    for step in range(args.steps):
+        start = time.perf_counter()
+        mine = split(sampler.batch(step), world)[rank]
+        batch = TASK.collate([dataset[int(i)] for i in mine])
+        optimizer.zero_grad()
+        # the loss scaled so that DDP's average over ranks is the global-batch mean (slices are equal)
+        loss = TASK.loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        if rank == 0:
+            with open(args.progress, "a") as f:
+                f.write(json.dumps({"step": step, "time": time.time(), "step_s": time.perf_counter() - start}) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
