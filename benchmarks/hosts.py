@@ -187,11 +187,12 @@ class Testbed:
     def live_nodes(self) -> dict[str, str]:
         """The live nodes the cluster's control store counts: node id -> address."""
         code = ("import json, ray; ray.init(log_to_driver=False, logging_level='ERROR'); "
-                "print(json.dumps({n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']}))")
+                "print('nodes:' + json.dumps({n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']}))")
         done = self.run([sys.executable, "-c", code], timeout_s=60)
-        if done.returncode != 0:
-            raise RuntimeError(f"could not list the testbed's nodes: {done.stderr[-2000:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        listed = [line for line in done.stdout.splitlines() if line.startswith("nodes:")]
+        if done.returncode != 0 or not listed:
+            raise RuntimeError(f"could not list the testbed's nodes: {done.stdout[-1000:]} {done.stderr[-2000:]}")
+        return json.loads(listed[-1].removeprefix("nodes:"))
 
     def wait_nodes(self, ready: Callable[[dict[str, str]], bool], what: str, timeout_s: float = 90.0) -> None:
         """Until ``ready(live_nodes())``."""

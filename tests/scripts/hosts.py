@@ -4,9 +4,10 @@ cluster; the test acts on the hosts (kills one, cuts its link) from outside whil
 reading ``OUT/metrics.jsonl``. Prints one JSON line: the distance of the final parameters from
 the one-process replay of the same batches, the steps and world sizes, the events.
 
-    python -m tests.scripts.hosts OUT SCENARIO [all_reduce=flat|hierarchical] [zero=N] [steps=N] [task=tiny|gpt]
+    python -m tests.scripts.hosts OUT SCENARIO [all_reduce=flat|hierarchical] [zero=N] [steps=N] [task=tiny|gpt] [pace=S]
 
     task: the tiny GPT (default; micro-batches of 1) or jobs.gpt's (3.3 MB of gradients, its own batches)
+    pace: seconds slept per micro-batch while paced (default 0.2)
 
     steady     4 workers (2 a host), unpaced
     kill_join  3 to 4 workers: rank 1 killed at step 6 (--inject), a worker joins at step 12
@@ -39,7 +40,8 @@ def main(out: Path, scenario: str, options: dict[str, str]) -> None:
     plain = gpt.TASK if options.get("task") == "gpt" else TINY_GPT_TASK
     task = plain
     if s["paced"]:
-        task = dataclasses.replace(task, loss=PacedGPTLoss(seconds=0.2, until=str(out / "fast")))
+        task = dataclasses.replace(task, loss=PacedGPTLoss(seconds=float(options.get("pace", 0.2)),
+                                                                  until=str(out / "fast")))
     train = {"zero": int(options.get("zero", 0)), "steps": int(options.get("steps", 24))}
     if "all_reduce" in options:
         train["all_reduce"] = options["all_reduce"]
