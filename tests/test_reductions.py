@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_dp.comm.reducer import GradientReducer, make_buckets
 from elastic_dp.comm.mesh import Mesh
+from elastic_dp.comm.reducer import GradientReducer, make_buckets
 from elastic_dp.comm.reductions import AllReduce, Hierarchical, ReduceScatter, all_reduce
 from elastic_dp.errors import CollectiveError
 from elastic_dp.modes.sync.program import SyncProgram
