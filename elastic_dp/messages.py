@@ -58,6 +58,8 @@ class WorkerInfo:
     """Elements of the parameters the optimizer steps (what ``--mode async`` shards)."""
     node_id: str = ""
     """The Ray node the worker runs on."""
+    node_ip: str = ""
+    """That node's address (the ``mesh`` event's hosts)."""
     device_name: str = ""
     """The GPU's name (``torch.cuda.get_device_name``); empty on a CPU."""
     eval_len: int = 0

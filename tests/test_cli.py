@@ -38,11 +38,14 @@ def test_gpt_job_writes_weights_metrics_events_and_summary(tmp_path):
     assert all(m["world_size"] == 2 and m["generation"] == 0 and m["samples"] == 8 for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     events = read_lines(out / "events.jsonl")
-    assert [e["kind"] for e in events] == ["group_formed", "state_memory", "checkpoint_saved", "checkpoint_saved"]
+    assert [e["kind"] for e in events] == ["mesh", "group_formed", "state_memory", "checkpoint_saved",
+                                           "checkpoint_saved"]
+    assert events[0]["generation"] == 0 and len(events[0]["hosts"]) == 2  # one address a rank, on this machine
     params = 4 * sum(p.numel() for p in build_model().parameters())  # fp32, replicated at stage 0
-    assert [(r["rank"], r["parameters"]) for r in events[1]["ranks"]] == [(0, params), (1, params)]
+    memory = events[2]
+    assert [(r["rank"], r["parameters"]) for r in memory["ranks"]] == [(0, params), (1, params)]
     tensors = len(list(build_model().parameters()))  # AdamW: two moments, and a step count per tensor
     assert all(r["gradients"] == params and 2 * params < r["optimizer"] <= 2 * params + 8 * tensors
-               for r in events[1]["ranks"]), events[1]
+               for r in memory["ranks"]), memory
     assert all(isinstance(e["time"], float) for e in events)
     assert sorted(p.name[:13] for p in ckpt.iterdir()) == ["step-00000003", "step-00000006"]

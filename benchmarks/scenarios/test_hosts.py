@@ -67,9 +67,11 @@ def test_the_gpt_job_across_two_hosts_ends_on_the_replay_and_the_hierarchical_al
         bed, tmp_path, all_reduce):
     """jobs.gpt (3.3 MB of gradients), 2 hosts: the hierarchical all-reduce sends 2(H-1)/H =
     1.0x the gradient's bytes over each host's link, a flat ring of 4 ranks 2(N-1)/N = 1.5x
-    (one rank of each host sends the host's share). Bounds: the figure +8% (TCP/IP headers
-    and the acknowledgements of what the host receives, the metrics the workers stream to the
-    driver, Ray's own traffic: measured at +3-5% here), and no less than the figure -2%."""
+    (one rank of each host sends the host's share). Bounds: no less than the figure -2% (the
+    algorithm cannot send less), and no more than the figure + 0.25x, half-way to the other
+    algorithm's, for TCP/IP headers and the acknowledgements of what the host receives, the
+    workers' reports to the driver and Ray's own traffic, which is by the second, not by the
+    step: +4-5% alone (docs/BENCHMARKS.md), +11% beside the other scenarios on 2 cores."""
     proc = _start(bed, tmp_path, "steady", f"all_reduce={all_reduce}", "steps=24", "task=gpt")
     per_step = _bytes_per_step(bed, tmp_path / "metrics.jsonl", 4, 20)
     report = _report(proc)
@@ -78,7 +80,7 @@ def test_the_gpt_job_across_two_hosts_ends_on_the_replay_and_the_hierarchical_al
     gradient_bytes = memory["ranks"][0]["gradients"]  # the stage-0 buckets: every parameter's gradient, fp32
     expected = 1.0 if all_reduce == "hierarchical" else 1.5
     for host, sent in enumerate(per_step):
-        assert 0.98 * expected < sent / gradient_bytes < 1.08 * expected, (host, sent / gradient_bytes, per_step)
+        assert 0.98 * expected < sent / gradient_bytes < expected + 0.25, (host, sent / gradient_bytes, per_step)
 
 
 def test_a_kill_and_a_join_across_hosts_with_the_hierarchical_all_reduce_end_on_the_replay(bed, tmp_path):
@@ -88,6 +90,11 @@ def test_a_kill_and_a_join_across_hosts_with_the_hierarchical_all_reduce_end_on_
     assert 3 in sizes and sizes[-1] == 4, sizes  # the kill, then the joiner (on the killed worker's host)
     changes = [e for e in report["events"] if e["kind"] == "membership_changed"]
     assert [c["lost"] for c in changes][:1] == [1] and any(c.get("joined") for c in changes)
+    # the joiner sits beside its host's ranks: each host's ranks contiguous in every generation
+    meshes = [e["hosts"] for e in report["events"] if e["kind"] == "mesh"]
+    assert len(meshes) >= 3 and sorted(meshes[-1]) == sorted(bed.address_of(h) for h in (0, 0, 1, 1)), meshes
+    for hosts in meshes:
+        assert all(hosts[r] == hosts[r + 1] or hosts[r + 1] not in hosts[:r + 1] for r in range(len(hosts) - 1)), hosts
 
 
 @pytest.mark.parametrize("how,zero", [("killed", 0), ("partitioned", 0), ("killed", 2), ("drained", 0)])

@@ -48,7 +48,7 @@ class CollectiveRun:
         bounds = HangBounds(heartbeat_timeout_s=cluster.heartbeat_timeout_s, stall_floor_s=cluster.stall_floor_s,
                             stall_factor=cluster.stall_factor)
         self.gens = Generations(Calls(deadline_s=cluster.step_timeout_s, grace_s=cluster.abort_grace_s,
-                                      bounds=bounds), context.faults.link_delay_s)
+                                      bounds=bounds), context.faults.link_delay_s, formed=self._formed)
         self.layout = make_layout(train.stage, self.gens, self.sampler_state)
         self.guard = context.guard()
         self.sampler: ElasticSampler | None = None
@@ -64,6 +64,10 @@ class CollectiveRun:
     @property
     def members(self) -> list[Any]:
         return self.gens.members
+
+    def _formed(self, generation: int, members: list[Any]) -> None:
+        """The ``mesh`` event: where each rank of a new generation runs (docs/hosts.md)."""
+        self.recorder.event("mesh", generation=generation, hosts=[m.info.node_ip for m in members])
 
     # -- start and end -------------------------------------------------------------------
     def rank_order(self, members: list[Any]) -> list[Any]:

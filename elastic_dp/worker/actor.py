@@ -75,7 +75,7 @@ class WorkerActor:
             self.program.leave()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         return dataclasses.replace(self.replica.info(), node_id=ray.get_runtime_context().get_node_id(),
-                                   device_name=name)
+                                   node_ip=ray.util.get_node_ip_address(), device_name=name)
 
     def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int,
                         fault: Fault | None = None, link_delay_s: float = 0.0,

@@ -8,7 +8,7 @@ forming failed is never reused: the next attempt takes the next number.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch.distributed as dist
@@ -22,8 +22,11 @@ logger = logging.getLogger(__name__)
 class Generations:
     """Forms each generation's group over its members and runs calls on the members."""
 
-    def __init__(self, calls: Calls, link_delay_s: float = 0.0) -> None:
+    def __init__(self, calls: Calls, link_delay_s: float = 0.0,
+                 formed: Callable[[int, list[Any]], None] | None = None) -> None:
         self.calls = calls
+        self.formed = formed
+        """Told of each generation formed (its number, its members in rank order)."""
         self.link_delay_s = link_delay_s  # --inject slowlink: each member's collectives' least time
         self.generation = -1
         self.members: list[Any] = []
@@ -46,6 +49,8 @@ class Generations:
         self.run(members, calls)
         self.members = list(members)
         logger.debug("generation %d formed over %d workers", self.generation, len(members))
+        if self.formed is not None:
+            self.formed(self.generation, self.members)
 
     def run(self, group: list[Any], calls: dict[object, Any]) -> dict[Any, Any]:
         """Results of ``calls`` (ref -> member of ``group``); lost members raise ``MembersLost``."""
