@@ -146,3 +146,12 @@ def test_a_sub_group_whose_peer_never_comes_is_ended_by_the_abort_and_not_left_h
 
     run_ranks(2, rank_fn, hosts=("A", "A"))
     assert outcome["ended_s"] < 5
+
+
+def test_a_sub_group_asked_for_by_an_earlier_generation_is_refused_not_built():
+    def rank_fn(group):
+        with pytest.raises(CollectiveError, match="a sub-group of generation 0 asked for in generation 1"):
+            group.subgroup("host", generation=0)
+        return group.subgroup("host", generation=1).world_size
+
+    assert run_ranks(2, rank_fn, generation=1, hosts=("A", "A")) == [2, 2]

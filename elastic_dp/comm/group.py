@@ -247,15 +247,19 @@ class CollectiveGroup:
             options._timeout = self.timeout
             self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
 
-    def subgroup(self, dim: str, index: int | None = None) -> CollectiveGroup:
+    def subgroup(self, dim: str, index: int | None = None, generation: int | None = None) -> CollectiveGroup:
         """This rank's group along the mesh's dimension ``dim`` (``mesh.DIMS``) in the current
         generation (``index``: which of ``mesh.groups(dim)``, for a rank in several; default
         the first that holds it), as a group of its own with the same calls (its ranks
         renumbered from 0 in rank order), built the first time it is asked for: every rank
         of it must ask at the same point (a rendezvous on the generation's store, which an
         abort ends). It is aborted and destroyed with this group; ``--inject slowlink`` does
-        not delay it."""
+        not delay it. ``generation``: the one the caller means; another (the group moved on
+        meanwhile) raises ``CollectiveError`` instead of building the new generation's."""
         self._require()
+        if generation is not None and generation != self.generation:
+            raise CollectiveError(f"a sub-group of generation {generation} asked for in generation "
+                                  f"{self.generation}", rank=self.rank)
         index = self.mesh.index(dim, self.rank) if index is None else index
         key = f"{dim}/{index}"
         with self._lock:

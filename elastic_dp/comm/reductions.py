@@ -179,7 +179,7 @@ class Hierarchical(Reduction):
     the buckets in launch order, so every rank issues the same collectives on each sub-group
     in the same order, while the training thread goes on with backward. A bucket launched in
     one generation and run after the group moved on raises ``CollectiveError`` instead of
-    meeting the next generation's sub-groups. The sum is the flat one up to float order (each
+    meeting the next generation's sub-groups (its sub-groups are asked for by generation). The sum is the flat one up to float order (each
     host's sum first, in rank order, then theirs).
 
     ``always``: reduce this way on any mesh (``--all-reduce hierarchical``); otherwise only
@@ -224,7 +224,7 @@ class Hierarchical(Reduction):
         mine = spans[peers.index(rank)]
         lo, hi = bounds[mine[0]], bounds[mine[-1] + 1]
         own = flat[lo:hi]
-        inside = group.subgroup("host")
+        inside = group.subgroup("host", generation=generation)
         if len(peers) > 1:  # every peer's copy of this rank's pieces, summed in rank order
             received = torch.empty(len(peers) * own.numel(), dtype=flat.dtype, device=flat.device)
             inside.all_to_all_async(received, flat, [own.numel()] * len(peers), sizes).wait()
@@ -232,7 +232,7 @@ class Hierarchical(Reduction):
             torch.add(rows[0], rows[1], out=own)
             for row in rows[2:]:
                 own.add_(row)
-        works = [group.subgroup("across", i).all_reduce_async(flat[bounds[i]:bounds[i + 1]])
+        works = [group.subgroup("across", i, generation).all_reduce_async(flat[bounds[i]:bounds[i + 1]])
                  for i in mine if bounds[i + 1] > bounds[i]]
         for work in works:
             work.wait()
