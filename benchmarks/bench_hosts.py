@@ -6,8 +6,9 @@ figure. As root (the namespaces); docs/BENCHMARKS.md has the figures.
 
     python -m benchmarks.bench_hosts [--hosts 2] [--workers-per-host 2] [--rate-mbit 200] [--steps 24] [--rounds 1]
 
-Bytes and step times are read between the reports of steps 4 and steps-4 (start-up and the
-end left out); samples/s is the global batch over the median step time there.
+Bytes are read between the commit times of steps 4 and steps-4 (start-up and the end left
+out; the links sampled every 20 ms), and samples/s is the global batch over the median step
+time there.
 """
 
 from __future__ import annotations
@@ -21,47 +22,47 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.hosts import Testbed
+from benchmarks.hosts import LinkLog, Testbed
 from elastic_dp.observe.capacity import MemoryPlan
 from jobs.gpt import TASK
-from tests.scripts.scenario import lines, wait_for
+from tests.scripts.scenario import lines
 
 REPO = str(Path(__file__).resolve().parents[1])
 
 
-def _measure(bed: Testbed, progress: Path, procs: list[subprocess.Popen], first: int, last: int,
+def _measure(log: LinkLog, progress: Path, procs: list[subprocess.Popen], first: int, last: int,
              timeout_s: float = 600) -> dict:
-    """Bytes per host per step and the step times between steps ``first`` and ``last``."""
-    wait_for(progress, lambda ms: len(ms) >= first + 1, timeout_s=timeout_s)
-    before = bed.sent()
-    wait_for(progress, lambda ms: len(ms) >= last + 1, timeout_s=timeout_s)
-    after = bed.sent()
+    """Bytes per host per step between the commit times of steps ``first`` and ``last`` (the
+    links sampled all along), and the median step time there."""
     for proc in procs:
         out, err = proc.communicate(timeout=timeout_s)
         if proc.returncode != 0:
             raise RuntimeError(f"{proc.args[-8:]} failed ({proc.returncode}): {err[-3000:]}")
+    at = {m["step"]: m["time"] for m in lines(progress)}
     steps = [m for m in lines(progress) if first < m["step"] <= last]
-    return {"bytes_per_host_per_step": [(b - a) / (last - first) for a, b in zip(before, after)],
+    return {"bytes_per_host_per_step": [(b - a) / (last - first) for a, b in zip(log.at(at[first]), log.at(at[last]))],
             "step_s": statistics.median(m["step_s"] for m in steps)}
 
 
 def elastic_dp(bed: Testbed, workers: int, steps: int, all_reduce: str, out: Path) -> dict:
-    proc = bed.popen([sys.executable, "-m", "elastic_dp.cli", "train", "jobs.gpt", "--workers", str(workers),
-                      "--steps", str(steps), "--all-reduce", all_reduce, "--out", str(out), "--no-progress"],
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    return _measure(bed, out / "metrics.jsonl", [proc], 4, steps - 4)
+    with LinkLog(bed) as log:
+        proc = bed.popen([sys.executable, "-m", "elastic_dp.cli", "train", "jobs.gpt", "--workers", str(workers),
+                          "--steps", str(steps), "--all-reduce", all_reduce, "--out", str(out), "--no-progress"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        return _measure(log, out / "metrics.jsonl", [proc], 4, steps - 4)
 
 
 def ddp(bed: Testbed, per_host: int, steps: int, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     progress = out / "progress.jsonl"
-    procs = [bed.popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={bed.hosts}",
-                        f"--nproc-per-node={per_host}", f"--node-rank={h}", f"--master-addr={bed.address_of(0)}",
-                        "--master-port=29500", "-m", "benchmarks.ddp_gpt", "--steps", str(steps),
-                        "--progress", str(progress)],
-                       host=h, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-               for h in range(bed.hosts)]
-    return _measure(bed, progress, procs, 4, steps - 4)
+    with LinkLog(bed) as log:
+        procs = [bed.popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={bed.hosts}",
+                            f"--nproc-per-node={per_host}", f"--node-rank={h}", f"--master-addr={bed.address_of(0)}",
+                            "--master-port=29500", "-m", "benchmarks.ddp_gpt", "--steps", str(steps),
+                            "--progress", str(progress)],
+                           host=h, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                 for h in range(bed.hosts)]
+        return _measure(log, progress, procs, 4, steps - 4)
 
 
 def main() -> None:

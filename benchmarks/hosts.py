@@ -33,6 +33,7 @@ removed. ``close`` does it whatever state the testbed reached, and runs at exit 
 from __future__ import annotations
 
 import atexit
+import bisect
 import json
 import os
 import secrets
@@ -41,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -279,3 +281,39 @@ class Testbed:
         """Lose ``host``: every process in its namespace (its Ray node, its workers) killed
         by id; the ids killed. Its namespace and link stay, for ``start_node``."""
         return self._kill(self.namespace(host))
+
+
+class LinkLog:
+    """The bytes each host of ``bed`` has sent, sampled every ``interval_s`` on a thread of its
+    own while the ``with`` lasts; ``at(t)`` reads them at wall-clock time ``t`` (interpolated),
+    so that bytes are taken between two moments a run recorded (two steps' commit times)
+    rather than between two moments the reader happened to look."""
+
+    def __init__(self, bed: Testbed, interval_s: float = 0.02) -> None:
+        self.bed, self.interval_s = bed, interval_s
+        self.samples: list[tuple[float, list[int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="link-log", daemon=True)
+
+    def __enter__(self) -> LinkLog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self.bed.sent()))
+            self._stop.wait(self.interval_s)
+
+    def at(self, t: float) -> list[float]:
+        """Each host's bytes sent by time ``t``."""
+        times = [s[0] for s in self.samples]
+        i = bisect.bisect_left(times, t)
+        if i == 0 or i == len(times):
+            raise ValueError(f"{t} is outside the {len(times)} samples taken ({times[:1]}..{times[-1:]})")
+        (t0, b0), (t1, b1) = self.samples[i - 1], self.samples[i]
+        w = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
+        return [a + w * (b - a) for a, b in zip(b0, b1)]

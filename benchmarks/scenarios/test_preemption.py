@@ -20,11 +20,11 @@ def test_a_drain_at_stage_0_lets_the_node_s_worker_go(tmp_path):
 
 
 def test_a_drain_under_zero3_lets_the_leavers_export_their_parameter_chunks(tmp_path):
-    """ZeRO-3, ranks 0 and 1 of 3 on the drained node: their chunks of the parameters
+    """ZeRO-3, two contiguous ranks of 3 on the drained node: their chunks of the parameters
     themselves (no rank holds them whole between steps) leave with their own export."""
     report = run_scenario(tmp_path / "out", "drain3")
     change = check_planned_leave(report, left=2, cause="drain of node")
-    assert sorted(change["left_ranks"]) == [0, 1]
+    assert sorted(change["left_ranks"]) in ([0, 1], [1, 2])
 
 
 def test_a_drain_in_diloco_mode_lets_the_worker_go_at_an_outer_boundary(tmp_path):

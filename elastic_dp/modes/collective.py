@@ -52,6 +52,8 @@ class CollectiveRun:
         self.layout = make_layout(train.stage, self.gens, self.sampler_state)
         self.guard = context.guard()
         self.sampler: ElasticSampler | None = None
+        self._started = False  # the start's checks passed: events may be written
+        self._mesh: dict[str, Any] = {}  # the last generation's mesh event
         self._step_times: deque[float] = deque(maxlen=50)  # the last committed steps, for the hang bound
         self.saves: Saves | None = None
         self.asynchronous_saves = context.checkpoint.asynchronous
@@ -66,8 +68,12 @@ class CollectiveRun:
         return self.gens.members
 
     def _formed(self, generation: int, members: list[Any]) -> None:
-        """The ``mesh`` event: where each rank of a new generation runs (docs/hosts.md)."""
-        self.recorder.event("mesh", generation=generation, hosts=[m.info.node_ip for m in members])
+        """The ``mesh`` event: where each rank of a new generation runs (docs/hosts.md); the
+        first generation's is held until the start's checks passed (a refused resume writes
+        nothing)."""
+        self._mesh = {"generation": generation, "hosts": [m.info.node_ip for m in members]}
+        if self._started:
+            self.recorder.event("mesh", **self._mesh)
 
     # -- start and end -------------------------------------------------------------------
     def rank_order(self, members: list[Any]) -> list[Any]:
@@ -98,6 +104,8 @@ class CollectiveRun:
         form_s = time.perf_counter() - start
         if resume is not None:  # read and verified by the workers before anything is written
             self.layout.load(resume)
+        self._started = True
+        self.recorder.event("mesh", **self._mesh)
         self.recorder.event("group_formed", generation=self.generation, world_size=len(members),
                             form_s=round(form_s, 4))
         record_resume(self.recorder, resume, len(members))

@@ -7,7 +7,7 @@ what the tests check.
 
 Scenarios (``SCENARIOS``): ``drain0`` and ``drain2`` drain the second node through Ray's
 drain API (``ray drain-node``'s call, reason PREEMPTION) with a deadline, at stage 0 (one
-worker per node) and at ZeRO-2 (the second node holds ranks 0 and 1 of three: a chunk and
+worker per node) and at ZeRO-2 (the second node holds two contiguous ranks of three: a chunk and
 its peer snapshot), and ``drain3`` the same at ZeRO-3 (the MLP's parameters are its root
 unit); ``drain_async`` the same in ``--mode async``; ``sigterm`` sends SIGTERM
 to the second node's worker process; ``release`` runs ``elastic-dp release --node`` for
