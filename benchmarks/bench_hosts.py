@@ -38,10 +38,9 @@ def _measure(log: LinkLog, progress: Path, procs: list[subprocess.Popen], first:
         out, err = proc.communicate(timeout=timeout_s)
         if proc.returncode != 0:
             raise RuntimeError(f"{proc.args[-8:]} failed ({proc.returncode}): {err[-3000:]}")
-    at = {m["step"]: m["time"] for m in lines(progress)}
-    steps = [m for m in lines(progress) if first < m["step"] <= last]
-    return {"bytes_per_host_per_step": [(b - a) / (last - first) for a, b in zip(log.at(at[first]), log.at(at[last]))],
-            "step_s": statistics.median(m["step_s"] for m in steps)}
+    records = lines(progress)
+    return {"bytes_per_host_per_step": log.per_step(records, first, last),
+            "step_s": statistics.median(m["step_s"] for m in records if first < m["step"] <= last)}
 
 
 def elastic_dp(bed: Testbed, workers: int, steps: int, all_reduce: str, out: Path) -> dict:

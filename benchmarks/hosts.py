@@ -317,3 +317,9 @@ class LinkLog:
         (t0, b0), (t1, b1) = self.samples[i - 1], self.samples[i]
         w = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
         return [a + w * (b - a) for a, b in zip(b0, b1)]
+
+    def per_step(self, steps: list[dict], first: int, last: int) -> list[float]:
+        """Each host's bytes per step between the commits of steps ``first`` and ``last``
+        (``steps``: records with ``step`` and its wall-clock ``time``, as metrics.jsonl's)."""
+        at = {m["step"]: m["time"] for m in steps}
+        return [(b - a) / (last - first) for a, b in zip(self.at(at[first]), self.at(at[last]))]

@@ -53,12 +53,6 @@ def _report(proc: subprocess.Popen, timeout_s: float = 240) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _bytes_per_step(log: LinkLog, metrics: list[dict], first: int, last: int) -> list[float]:
-    """Each host's bytes on its link per step, between the commits of steps ``first`` and ``last``."""
-    at = {m["step"]: m["time"] for m in metrics}
-    return [(b - a) / (last - first) for a, b in zip(log.at(at[first]), log.at(at[last]))]
-
-
 @pytest.mark.parametrize("all_reduce", ["hierarchical", "flat"])
 def test_the_gpt_job_across_two_hosts_ends_on_the_replay_and_the_hierarchical_all_reduce_halves_the_links_bytes(
         bed, tmp_path, all_reduce):
@@ -72,7 +66,7 @@ def test_the_gpt_job_across_two_hosts_ends_on_the_replay_and_the_hierarchical_al
     second, not by the step: +4-5% alone (docs/BENCHMARKS.md)."""
     with LinkLog(bed) as log:
         report = _report(_start(bed, tmp_path, "steady", f"all_reduce={all_reduce}", "steps=24", "task=gpt"))
-    per_step = _bytes_per_step(log, lines(tmp_path / "metrics.jsonl"), 4, 20)
+    per_step = log.per_step(lines(tmp_path / "metrics.jsonl"), 4, 20)
     assert report["world_sizes"] == [4] * 24 and report["diff"] < GPT_TOL
     memory = next(e for e in report["events"] if e["kind"] == "state_memory")
     gradient_bytes = memory["ranks"][0]["gradients"]  # the stage-0 buckets: every parameter's gradient, fp32

@@ -131,10 +131,15 @@ class Mesh:
 def rank_order(members: Sequence[Any], host_of: Callable[[Any], str]) -> list[Any]:
     """A generation's rank order over ``members`` (given in the membership policy's order):
     each host's members contiguous, the hosts in the order of their first member."""
+    return [m for group in _by_host(members, host_of).values() for m in group]
+
+
+def _by_host(items: Sequence[Any], host_of: Callable[[Any], str]) -> dict[str, list[Any]]:
+    """``items`` by host, the hosts in the order of their first item, each host's in order."""
     by_host: dict[str, list[Any]] = {}
-    for m in members:
-        by_host.setdefault(host_of(m), []).append(m)
-    return [m for group in by_host.values() for m in group]
+    for item in items:
+        by_host.setdefault(host_of(item), []).append(item)
+    return by_host
 
 
 def _spread(items: list[Any], host_of: Callable[[Any], str]) -> list[Any]:
@@ -144,9 +149,7 @@ def _spread(items: list[Any], host_of: Callable[[Any], str]) -> list[Any]:
     The hosts' items, the largest host first, fill the even positions and then the odd
     ones: two cyclic neighbours are then at least ``n // 2`` apart in that sequence, so
     every pair is on two hosts when no host holds more than ``n // 2`` items."""
-    by_host: dict[str, list[Any]] = {}
-    for item in items:
-        by_host.setdefault(host_of(item), []).append(item)
+    by_host = _by_host(items, host_of)
     if len(by_host) < 2:
         return list(items)
     sequence = [m for group in sorted(by_host.values(), key=len, reverse=True) for m in group]

@@ -179,8 +179,9 @@ class Hierarchical(Reduction):
     the buckets in launch order, so every rank issues the same collectives on each sub-group
     in the same order, while the training thread goes on with backward. A bucket launched in
     one generation and run after the group moved on raises ``CollectiveError`` instead of
-    meeting the next generation's sub-groups (its sub-groups are asked for by generation). The sum is the flat one up to float order (each
-    host's sum first, in rank order, then theirs).
+    meeting the next generation's sub-groups (its sub-groups are asked for by generation).
+    The sum is the flat one up to float order (each host's sum first, in rank order, then
+    theirs).
 
     ``always``: reduce this way on any mesh (``--all-reduce hierarchical``); otherwise only
     where the mesh spans more than one host and some host holds more than one rank
