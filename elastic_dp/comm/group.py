@@ -39,7 +39,6 @@ nothing to the rank itself, so the chunk goes straight from the caller's tensor.
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import os
 import socket
@@ -50,87 +49,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from elastic_dp.comm.handles import Done, Staged, Summed, delayed_by_link, to_host
 from elastic_dp.comm.mesh import Mesh
 from elastic_dp.errors import CollectiveError
 
 logger = logging.getLogger(__name__)
-
-
-class _Done:
-    """A completed work handle, for the single-rank group."""
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        return True
-
-
-class _Staged:
-    """A gloo call on host copies of CUDA tensors: ``wait()`` copies the results back.
-    ``keep``: a tensor the call reads, held until it is done."""
-
-    def __init__(self, work, results: list[tuple[torch.Tensor, torch.Tensor]],
-                 keep: torch.Tensor | None = None) -> None:
-        self.work, self.results, self.keep = work, results, keep  # results: (device tensor, its host copy)
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        _wait(self.work, timeout)
-        for device, host in self.results:
-            device.copy_(host)
-        self.keep = None
-        return True
-
-
-class _Summed:
-    """gloo's reduce-scatter as an all-to-all: once every rank's chunk for this rank has
-    arrived (``rows``, one per rank in rank order; this rank's own may be its chunk of the
-    input, which was not sent), ``wait()`` sums them into ``output``."""
-
-    def __init__(self, work, rows: list[torch.Tensor], output: torch.Tensor) -> None:
-        self.work, self.rows, self.output = work, rows, output
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        _wait(self.work, timeout)
-        if self.rows is not None:  # a second wait() has nothing left to do
-            rows, output = self.rows, self.output
-            total = output if output.device == rows[0].device else torch.empty(output.shape, dtype=rows[0].dtype)
-            torch.add(rows[0], rows[1], out=total.view(-1))  # a world of 1 makes no work
-            for row in rows[2:]:
-                total.view(-1).add_(row)
-            if total is not output:
-                output.copy_(total)
-            self.rows = None
-        return True
-
-
-def _wait(work, timeout: datetime.timedelta | None) -> None:
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout)
-
-
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
-
-
-class _Delayed:
-    """A collective on a slow link (``--inject slowlink``): done no earlier than ``until``."""
-
-    def __init__(self, work, until: float) -> None:
-        self.work, self.until = work, until
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        done = self.work.wait() if timeout is None else self.work.wait(timeout)
-        time.sleep(max(0.0, self.until - time.monotonic()))
-        return done
-
-
-def _link(method):
-    """The collective ``method``, its handle delayed by the group's ``delay_s``."""
-    @functools.wraps(method)
-    def delayed(self, *args):
-        work = method(self, *args)
-        return _Delayed(work, time.monotonic() + self.delay_s) if self.delay_s else work
-    return delayed
 
 
 class CollectiveGroup:
@@ -298,15 +221,15 @@ class CollectiveGroup:
     def _staging(self, tensor: torch.Tensor) -> bool:
         return self.backend == "gloo" and tensor.is_cuda
 
-    @_link
+    @delayed_by_link
     def all_reduce_async(self, tensor: torch.Tensor):
         """Start a SUM all-reduce of ``tensor`` in place; returns a handle with ``wait()``."""
         pg = self._require()
         if pg is None:
-            return _Done()
+            return Done()
         if self._staging(tensor):
-            host = _host(tensor)
-            return _Staged(pg.allreduce([host]), [(tensor, host)])
+            host = to_host(tensor)
+            return Staged(pg.allreduce([host]), [(tensor, host)])
         return pg.allreduce([tensor])
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -325,7 +248,7 @@ class CollectiveGroup:
             raise RuntimeError("the collective group was built without its side group (CollectiveGroup.side)")
         return side.all_reduce(tensor)
 
-    @_link
+    @delayed_by_link
     def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor):
         """Start a SUM reduce-scatter: ``output`` gets this rank's chunk of the sum of ``input``.
 
@@ -342,9 +265,9 @@ class CollectiveGroup:
         if pg is None:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return _Done()
+            return Done()
         if self.backend == "gloo":
-            source = (_host(input) if self._staging(input) else input).reshape(-1)
+            source = (to_host(input) if self._staging(input) else input).reshape(-1)
             n = output.numel()
             if self.world_size == 2:  # the other rank's chunk is sent as it is; this rank's stays
                 other = 1 - self.rank
@@ -353,13 +276,13 @@ class CollectiveGroup:
                 work = pg.alltoall_base(received, source[other * n:(other + 1) * n], sizes, sizes,
                                         dist.AllToAllOptions())
                 own = source[self.rank * n:(self.rank + 1) * n]
-                return _Summed(work, [received, own] if other == 0 else [own, received], output)
+                return Summed(work, [received, own] if other == 0 else [own, received], output)
             received = torch.empty((self.world_size, n), dtype=source.dtype)
             work = pg.alltoall_base(received.view(-1), source, [], [], dist.AllToAllOptions())
-            return _Summed(work, list(received), output)
+            return Summed(work, list(received), output)
         return pg._reduce_scatter_base(output, input)
 
-    @_link
+    @delayed_by_link
     def all_gather_async(self, output: torch.Tensor, input: torch.Tensor):
         """Start an all-gather: ``output`` gets every rank's ``input``, in rank order.
 
@@ -375,7 +298,7 @@ class CollectiveGroup:
         if pg is None:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return _Done()
+            return Done()
         if self.backend == "gloo":
             n = input.numel()
             if self.world_size == 2:  # the chunk is sent as it is, and the other's received in place
@@ -383,16 +306,16 @@ class CollectiveGroup:
                 mine, theirs = flat[self.rank * n:(self.rank + 1) * n], flat[other * n:(other + 1) * n]
                 if mine.data_ptr() != input.data_ptr():
                     mine.copy_(input.reshape(-1))
-                send = _host(input) if self._staging(input) else input
+                send = to_host(input) if self._staging(input) else input
                 target = torch.empty(n, dtype=output.dtype) if self._staging(output) else theirs
                 sizes = [n, 0] if other == 0 else [0, n]
                 work = pg.alltoall_base(target, send.reshape(-1), sizes, sizes, dist.AllToAllOptions())
-                return _Staged(work, [(theirs, target)] if target is not theirs else [], keep=send)
+                return Staged(work, [(theirs, target)] if target is not theirs else [], keep=send)
             send = torch.empty((self.world_size, n), dtype=input.dtype)
             send.copy_(input.reshape(1, -1).expand(self.world_size, -1))  # from the GPU too, if there
             target = torch.empty(output.shape, dtype=output.dtype) if self._staging(output) else output
             work = pg.alltoall_base(target.view(-1), send.view(-1), [], [], dist.AllToAllOptions())
-            return _Staged(work, [(output, target)] if target is not output else [], keep=send)
+            return Staged(work, [(output, target)] if target is not output else [], keep=send)
         return pg._allgather_base(output, input)
 
     def all_to_all_async(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
@@ -405,12 +328,12 @@ class CollectiveGroup:
         if pg is None:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return _Done()
+            return Done()
         if self._staging(input) or self._staging(output):
-            send = _host(input)
+            send = to_host(input)
             target = torch.empty(output.shape, dtype=output.dtype)
             work = pg.alltoall_base(target, send, output_splits, input_splits, dist.AllToAllOptions())
-            return _Staged(work, [(output, target)], keep=send)
+            return Staged(work, [(output, target)], keep=send)
         return pg.alltoall_base(output, input, output_splits, input_splits, dist.AllToAllOptions())
 
     def exchange_async(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> list:
@@ -421,15 +344,15 @@ class CollectiveGroup:
         if pg is None:
             if send is not None and recv is not None:
                 recv.copy_(send)
-            return [_Done()]
+            return [Done()]
         works = []
         if send is not None:
-            works.append(_Staged(pg.send([_host(send)], dst, 0), []) if self._staging(send)
+            works.append(Staged(pg.send([to_host(send)], dst, 0), []) if self._staging(send)
                          else pg.send([send], dst, 0))
         if recv is not None:
             if self._staging(recv):
                 host = torch.empty(recv.shape, dtype=recv.dtype)
-                works.append(_Staged(pg.recv([host], src, 0), [(recv, host)]))
+                works.append(Staged(pg.recv([host], src, 0), [(recv, host)]))
             else:
                 works.append(pg.recv([recv], src, 0))
         return works
@@ -441,8 +364,8 @@ class CollectiveGroup:
             opts = dist.BroadcastOptions()
             opts.rootRank = src
             if self._staging(tensor):
-                host = _host(tensor)
-                _Staged(pg.broadcast([host], opts), [(tensor, host)]).wait()
+                host = to_host(tensor)
+                Staged(pg.broadcast([host], opts), [(tensor, host)]).wait()
             else:
                 pg.broadcast([tensor], opts).wait()
         return tensor

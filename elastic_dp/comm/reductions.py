@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import torch
 
 from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.comm.handles import Summed
 from elastic_dp.errors import CollectiveError
 from elastic_dp.threads import set_os_name
 
@@ -228,11 +229,8 @@ class Hierarchical(Reduction):
         inside = group.subgroup("host", generation=generation)
         if len(peers) > 1:  # every peer's copy of this rank's pieces, summed in rank order
             received = torch.empty(len(peers) * own.numel(), dtype=flat.dtype, device=flat.device)
-            inside.all_to_all_async(received, flat, [own.numel()] * len(peers), sizes).wait()
-            rows = received.view(len(peers), -1)
-            torch.add(rows[0], rows[1], out=own)
-            for row in rows[2:]:
-                own.add_(row)
+            work = inside.all_to_all_async(received, flat, [own.numel()] * len(peers), sizes)
+            Summed(work, list(received.view(len(peers), -1)), own).wait()
         works = [group.subgroup("across", i, generation).all_reduce_async(flat[bounds[i]:bounds[i + 1]])
                  for i in mine if bounds[i + 1] > bounds[i]]
         for work in works:

@@ -1,0 +1,90 @@
+"""Work handles: what a started collective of ``elastic_dp.comm.group`` returns. Each has
+``wait(timeout=None)``; the ones here complete a call the process group only started: a
+single rank's (nothing to do), gloo's calls on host copies of CUDA tensors (copied back),
+gloo's reduce-scatter as an all-to-all (the rows received summed in rank order), and a
+collective on a slow link (``--inject slowlink``: done no earlier than its delay)."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import time
+
+import torch
+
+
+class Done:
+    """A completed work handle, for the single-rank group."""
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+
+class Staged:
+    """A gloo call on host copies of CUDA tensors: ``wait()`` copies the results back.
+    ``keep``: a tensor the call reads, held until it is done."""
+
+    def __init__(self, work, results: list[tuple[torch.Tensor, torch.Tensor]],
+                 keep: torch.Tensor | None = None) -> None:
+        self.work, self.results, self.keep = work, results, keep  # results: (device tensor, its host copy)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        wait_for(self.work, timeout)
+        for device, host in self.results:
+            device.copy_(host)
+        self.keep = None
+        return True
+
+
+class Summed:
+    """gloo's reduce-scatter as an all-to-all: once every rank's chunk for this rank has
+    arrived (``rows``, one per rank in rank order; this rank's own may be its chunk of the
+    input, which was not sent), ``wait()`` sums them into ``output``."""
+
+    def __init__(self, work, rows: list[torch.Tensor], output: torch.Tensor) -> None:
+        self.work, self.rows, self.output = work, rows, output
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        wait_for(self.work, timeout)
+        if self.rows is not None:  # a second wait() has nothing left to do
+            rows, output = self.rows, self.output
+            total = output if output.device == rows[0].device else torch.empty(output.shape, dtype=rows[0].dtype)
+            torch.add(rows[0], rows[1], out=total.view(-1))  # a world of 1 makes no work
+            for row in rows[2:]:
+                total.view(-1).add_(row)
+            if total is not output:
+                output.copy_(total)
+            self.rows = None
+        return True
+
+
+def wait_for(work, timeout: datetime.timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+class Delayed:
+    """A collective on a slow link (``--inject slowlink``): done no earlier than ``until``."""
+
+    def __init__(self, work, until: float) -> None:
+        self.work, self.until = work, until
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        time.sleep(max(0.0, self.until - time.monotonic()))
+        return done
+
+
+def delayed_by_link(method):
+    """The collective ``method``, its handle delayed by the group's ``delay_s``."""
+    @functools.wraps(method)
+    def delayed(self, *args):
+        work = method(self, *args)
+        return Delayed(work, time.monotonic() + self.delay_s) if self.delay_s else work
+    return delayed
