@@ -26,8 +26,26 @@ def test_the_dimensions_of_an_uneven_mesh():
     assert mesh.groups("across") == [(0, 2), (0, 3), (1, 4)]
     assert [mesh.local_rank(r) for r in range(5)] == [0, 1, 0, 1, 2]
     assert mesh.group("across", 3) == (0, 3) and mesh.indices("across", 0) == [0, 1]
-    with pytest.raises(ValueError, match="dimensions world, host, across, not 'rack'"):
+    with pytest.raises(ValueError, match="dimensions world, host, across, shard, replica, not 'rack'"):
         mesh.groups("rack")
+
+
+@pytest.mark.parametrize("hosts, shards, replicas", [
+    ("AABB", [(0, 1), (2, 3)], [(0, 2), (1, 3)]),  # equal hosts: a block is a host
+    ("AAAABB", [(0, 1), (2, 3), (4, 5)], [(0, 2, 4), (1, 3, 5)]),  # 4 and 2: blocks of 2, host A holds two copies
+    ("AAB", [(0,), (1,), (2,)], [(0, 1, 2)]),  # 2 and 1: every rank a whole copy
+    ("AAA", [(0, 1, 2)], [(0,), (1,), (2,)]),  # one host: one copy cut over every rank, as --shard-scope all
+])
+def test_hsdp_blocks_lie_inside_one_host_and_replicas_hold_one_chunk_on_each(hosts, shards, replicas):
+    mesh = Mesh(tuple(hosts))
+    assert mesh.groups("shard") == shards and mesh.groups("replica") == replicas
+    assert mesh.shards("host") == len(shards[0]) and mesh.shards("all") == len(hosts)
+    for block in shards:
+        assert len({hosts[r] for r in block}) == 1
+        assert [mesh.shard_of(r, "host") for r in block] == list(range(len(block)))
+    for i, replica in enumerate(replicas):
+        assert {mesh.shard_of(r, "host") for r in replica} == {i}
+    assert [mesh.shard_of(r, "all") for r in range(len(hosts))] == list(range(len(hosts)))
 
 
 def test_equal_hosts_pair_one_local_index_across():

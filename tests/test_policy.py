@@ -125,6 +125,27 @@ def test_chunk_sources_after_a_kill_during_a_snapshot():
     assert plan == ChunkPlan(7, ((1, "peer"), (1, "own")))
 
 
+def _replica(chunk, live, own=()):
+    return {"chunk": chunk, "chunks": 2, "live": live, "own": list(own), "peer": []}
+
+
+def test_chunk_sources_under_hsdp_takes_each_chunk_from_any_live_replica():
+    # 2 hosts of 2 (chunks 0, 1 on ranks 0, 1 and again on 2, 3): host A (ranks 0, 1) lost
+    plan = chunk_sources(4, {2: _replica(0, 9, (9,)), 3: _replica(1, 9, (9,))})
+    assert plan == ChunkPlan(9, ((2, "live"), (3, "live")))
+    # one worker of each host lost: chunk 0 from host B, chunk 1 from host A
+    plan = chunk_sources(4, {1: _replica(1, 9, (9,)), 2: _replica(0, 9, (9,))})
+    assert plan == ChunkPlan(9, ((2, "live"), (1, "live")))
+    # a torn step: rank 2 committed step 9 (live 10), rank 3 did not; chunk 1 exists only at 9
+    plan = chunk_sources(4, {2: _replica(0, 10, (9, 10)), 3: _replica(1, 9, (8, 9))})
+    assert plan == ChunkPlan(9, ((2, "own"), (3, "live")))
+
+
+def test_chunk_sources_under_hsdp_reports_a_chunk_lost_with_every_replica():
+    # ranks 1 and 3 held chunk 1, and no peer snapshot is kept under HSDP
+    assert chunk_sources(4, {0: _replica(0, 9, (9,)), 2: _replica(0, 9, (9,))}) is None
+
+
 def test_the_snapshot_ring_alternates_between_nodes_so_each_peer_snapshot_is_on_another_node():
     from elastic_dp.comm.mesh import Mesh
 

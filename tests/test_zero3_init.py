@@ -73,7 +73,7 @@ def _held(replica) -> int:
     model's parameters (gathered or materialised) and its chunks and their masters."""
     storages = {}
     strategy = replica.strategy
-    tensors = [*replica.model.parameters(), *getattr(strategy, "shards", []), *getattr(strategy, "masters", [])]
+    tensors = [*replica.model.parameters(), *getattr(strategy, "param_chunks", []), *getattr(strategy, "masters", [])]
     for t in tensors:
         storage = t.untyped_storage()
         if storage.size():

@@ -24,12 +24,12 @@ def initial_weights(task: Task, seed: int) -> dict[str, torch.Tensor]:
 
 
 def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *, start=None, before_exit=None,
-          after_build=None, sizes=None):
+          after_build=None, sizes=None, hosts=None):
     """Run ``steps`` on ``world`` thread ranks from ``initial`` weights (or a whole
     TrainingState ``start``, or a Checkpoint ``start`` each rank reads); return rank 0's final weights and every rank's training state.
     ``before_exit(replica)`` runs on each rank after its steps, while its group still exists;
     ``after_build(replica)`` before them; ``sizes``: the ranks' slice sizes (``--balance``'s),
-    instead of the equal split. From ``initial`` weights each rank builds the model whole
+    instead of the equal split; ``hosts``: the host each rank is told it runs on. From ``initial`` weights each rank builds the model whole
     (``--init auto`` is ``whole`` then) and loads them."""
     if start is None and initial is not None and config.init == "auto":
         config = dataclasses.replace(config, init="whole")
@@ -58,5 +58,5 @@ def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *,
             before_exit(replica)
         return replica.model_state(), state, replica
 
-    results = run_ranks(world, rank_fn)
+    results = run_ranks(world, rank_fn, hosts=hosts)
     return results[0][0], [r[1] for r in results], [r[2] for r in results]

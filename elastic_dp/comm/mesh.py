@@ -9,6 +9,9 @@ collective can run over:
     host     the ranks on this rank's host (the fast link inside a node)
     across   per piece of a hierarchical all-reduce, its owner on every host (the slow link
              between nodes: the all-reduce reduces inside each host, then across)
+    shard    a block of ``block`` ranks inside one host, which shards ZeRO's state among
+             itself under ``--shard-scope host`` (HSDP)
+    replica  the ranks of one index in every block: the copies of one chunk of that state
 
 ``CollectiveGroup.subgroup(dim, index)`` builds a group of a dimension on demand, on the
 generation's rendezvous store; it is aborted and destroyed with the generation.
@@ -28,14 +31,22 @@ in contiguous blocks to its ranks (``owner``: with as many ranks as pieces, one 
 fewer, some rank owns several), and the ``across`` group of piece ``i`` is its owner on
 every host. On hosts of equal size a rank owns one piece and ``across`` pairs the ranks of
 one local index.
+
+ZeRO under ``--shard-scope host`` (HSDP) cuts its state into ``block`` chunks, the largest
+number that divides every host's count of ranks: each host's ranks form blocks of that
+size (``shard`` groups), each block holds one whole copy of the state, and the ranks of one
+index in every block (a ``replica`` group) hold the same chunk. On hosts of equal size a
+block is a host; on hosts of 2 and 1 ranks it is one rank (every rank a whole copy). On
+one host there is one block of every rank: the same cut as ``--shard-scope all``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-DIMS = ("world", "host", "across")
+DIMS = ("world", "host", "across", "shard", "replica")
 """The mesh's named dimensions (``Mesh.group``)."""
 
 
@@ -72,6 +83,11 @@ class Mesh:
             return [self.on_host(h) for h in self.host_names]
         if dim == "across":
             return [tuple(self.owner(h, i) for h in self.host_names) for i in range(self.pieces)]
+        if dim == "shard":
+            return [ranks[i:i + self.block] for h in self.host_names
+                    for ranks in [self.on_host(h)] for i in range(0, len(ranks), self.block)]
+        if dim == "replica":
+            return [tuple(sorted(block[i] for block in self.groups("shard"))) for i in range(self.block)]
         raise ValueError(f"the mesh has the dimensions {', '.join(DIMS)}, not {dim!r}")
 
     def group(self, dim: str, rank: int) -> tuple[int, ...]:
@@ -109,6 +125,22 @@ class Mesh:
         """More than one host, and some host holds more than one rank: where a hierarchical
         all-reduce sends fewer bytes over the hosts' links than a flat ring."""
         return len(self.host_names) > 1 and self.pieces > 1
+
+    # -- HSDP's blocks -----------------------------------------------------------------------------
+    @property
+    def block(self) -> int:
+        """The ranks of one ``shard`` group: the largest number that divides every host's
+        count of ranks (on one host, all of them)."""
+        return math.gcd(*(len(self.on_host(h)) for h in self.host_names)) if self.hosts else 1
+
+    def shards(self, scope: str) -> int:
+        """How many chunks ZeRO cuts its state into under ``--shard-scope scope``: every
+        rank's (``all``) or a block's (``host``)."""
+        return self.world_size if scope == "all" else self.block
+
+    def shard_of(self, rank: int, scope: str) -> int:
+        """The chunk ``rank`` holds under ``--shard-scope scope``."""
+        return rank if scope == "all" else self.local_rank(rank) % self.block
 
     # -- the snapshot ring ----------------------------------------------------------------------
     @property

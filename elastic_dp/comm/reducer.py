@@ -12,8 +12,9 @@ never set to None); in-place reduce-scatter (stage 1: the buffers stay, and the 
 own chunk of each receives the global gradient); and reduce-scatter into the caller's
 chunks (stage 2: a bucket's full buffer lives from its launch to its reduction, and the
 full gradients are released). Under ZeRO buckets never mix param groups and are padded
-to a multiple of the world size, so that rank ``r`` owns the ``r``-th of equal chunks;
-the partition itself does not depend on the world size.
+to a multiple of the reduction's chunk count (``Reduction.parts``: the world size, or a
+block's ranks under HSDP), so that rank ``r`` owns the ``Reduction.part``-th of equal
+chunks; the partition itself does not depend on the world size.
 
 What each bucket's collective is, the reducer asks of its reduction
 (``elastic_dp.comm.reductions``: ``AllReduce`` in the all-reduce mode, ``ReduceScatter`` in
@@ -85,8 +86,8 @@ class GradientReducer:
         self.scatter_into = scatter_into
         if scatter_into is not None and scatter_in_place:
             raise ValueError("scatter_into and scatter_in_place exclude each other")
-        if (scatter_into is not None or scatter_in_place) and pad_to != group.world_size:
-            raise ValueError(f"a reduce-scatter needs buckets padded to the world size {group.world_size}, "
+        if scatters and pad_to != self.reduction.parts:
+            raise ValueError(f"a reduce-scatter into {self.reduction.parts} chunks needs buckets padded to that, "
                              f"not {pad_to}")
         self.chunks: list[torch.Tensor] | None = scatter_into
         """Scatter modes: per bucket, the chunk this rank receives (None: all-reduce mode)."""
@@ -99,7 +100,7 @@ class GradientReducer:
                 _attach(bucket, torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device),
                         carry_vote=bucket is self.buckets[-1] and not scatter_in_place and carries)
             if scatter_in_place:
-                self.chunks = [b.buffer.view(pad_to, -1)[group.rank] for b in self.buckets]
+                self.chunks = [b.buffer.view(pad_to, -1)[self.reduction.part] for b in self.buckets]
         device = self.buckets[-1].params[0].device if self.buckets else torch.device("cpu")
         self.ballot = Ballot(device)
         """This rank's vote, filled in during the step."""

@@ -9,7 +9,9 @@ that reduces a tensor of its own goes through the same interface (DiLoCo's pseud
 - ``AllReduce``: every rank receives the SUM of the tensor (ZeRO stage 0, DiLoCo's outer
   step); with ``wire_dtype`` the tensor crosses in that dtype (DiLoCo's ``--outer-reduce
   bf16``: half the bytes, the sum rounded) and the result is copied back into it.
-- ``ReduceScatter``: each rank receives its chunk of the SUM (ZeRO stages 1 to 3).
+- ``ReduceScatter``: each rank receives its chunk of the SUM (ZeRO stages 1 to 3); with
+  ``--shard-scope host`` (HSDP) its block's chunk, reduce-scattered inside the block and
+  all-reduced among the chunk's replicas on the other hosts.
 - ``Hierarchical``: every rank receives the SUM, in three steps that keep most bytes inside
   the hosts (``--all-reduce hierarchical``, docs/hosts.md): a reduce-scatter among the ranks
   of each host, an all-reduce of each piece among its owners on the other hosts, an
@@ -69,6 +71,17 @@ class Reduction:
         """Start reducing bucket ``index``'s flat ``tensor`` (``out``: where this rank's
         chunk of the result goes, for a scattering reduction); a handle with ``wait()``."""
         raise NotImplementedError
+
+    @property
+    def parts(self) -> int:
+        """How many chunks a scattering reduction cuts a bucket into (its buckets are padded
+        to a multiple of it); one a rank unless it says otherwise."""
+        return self.group.world_size
+
+    @property
+    def part(self) -> int:
+        """Which of ``parts`` this rank receives."""
+        return self.group.rank
 
     def wire_bytes(self, tensor: torch.Tensor) -> int:
         """The bytes of ``tensor`` as this reduction sends them (before the collective's own
@@ -142,14 +155,62 @@ class AllReduce(Reduction):
 
 class ReduceScatter(Reduction):
     """Each rank receives its chunk of the SUM into ``out`` (which may be its own chunk of
-    the tensor: in place)."""
+    the tensor: in place).
+
+    ``scope``: over which ranks the bucket is cut (ZeRO's ``--shard-scope``): ``all``, one
+    chunk a rank; ``host`` (HSDP), one chunk a rank of a block (``comm.mesh``: the ranks of a
+    ``shard`` group, inside one host), which every block holds a copy of. Then the bucket is
+    reduce-scattered inside the rank's block, on the calling thread (in the order of the
+    parameter all-gathers that share that group), and the chunk is all-reduced among its
+    replicas (the rank's ``replica`` group, the only bytes that cross the hosts' links) on a
+    thread of the reduction's own, in launch order, while backward goes on. The sum is the
+    flat one up to float order (each block's first, then theirs).
+    """
 
     name = "reducescatter"
+
+    def __init__(self, group: CollectiveGroup, scope: str = "all") -> None:
+        super().__init__(group)
+        self.scope = scope
+        self._thread = _Thread("edp-replicas")
+
+    @property
+    def parts(self) -> int:
+        return self.group.mesh.shards(self.scope)
+
+    @property
+    def part(self) -> int:
+        return self.group.mesh.shard_of(self.group.rank, self.scope)
 
     def launch(self, index: int, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Any:
         if out is None:
             raise ValueError("a reduce-scatter needs out, this rank's chunk")
-        return self.group.reduce_scatter_async(out, tensor)
+        group = self.group
+        if self.parts == group.world_size:
+            return group.reduce_scatter_async(out, tensor)
+        work = group.subgroup("shard").reduce_scatter_async(out, tensor)
+        return self._thread.submit(self._across, work, out, group.generation)
+
+    def _across(self, work: Any, out: torch.Tensor, generation: int) -> None:
+        work.wait()
+        self.group.subgroup("replica", generation=generation).all_reduce_async(out).wait()
+
+
+class _Thread:
+    """A thread of a reduction's own, started on first use, that runs the steps of each
+    launch one after another, in launch order."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Any, *args: Any) -> _Chained:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"elastic-dp-{self.name}",
+                                                initializer=set_os_name, initargs=(self.name,))
+        return _Chained(self._pool.submit(fn, *args))
 
 
 class _Chained:
@@ -194,8 +255,7 @@ class Hierarchical(Reduction):
     def __init__(self, group: CollectiveGroup, *, always: bool = False) -> None:
         super().__init__(group)
         self.always = always
-        self._thread: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self._thread = _Thread("edp-hierarchy")
 
     def active(self) -> bool:
         """Whether this generation reduces hierarchically (else flat)."""
@@ -206,11 +266,7 @@ class Hierarchical(Reduction):
             raise ValueError("an all-reduce leaves its result in place: it takes no out")
         if not self.active():
             return self.group.all_reduce_async(tensor)
-        with self._lock:
-            if self._thread is None:
-                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-dp-hierarchical",
-                                                  initializer=set_os_name, initargs=("edp-hierarchy",))
-        return _Chained(self._thread.submit(self._reduce, tensor, self.group.generation))
+        return self._thread.submit(self._reduce, tensor, self.group.generation)
 
     def _reduce(self, tensor: torch.Tensor, generation: int) -> None:
         group = self.group

@@ -234,7 +234,7 @@ class WorkerActor:
 
     def import_chunks(self, refs: list, old_world_size: int, step: int) -> None:
         """Collective over the new generation: take this rank's chunk (and a snapshot of its
-        left neighbour's) out of the old generation's chunks ``refs`` (in old rank order)."""
+        left neighbour's) out of the old generation's chunks ``refs`` (in old chunk order)."""
         self._resharding("import_chunks").import_chunks(lambda needed: ray.get([refs[i] for i in needed]),
                                                         old_world_size, step)  # fetched in parallel
 

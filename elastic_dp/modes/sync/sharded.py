@@ -2,13 +2,16 @@
 
 Each rank owns one chunk of the state and its right neighbour in the snapshot ring keeps a
 peer snapshot of it (``elastic_dp.state.zero.sharded``); the ring alternates between nodes
-(``comm.mesh.Mesh.ring``), so that neighbour is on another node wherever the cluster allows. After a failure the survivors report what they hold, and
+(``comm.mesh.Mesh.ring``), so that neighbour is on another node wherever the cluster
+allows. Under ``--shard-scope host`` (HSDP) the ranks of each block (inside a host) hold
+one copy of the state between them, and a chunk's copies on the other hosts are its
+replicas: no peer snapshot is sent. After a failure the survivors report what they hold, and
 ``chunk_sources`` picks the newest step at which every old chunk is still held
 somewhere; the holders export those chunks to Ray's object store, and each rank of the
 next generation re-cuts its new chunk out of them. The exported chunks stay the source
 until a generation has imported them: a worker lost while that generation forms costs
-only another attempt with the same chunks. When a chunk and its snapshot are lost
-together, only the durable checkpoint can restore the run.
+only another attempt with the same chunks. When every copy of a chunk is lost
+(a chunk and its peer snapshot, or every replica), only the durable checkpoint can restore the run.
 """
 
 from __future__ import annotations
@@ -26,39 +29,45 @@ from elastic_dp.modes.sync.generations import Generations
 
 @dataclass(frozen=True, slots=True)
 class ChunkPlan:
-    """Where each old rank's ZeRO chunk comes from, all at one step."""
+    """Where each old chunk comes from, all at one step."""
 
     step: int
     """The state step (committed steps) the next generation starts from."""
     sources: tuple[tuple[int, str], ...]
-    """Per old rank: (the old rank that holds the chunk, ``live`` | ``own`` | ``peer``)."""
+    """Per old chunk: (the old rank that holds it, ``live`` | ``own`` | ``peer``)."""
 
 
 def chunk_sources(world_size: int, holdings: dict[int, dict],
                   right: Callable[[int], int] | None = None) -> ChunkPlan | None:
-    """Pick the newest step at which every old rank's chunk is still held somewhere.
+    """Pick the newest step at which every old chunk is still held somewhere.
 
-    ``holdings`` maps each surviving old rank to what it reported: ``live`` (the step of
-    its live chunk), ``own`` (steps of snapshots of its own chunk) and ``peer`` (steps of
-    snapshots of its left neighbour's chunk). A chunk at step ``t`` is held by its owner (live
-    or own snapshot) or by its right neighbour (peer snapshot; ``right(rank)``: the old
-    generation's snapshot ring, ``comm.mesh.Mesh.right``; default the next rank). None: some chunk and its
-    replica are both lost, and only a durable checkpoint can restore the state.
+    ``holdings`` maps each surviving old rank to what it reported: ``chunk`` and ``chunks``
+    (which of how many chunks it holds; absent: its rank's of ``world_size``, one a rank),
+    ``live`` (the step of its live chunk), ``own`` (steps of snapshots of its own chunk)
+    and ``peer`` (steps of snapshots of its left neighbour's chunk). A chunk at step ``t``
+    is held by a rank that holds it (live or own snapshot: under ``--shard-scope host``
+    each chunk has a holder on every host, its replicas) or, where each chunk has one
+    holder, by that holder's right neighbour (peer snapshot; ``right(rank)``: the old
+    generation's snapshot ring, ``comm.mesh.Mesh.right``; default the next rank). None:
+    every copy of some chunk is lost, and only a durable checkpoint can restore the state.
     """
     right = right or (lambda rank: (rank + 1) % world_size)
+    chunks = next((h["chunks"] for h in holdings.values() if "chunks" in h), world_size)
+    holders: dict[int, list[int]] = {}  # per chunk, the survivors that hold it, in rank order
+    for rank in sorted(holdings):
+        holders.setdefault(holdings[rank].get("chunk", rank), []).append(rank)
     steps = sorted({t for h in holdings.values() for t in (h["live"], *h["own"], *h["peer"])}, reverse=True)
     for step in steps:
         sources = []
-        for rank in range(world_size):
-            owner, keeper = holdings.get(rank), holdings.get(right(rank))
-            if owner is not None and owner["live"] == step:
-                sources.append((rank, "live"))
-            elif owner is not None and step in owner["own"]:
-                sources.append((rank, "own"))
-            elif keeper is not None and step in keeper["peer"] and world_size > 1:
-                sources.append((right(rank), "peer"))
-            else:
+        for chunk in range(chunks):
+            held = holders.get(chunk, [])
+            keeper = holdings.get(right(chunk)) if chunks == world_size > 1 else None  # one holder: the chunk's rank
+            found = (next(((r, "live") for r in held if holdings[r]["live"] == step), None)
+                     or next(((r, "own") for r in held if step in holdings[r]["own"]), None)
+                     or ((right(chunk), "peer") if keeper is not None and step in keeper["peer"] else None))
+            if found is None:
                 break
+            sources.append(found)
         else:
             return ChunkPlan(step, tuple(sources))
     return None
@@ -70,8 +79,9 @@ class _Exported:
 
     step: int
     world_size: int
+    """How many chunks: the old generation's world size, or its block's under ``--shard-scope host``."""
     refs: list[Any]
-    """Per old rank, its chunk (a ``ChunkState``)."""
+    """Per old chunk, a ``ChunkState``."""
 
 
 class ShardedLayout:
@@ -100,8 +110,8 @@ class ShardedLayout:
             if not self._export(holders):
                 lost = [r for r, m in enumerate(old) if m not in holders]
                 return RecoveryResult(Recovery.STATE_LOST, reason=(
-                    f"ranks {lost} of {len(old)} were lost together, and with them a ZeRO chunk and its peer "
-                    "snapshot"))
+                    f"ranks {lost} of {len(old)} were lost together, and with them every copy of a ZeRO chunk (its "
+                    "peer snapshot, or its replicas)"))
         step = self.exported.step
         self._import(members, faults)
         return RecoveryResult(classify(failure, step), step, details={"restored_step": step})
@@ -126,7 +136,7 @@ class ShardedLayout:
             metas[meta] = old[holder]
             refs.append(ref)
         self.gens.run(holders, metas)  # exported before the holders join the next generation
-        self.exported = _Exported(plan.step, len(old), refs)
+        self.exported = _Exported(plan.step, len(refs), refs)
         return True
 
     def _import(self, members: list[Any], faults: dict[int, Fault]) -> None:

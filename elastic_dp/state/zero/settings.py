@@ -10,13 +10,14 @@ its number.
 Stage 0 (replicated state) reads no setting; stages 1-3 keep a copy of each worker's chunk
 on a peer (``--snapshot-every``); stage 3 alone gathers parameters, and may keep them from
 the forward to the backward (``--no-reshard-after-forward``). A setting of a stage the run
-does not use is refused (``elastic_dp.settings``).
+does not use is refused (``elastic_dp.settings``). Stages 1-3 shard over every worker or,
+with ``--shard-scope host``, inside each host with replicas across hosts (HSDP).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from elastic_dp.errors import ConfigError
 from elastic_dp.settings import setting
@@ -26,6 +27,16 @@ def _snapshot_every() -> Any:
     return setting(1, "--snapshot-every", "with ZeRO, each worker copies its chunk to its neighbour's host memory "
                    "every K committed steps (default 1; into memory both map when they share a host): a worker lost "
                    "k steps after the last copy costs a rollback and replay of those k steps")
+
+
+def _shard_scope() -> Any:
+    return setting("all", "--shard-scope", choices=("all", "host"), kind=str, help=(
+        "with ZeRO, over which workers the state is sharded: all (every worker holds one chunk of it), or host (HSDP: "
+        "the workers of each host hold one whole copy between them, cut into as many chunks as the largest number "
+        "that divides every host's count of workers, and the hosts hold replicas of it); with host the parameter "
+        "gathers stay inside the hosts, each chunk's gradient crosses the hosts' links in an all-reduce among its "
+        "replicas, and a lost worker or host is restored from a replica with no peer snapshot (default all; "
+        "docs/hosts.md)"))
 
 
 def _check_snapshot_every(value: int) -> None:
@@ -79,6 +90,7 @@ class Stage1(Stage):
     strategy = "elastic_dp.state.zero.stage1:ShardedOptimizer"
     layout = "elastic_dp.modes.sync.sharded:ShardedLayout"
     snapshot_every: int = _snapshot_every()
+    shard_scope: Literal["all", "host"] = _shard_scope()
 
     def __post_init__(self) -> None:
         _check_snapshot_every(self.snapshot_every)
@@ -93,6 +105,7 @@ class Stage2(Stage):
     strategy = "elastic_dp.state.zero.stage2:ShardedGradients"
     layout = "elastic_dp.modes.sync.sharded:ShardedLayout"
     snapshot_every: int = _snapshot_every()
+    shard_scope: Literal["all", "host"] = _shard_scope()
 
     def __post_init__(self) -> None:
         _check_snapshot_every(self.snapshot_every)
@@ -107,6 +120,7 @@ class Stage3(Stage):
     strategy = "elastic_dp.state.zero.stage3:FullySharded"
     layout = "elastic_dp.modes.sync.sharded:ShardedLayout"
     snapshot_every: int = _snapshot_every()
+    shard_scope: Literal["all", "host"] = _shard_scope()
     reshard_after_forward: bool = setting(
         True, off="--no-reshard-after-forward",
         help="--zero 3: keep each unit's gathered parameters from its forward to its backward (one all-gather a unit "

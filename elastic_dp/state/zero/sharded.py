@@ -56,7 +56,7 @@ class Sharded(BucketedGradients):
         self.base_groups = optimizer.param_groups
         self.generation: int | None = None  # of the cut below; None: not built yet
         self.snapshots = PeerSnapshots()
-        self.reduction: Reduction = ReduceScatter(group)
+        self.reduction: Reduction = ReduceScatter(group, config.mode.zero.shard_scope)
         """Each bucket's collective, kept across the generations' reducers (``comm.reductions``)."""
         self.buffers = ModelBuffers(model)
         self.history = BufferHistory(self.buffers)
@@ -80,12 +80,12 @@ class Sharded(BucketedGradients):
     def _build(self) -> None:
         self._gathers = {}  # the last generation's (``drop_pending``)
         group, config, optimizer = self.group, self.config, self.base_optimizer
-        self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
+        self._cut(group)
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) in group_of]
         bucket_bytes, first_bytes = config.buckets.bucket_bytes, config.buckets.first_bucket_bytes(self.device.type)
         self.buckets = make_buckets(self.params, bucket_bytes, config.buckets.reduce_fp32, first_bucket_bytes=first_bytes,
-                                    group_of=group_of, pad_to=self.world_size)
+                                    group_of=group_of, pad_to=self.shards)
         self._index_buckets(group_of)
         order = {id(p): i for i, p in enumerate(self.params)}
         self.forward_order = sorted(range(len(self.buckets)),  # the first used first
@@ -102,22 +102,34 @@ class Sharded(BucketedGradients):
             self.param_buffers.append(buffer)
         self.masters = []
         for buffer, chunk in zip(self.param_buffers, self.chunks):
-            own = buffer[self.rank * chunk:(self.rank + 1) * chunk]
+            own = buffer[self.shard * chunk:(self.shard + 1) * chunk]
             self.masters.append(torch.nn.Parameter(own if own.dtype == torch.float32 else own.float()))
         # fp32 parameters are their own masters: a peer snapshot then leaves them out
         # (the neighbour has them from the all-gather) and sends the optimizer state alone
         self.snapshots.configure(group, 0 if any(b.dtype != torch.float32 for b in self.param_buffers)
-                                 else sum(self.chunks))
+                                 else sum(self.chunks), peers=self.replicas == 1)
 
         self.reducer = GradientReducer(self.params, group, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bytes,
-                                       reduce_fp32=config.buckets.reduce_fp32, group_of=group_of, pad_to=self.world_size,
+                                       reduce_fp32=config.buckets.reduce_fp32, group_of=group_of, pad_to=self.shards,
                                        reduction=self.reduction, **self._gradients())
         self._make_optimizer()
+
+    def _cut(self, group: CollectiveGroup) -> None:
+        """This generation's ranks, and how the state is cut among them (``--shard-scope``):
+        ``shards`` chunks, this rank's ``shard``-th; ``replicas`` copies of each, the ranks
+        of this rank's ``replica`` group holding the same chunk as it; ``shard_group`` the
+        ranks that hold the other chunks of this rank's copy (the parameter all-gathers')."""
+        self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
+        self.shards, self.shard = self.reduction.parts, self.reduction.part
+        self.replicas = self.world_size // self.shards
+        self.shard_group = group if self.replicas == 1 else group.subgroup("shard")
+        self.first_copy = self.replicas == 1 or self.rank == group.mesh.group("replica", self.rank)[0]
+        """This rank's chunk is the first copy of it: what a checkpoint holds of it, this rank writes."""
 
     def _index_buckets(self, group_of: dict[int, int]) -> None:
         """Per bucket of ``buckets``: its chunk, its elements, its param group; each
         parameter's bucket."""
-        self.chunks = [b.padded // self.world_size for b in self.buckets]
+        self.chunks = [b.padded // self.shards for b in self.buckets]
         self.numels = [b.numel for b in self.buckets]
         self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
@@ -159,10 +171,10 @@ class Sharded(BucketedGradients):
         return self.reducer.chunks[b]
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        grads = self.reducer.chunks  # each rank holds the global gradient of its chunks only
+        grads = self.reducer.chunks  # each rank holds the global gradient of its chunk only
         total_sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum().reshape(1)
         try:  # after the vote: a peer lost now fails the update here, not the step's vote
-            self.group.all_reduce(total_sq)
+            self.shard_group.all_reduce(total_sq)  # one copy of every chunk
         except Exception as exc:
             raise self._collective_error("gradient norm all-reduce", exc) from None
         total = total_sq.sqrt().reshape(())
@@ -221,11 +233,11 @@ class Sharded(BucketedGradients):
 
     def _own_params(self, b: int) -> torch.Tensor:
         chunk = self.chunks[b]
-        return self.param_buffers[b][self.rank * chunk:(self.rank + 1) * chunk]
+        return self.param_buffers[b][self.shard * chunk:(self.shard + 1) * chunk]
 
     def _start_gather(self, b: int) -> None:
         """Start the all-gather of bucket ``b``'s parameters from this rank's chunk."""
-        self._gathers[b] = self.group.all_gather_async(self.param_buffers[b], self._own_params(b))
+        self._gathers[b] = self.shard_group.all_gather_async(self.param_buffers[b], self._own_params(b))
 
     def _wait_gathers(self, buckets=None) -> None:
         """Wait for the all-gathers of ``buckets`` (default: all) still in flight."""
@@ -297,6 +309,8 @@ class Sharded(BucketedGradients):
         self._receive_snapshot()
         own = self.snapshots.keep_own(self.export("live", step))
         self.faults.at("snapshot")
+        if self.replicas > 1:
+            return  # every chunk has a replica on another host: no peer snapshot (own ones bridge a torn step)
         on_device = self.group.backend == "nccl" and self.masters  # NCCL sends from the GPU; gloo from the host
         self.snapshots.send(own, self.masters[0].device if on_device else None)
 
@@ -325,7 +339,8 @@ class Sharded(BucketedGradients):
             self._receive_snapshot(SNAPSHOT_WAIT_S)
         except CollectiveError as exc:
             logger.info("%s: dropped", exc)
-        return {"rank": self.rank, "live": self.live_step, "own": [s.step for s in self.snapshots.own],
+        return {"rank": self.rank, "chunk": self.shard, "chunks": self.shards, "live": self.live_step,
+                "own": [s.step for s in self.snapshots.own],
                 "peer": [s.step for s in self.snapshots.peer], **self.snapshots.sizes()}
 
     def export(self, kind: str, step: int) -> ChunkState:
@@ -342,23 +357,31 @@ class Sharded(BucketedGradients):
                     if isinstance(value, torch.Tensor):
                         value = value.detach()
                         state.setdefault(key, []).append(value.clone() if value.dim() == 0 else value.to("cpu"))
-            return ChunkState(step=step, world_size=self.world_size, rank=self.rank,
+            return ChunkState(step=step, world_size=self.shards, rank=self.shard,
                               master=[m.detach().to("cpu", torch.float32) for m in self.masters], state=state,
                               buffers=self.history.of(step, self.live_step))
         snap = self.snapshots.find(kind, step)
-        rank = self.rank if kind == "own" else self.group.mesh.left(self.rank)
-        shard = unpack(snap, self.chunks, self.world_size, rank)
+        rank = self.shard if kind == "own" else self.group.mesh.left(self.rank)  # peers: one copy, shard = rank
+        shard = unpack(snap, self.chunks, self.shards, rank)
         shard.buffers = self.history.of(step, self.live_step)
         return shard
 
     # -- resharding ----------------------------------------------------------------------
-    def needed_sources(self, old_world_size: int) -> list[int]:
-        """Old ranks whose chunks overlap this rank's new chunk or its left neighbour's."""
-        return needed_sources(self.rank, self.group.mesh.left(self.rank), self.numels, self.world_size, old_world_size)
+    def _left(self) -> int | None:
+        """The rank whose peer snapshot this rank keeps (None: peer snapshots are not kept,
+        one rank or replicas on other hosts); with peer snapshots each chunk has one copy,
+        and a chunk's index is its rank."""
+        return self.group.mesh.left(self.rank) if self.replicas == 1 and self.world_size > 1 else None
+
+    def needed_sources(self, old_chunks: int) -> list[int]:
+        """Old chunks that overlap this rank's new chunk or its left neighbour's."""
+        left = self._left()
+        return needed_sources(self.shard, self.shard if left is None else left, self.numels, self.shards, old_chunks)
 
     def import_chunks(self, fetch: Callable[[list[int]], list[ChunkState]], old_world_size: int, step: int) -> None:
-        """Become this generation's rank from the old generation's chunks at ``step``;
-        ``fetch(old_ranks)`` returns those ranks' chunks (only the ones needed are asked)."""
+        """Become this generation's rank from the old generation's chunks at ``step``
+        (``old_world_size`` of them: one a rank, or a block's under ``--shard-scope host``);
+        ``fetch(old_chunks)`` returns those chunks (only the ones needed are asked)."""
         self._current()
         needed = self.needed_sources(old_world_size)
         fetched = dict(zip(needed, fetch(needed)))
@@ -372,12 +395,12 @@ class Sharded(BucketedGradients):
         its chunk at ``step`` and, as snapshots, a copy of it and of its left neighbour's.
         """
         self._current()
-        own = cut(self.rank, self.numels, self.world_size, fetch, old_world_size, step)
+        own = cut(self.shard, self.numels, self.shards, fetch, old_world_size, step)
         self._set_live(own)
         self._gather_params()
-        left = (cut(self.group.mesh.left(self.rank), self.numels, self.world_size, fetch, old_world_size, step)
-                if self.world_size > 1 else None)
-        self.snapshots.reset(own, left)
+        left = self._left()
+        self.snapshots.reset(own, None if left is None else cut(left, self.numels, self.shards, fetch, old_world_size,
+                                                                step))
 
     @torch.no_grad()
     def _set_live(self, shard: ChunkState) -> None:
@@ -401,13 +424,13 @@ class Sharded(BucketedGradients):
     @torch.no_grad()
     def reset_from_params(self, step: int) -> None:
         """Start from the model's parameters (equal on every rank) and empty optimizer state."""
-        shard = ChunkState(step=step, world_size=self.world_size, rank=self.rank,
+        shard = ChunkState(step=step, world_size=self.shards, rank=self.shard,
                            master=[self._own_params(b).detach().float().cpu() for b in range(len(self.buckets))],
                            buffers=self.history.current())
         self._set_live(shard)
-        left = self.group.mesh.left(self.rank)
-        self.snapshots.reset(shard, ChunkState(step=step, world_size=self.world_size, rank=left,
-                                               master=self._peer_masters(left)) if self.world_size > 1 else None)
+        left = self._left()
+        self.snapshots.reset(shard, ChunkState(step=step, world_size=self.shards, rank=left,
+                                               master=self._peer_masters(left)) if left is not None else None)
 
     def _peer_masters(self, left: int) -> list[torch.Tensor]:
         """Rank ``left``'s chunk of every bucket's parameters, as fp32 on the host."""
@@ -428,7 +451,7 @@ class Sharded(BucketedGradients):
         neighbour's (the peer snapshot it keeps): a checkpoint's other files are not read."""
         self._current()
         return zero_format.wanted(self.buckets, self.chunks, self.names,
-                                  {self.rank, self.group.mesh.left(self.rank)})
+                                  {self.shard} | ({self._left()} - {None}))
 
     def load(self, state: TrainingState) -> None:
         self._current()
@@ -436,9 +459,11 @@ class Sharded(BucketedGradients):
 
     def named_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This rank's part of the optimizer state in a checkpoint's keys
-        (``zero_format.named_state``)."""
+        (``zero_format.named_state``): none where another rank holds the first copy of its
+        chunk (``--shard-scope host``)."""
         live = self.export("live", self.live_step)
-        tensors, slices = zero_format.named_state(self.buckets, self.chunks, self.names, self.rank, live)
+        tensors, slices = (zero_format.named_state(self.buckets, self.chunks, self.names, self.shard, live)
+                           if self.first_copy else ({}, {}))
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [self.names[id(p)] for p in base["params"]]}
                   for g, base in zip(self.optimizer.param_groups, self.base_groups)]

@@ -97,9 +97,12 @@ class PeerSnapshots:
         self._agreed = 0  # agreements this generation (their keys in the store)
         self._sender: ThreadPoolExecutor | None = None  # the transfers' thread, kept across generations
 
-    def configure(self, group: CollectiveGroup, unsent: int) -> None:
-        """Start the group's generation empty; ``unsent``: leading elements not sent."""
-        self.group, self.rank, self.world_size, self.unsent = group, group.rank, group.world_size, unsent
+    def configure(self, group: CollectiveGroup, unsent: int, peers: bool = True) -> None:
+        """Start the group's generation empty; ``unsent``: leading elements not sent;
+        ``peers``: False where no snapshot goes to a neighbour (every chunk has a replica:
+        ``--shard-scope host``), only the own ones are kept."""
+        self.group, self.rank, self.unsent = group, group.rank, unsent
+        self.world_size = group.world_size if peers else 1
         self.own, self._peer, self.pending = [], [], None
         self.out = self.into = None  # unmapped once no snapshot of them is held either
         self._numel = self._agreed = 0

@@ -82,7 +82,7 @@ class FullySharded(UnitChunks, Sharded):
     def _build(self) -> None:
         self._gathers, self._gathered = {}, set()
         group, config, optimizer = self.group, self.config, self.base_optimizer
-        self.world_size, self.rank, self.generation = group.world_size, group.rank, group.generation
+        self._cut(group)
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) in group_of]
         stepped = {id(p) for p in self.params}
@@ -101,7 +101,7 @@ class FullySharded(UnitChunks, Sharded):
         self.buckets: list[Bucket] = []
         self.unit_buckets: dict[int, list[int]] = {}
         for u in [*reversed(range(self.root)), self.root]:
-            pieces = make_buckets(members[u], WHOLE, config.buckets.reduce_fp32, group_of=group_of, pad_to=self.world_size)
+            pieces = make_buckets(members[u], WHOLE, config.buckets.reduce_fp32, group_of=group_of, pad_to=self.shards)
             self.unit_buckets[u] = list(range(len(self.buckets), len(self.buckets) + len(pieces)))
             self.buckets.extend(pieces)
         self.unit_params = {u: [p for b in bs for p in self.buckets[b].params] for u, bs in self.unit_buckets.items()}
@@ -121,13 +121,13 @@ class FullySharded(UnitChunks, Sharded):
             for b in self.unit_buckets[u]:
                 self._lay_out(b)
         self.masters = [torch.nn.Parameter(s if s.dtype == torch.float32 else s.float()) for s in self.param_chunks]
-        self.snapshots.configure(group, 0)  # no rank holds another's parameters between steps
+        self.snapshots.configure(group, 0, peers=self.replicas == 1)  # no rank holds another's parameters between steps
 
         self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
                             for b, c in zip(self.buckets, self.chunks)]
         self._sums = None
         self.reducer = GradientReducer(self.params, group, bucket_bytes=WHOLE, reduce_fp32=config.buckets.reduce_fp32,
-                                       group_of=group_of, pad_to=self.world_size, scatter_into=self.grad_chunks,
+                                       group_of=group_of, pad_to=self.shards, scatter_into=self.grad_chunks,
                                        buckets=self.buckets, reduction=self.reduction)
         self._grads_pending = {u: set() for u in self.unit_buckets}
         self._free_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -145,8 +145,8 @@ class FullySharded(UnitChunks, Sharded):
             if whole:
                 view.copy_(p.detach().reshape(-1))
             p.data = view.view_as(p)
-        chunk = bucket.padded // self.world_size
-        self.param_chunks[b] = buffer[self.rank * chunk:(self.rank + 1) * chunk].clone()
+        chunk = bucket.padded // self.shards
+        self.param_chunks[b] = buffer[self.shard * chunk:(self.shard + 1) * chunk].clone()
         self.param_buffers[b] = buffer
         buffer.untyped_storage().resize_(0)
 
@@ -168,7 +168,7 @@ class FullySharded(UnitChunks, Sharded):
         storage = buffer.untyped_storage()
         if storage.size() == 0:
             storage.resize_(buffer.numel() * buffer.element_size())
-        self._gathers[b] = self.group.all_gather_async(buffer, self.param_chunks[b])
+        self._gathers[b] = self.shard_group.all_gather_async(buffer, self.param_chunks[b])
 
     def _gather(self, u: int, wait: bool) -> None:
         """Start unit ``u``'s all-gather unless it is here or on its way; with ``wait``, wait for it."""

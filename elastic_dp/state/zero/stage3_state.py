@@ -77,8 +77,8 @@ class UnitChunks:
                         self.rank, self.world_size)
         model_file = part_files(self.rank)[0]
         part.files.setdefault(model_file, {})
-        for b, bucket in enumerate(self.buckets):
-            lo = self.rank * self.chunks[b]
+        for b, bucket in enumerate(self.buckets if self.first_copy else ()):  # one copy of each chunk is written
+            lo = self.shard * self.chunks[b]
             for p, offset, a, e in zero_format._pieces(bucket, lo, lo + self.chunks[b]):
                 for key in keys[id(p)]:
                     add_piece(part, model_file, f"model/{key}", self.param_chunks[b][a - lo:e - lo], a - offset,
@@ -125,14 +125,14 @@ class UnitChunks:
         tensors = checkpoint.manifest["tensors"]
         fields = sorted({k.rpartition("/")[2] for k in tensors  # the reduction's rows are not the optimizer's
                          if k.startswith("optim/") and not k.startswith(f"optim/{REDUCTION}")})
-        left = self.group.mesh.left(self.rank)
-        ranks = [self.rank, left] if self.world_size > 1 else [self.rank]
+        left = self._left()
+        ranks = [self.shard] if left is None else [self.shard, left]
         ranges = zero_format.chunk_ranges(self.buckets, self.chunks, self.names, ranks, fields)
         params = {f"model/{k}" for k, v in self.model.state_dict(keep_vars=True).items() if id(v) in self.unit_of}
         got, state = checkpoint.read_ranges(ranges, whole=lambda k: k == "rng" or (k.startswith("model/")
                                                                                   and k not in params))
         self._load_buffers(state.model)
-        chunk = [zero_format.chunk_from_ranges(self.buckets, self.chunks, self.names, r, self.world_size,
+        chunk = [zero_format.chunk_from_ranges(self.buckets, self.chunks, self.names, r, self.shards,
                                                state.step, got, fields, state.optimizer_tensors) for r in ranks]
         for c in chunk:
             c.buffers = self.history.current()
