@@ -1,10 +1,13 @@
 """Several hosts on one slow link each (the testbed, benchmarks/hosts.py): bytes each host
 sends over its link per step, from the kernel's counters, and samples/s, for elastic_dp's
-flat and hierarchical all-reduce and torch DDP (a flat gloo ring, started with torchrun on
-each host), all training jobs.gpt in the same namespaces, next to ``elastic-dp plan``'s
-figure. As root (the namespaces); docs/BENCHMARKS.md has the figures.
+flat and hierarchical all-reduce (stage 0) and ZeRO-2 and ZeRO-3 sharded inside each host
+(``--shard-scope host``, HSDP), against torch DDP (a flat gloo ring) and FSDP2's HSDP
+(``fully_shard`` on a 2-D ``DeviceMesh``), each started with torchrun on each host, all
+training jobs.gpt in the same namespaces, next to ``elastic-dp plan``'s figure. As root (the
+namespaces); docs/BENCHMARKS.md has the figures.
 
     python -m benchmarks.bench_hosts [--hosts 2] [--workers-per-host 2] [--rate-mbit 200] [--steps 24] [--rounds 1]
+        [--only NAME,...]
 
 Bytes are read between the commit times of steps 4 and steps-4 (start-up and the end left
 out; the links sampled every 20 ms), and samples/s is the global batch over the median step
@@ -43,21 +46,35 @@ def _measure(log: LinkLog, progress: Path, procs: list[subprocess.Popen], first:
             "step_s": statistics.median(m["step_s"] for m in records if first < m["step"] <= last)}
 
 
-def elastic_dp(bed: Testbed, workers: int, steps: int, all_reduce: str, out: Path) -> dict:
+RUNS = {
+    # name: (elastic-dp train's flags, or the peer's torchrun module and flags; the plan's figure: stage, key)
+    "flat": (["--all-reduce", "flat"], (0, "flat")),
+    "hierarchical": (["--all-reduce", "hierarchical"], (0, "hierarchical")),
+    "zero2_host": (["--zero", "2", "--shard-scope", "host"], (2, "host")),
+    "zero3_host": (["--zero", "3", "--shard-scope", "host"], (3, "host")),
+    "ddp": (["benchmarks.ddp_gpt"], (0, "flat")),
+    "fsdp2_hsdp": (["benchmarks.fsdp2_gpt", "--hsdp"], (3, "host")),
+}
+"""What each run is: elastic_dp's, or a peer's (``benchmarks.*``), and which figure of
+``elastic-dp plan`` it is set against (FSDP2's HSDP moves what ``--shard-scope host`` does)."""
+
+
+def elastic_dp(bed: Testbed, workers: int, steps: int, flags: list[str], out: Path) -> dict:
     with LinkLog(bed) as log:
         proc = bed.popen([sys.executable, "-m", "elastic_dp.cli", "train", "jobs.gpt", "--workers", str(workers),
-                          "--steps", str(steps), "--all-reduce", all_reduce, "--out", str(out), "--no-progress"],
+                          "--steps", str(steps), *flags, "--out", str(out), "--no-progress"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         return _measure(log, out / "metrics.jsonl", [proc], 4, steps - 4)
 
 
-def ddp(bed: Testbed, per_host: int, steps: int, out: Path) -> dict:
+def peer(bed: Testbed, per_host: int, steps: int, module: list[str], out: Path) -> dict:
+    """A torch peer started as its users start it: torchrun on each host."""
     out.mkdir(parents=True, exist_ok=True)
     progress = out / "progress.jsonl"
     with LinkLog(bed) as log:
         procs = [bed.popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={bed.hosts}",
                             f"--nproc-per-node={per_host}", f"--node-rank={h}", f"--master-addr={bed.address_of(0)}",
-                            "--master-port=29500", "-m", "benchmarks.ddp_gpt", "--steps", str(steps),
+                            "--master-port=29500", "-m", *module, "--steps", str(steps),
                             "--progress", str(progress)],
                            host=h, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
                  for h in range(bed.hosts)]
@@ -71,25 +88,29 @@ def main() -> None:
     parser.add_argument("--rate-mbit", type=float, default=200)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--only", default=",".join(RUNS), help=f"the runs, of {', '.join(RUNS)}")
     args = parser.parse_args()
+    names = args.only.split(",")
+    if not set(names) <= set(RUNS):
+        sys.exit(f"--only takes {', '.join(RUNS)}, got {args.only}")
     reason = Testbed.unavailable()
     if reason:
         sys.exit(f"no testbed: {reason}")
     workers = args.hosts * args.workers_per_host
     params = sum(p.numel() for p in TASK.model().parameters())
-    plan = MemoryPlan(params=params, workers=workers, zero=0, precision="fp32", hosts=args.hosts)
     gradient_bytes = 4 * params
-    results: dict[str, list[dict]] = {"flat": [], "hierarchical": [], "ddp": []}
+    results: dict[str, list[dict]] = {name: [] for name in names}
     root = Path(tempfile.mkdtemp(prefix="edp-bench-hosts-"))
     with Testbed(hosts=args.hosts, slots=args.workers_per_host, rate_mbit=args.rate_mbit) as bed:
         for r in range(args.rounds):
             for name in results:
                 out = root / f"{name}-{r}"
                 started = time.monotonic()
-                if name == "ddp":
-                    result = ddp(bed, args.workers_per_host, args.steps, out)
+                flags = RUNS[name][0]
+                if flags[0].startswith("benchmarks."):
+                    result = peer(bed, args.workers_per_host, args.steps, flags, out)
                 else:
-                    result = elastic_dp(bed, workers, args.steps, name, out)
+                    result = elastic_dp(bed, workers, args.steps, flags, out)
                 result["wall_s"] = time.monotonic() - started
                 results[name].append(result)
                 print(name, json.dumps(result), flush=True)
@@ -97,11 +118,12 @@ def main() -> None:
     print(f"\n{args.hosts} hosts x {args.workers_per_host} workers, {args.rate_mbit:g} Mbit/s links, jobs.gpt "
           f"({gradient_bytes / 1e6:.2f} MB of fp32 gradients), {args.rounds} round(s) of {args.steps} steps")
     print(f"{'':14}{'bytes/host/step':>18}{'x gradients':>13}{'plan':>8}{'s/step':>9}{'samples/s':>11}")
-    figures = plan.link_bytes_per_step()
     for name, runs in results.items():
         sent = statistics.median(b for run in runs for b in run["bytes_per_host_per_step"])
         step_s = statistics.median(run["step_s"] for run in runs)
-        planned = figures.get(name, figures["flat"]) / gradient_bytes
+        zero, key = RUNS[name][1]
+        planned = MemoryPlan(params=params, workers=workers, zero=zero, precision="fp32",
+                             hosts=args.hosts).link_bytes_per_step()[key] / gradient_bytes
         print(f"{name:14}{sent:18,.0f}{sent / gradient_bytes:13.3f}{planned:8.2f}{step_s:9.3f}{batch / step_s:11.1f}")
 
 

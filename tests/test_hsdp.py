@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from elastic_dp.comm.group import CollectiveGroup
-from elastic_dp.durable.checkpoint import merge_parts
+from elastic_dp.durable.checkpoint import CheckpointStore, manifest_of, merge_parts, write_part
 from tests.reference import max_abs_diff
 from tests.tasks import MLP_TASK, TINY_GPT_TASK
 from tests.zero_runs import initial_weights, train
@@ -78,3 +78,32 @@ def test_a_checkpoint_written_under_hsdp_resumes_at_another_world_size_and_scope
     resumed, _, _ = train(task, dataclasses.replace(config, zero=3), 2, range(3, 6), None, start=saved,
                           hosts=("A", "B"))
     assert max_abs_diff(resumed, uninterrupted) < TOL
+
+
+def test_a_stage_3_checkpoint_written_under_hsdp_is_one_copy_and_loads_chunk_by_chunk(tmp_path):
+    """Saved at stage 3 on hosts AABB as the ranks save (each its ``checkpoint_part``): the
+    parameters and their optimizer state come from the first copy (ranks 0 and 1, half
+    each), and the checkpoint read back chunk by chunk under HSDP on 4 ranks and at stage 2
+    on 3 ranks goes on where 6 uninterrupted steps end."""
+    task = TINY_GPT_TASK
+    plain = dataclasses.replace(task.defaults, micro_batch=None)
+    config = dataclasses.replace(plain, zero=3, shard_scope="host")
+    hosts = ("A", "A", "B", "B")
+    initial = initial_weights(task, config.seed)
+    uninterrupted, _, _ = train(task, plain, 1, range(6), initial)
+    parts = {}
+
+    def save(replica) -> None:
+        parts[replica.group.rank] = replica.checkpoint_part(3, {"seed": config.seed})
+
+    train(task, config, 4, range(3), initial, before_exit=save, hosts=hosts)
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    directory = store.begin(3)
+    reports = [write_part(store.storage, directory, parts[r]) for r in range(4)]
+    checkpoint = store.commit(directory, manifest_of(reports, step=3, sampler={"seed": config.seed}, world_size=4))
+    writers = {int(file.rpartition("-")[2].split(".")[0]) for key, t in checkpoint.manifest["tensors"].items()
+               if key.startswith(("model/blocks", "optim/")) for file, _, _ in t["pieces"]}
+    assert writers == {0, 1}, writers
+    for cfg, world, where in ((config, 4, hosts), (dataclasses.replace(plain, zero=2), 3, None)):
+        resumed, _, _ = train(task, cfg, world, range(3, 6), None, start=checkpoint, hosts=where)
+        assert max_abs_diff(resumed, uninterrupted) < TOL, (cfg.stage.number, world)

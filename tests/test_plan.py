@@ -131,11 +131,28 @@ def test_the_bytes_over_each_hosts_link_follow_the_closed_forms_of_docs_hosts():
     assert eight == {"flat": pytest.approx(2 * 63 / 64 * gradient), "hierarchical": pytest.approx(2 * 7 / 8 * gradient)}
     # stage 2 moves gradients and parameters: gloo's all-to-alls send W(H-1)/H of them per host, NCCL's rings (N-1)/N
     zero2 = MemoryPlan(params=1e6, workers=4, zero=2, precision="fp32", hosts=2).link_bytes_per_step()
-    assert zero2 == {"gloo": pytest.approx(2 * 0.5 * 2 * gradient), "nccl": pytest.approx(0.75 * 2 * gradient)}
+    # --shard-scope host: only each chunk's gradient crosses, all-reduced among its H replicas: 2(H-1)/H of it
+    assert zero2 == {"gloo": pytest.approx(2 * 0.5 * 2 * gradient), "nccl": pytest.approx(0.75 * 2 * gradient),
+                     "host": pytest.approx(1.0 * gradient)}
     zero3 = MemoryPlan(params=1e6, workers=4, zero=3, precision="fp32", hosts=2).link_bytes_per_step()
-    assert zero3["gloo"] == pytest.approx(2 * 0.5 * 3 * gradient)
+    assert zero3["gloo"] == pytest.approx(2 * 0.5 * 3 * gradient) and zero3["host"] == pytest.approx(gradient)
+    eight3 = MemoryPlan(params=1e6, workers=64, zero=3, precision="fp32", hosts=8).link_bytes_per_step()
+    assert eight3["host"] == pytest.approx(2 * 7 / 8 * gradient)
     assert MemoryPlan(params=1e6, workers=4, zero=0, hosts=1).link_bytes_per_step() == {"flat": 0.0, "hierarchical": 0.0}
     assert MemoryPlan(params=1e6, workers=4, zero=0).link_bytes_per_step() == {}
+
+
+def test_shard_scope_host_cuts_the_state_over_a_hosts_workers_and_keeps_no_peer_snapshot():
+    everywhere = MemoryPlan(params=1e6, workers=64, zero=3, hosts=8)
+    hsdp = MemoryPlan(params=1e6, workers=64, zero=3, hosts=8, shard_scope="host")
+    assert hsdp.bytes_per_param() == everywhere.bytes_per_param(workers=8)  # 1/W of it, not 1/N
+    assert hsdp.snapshot_bytes()["host"] == 0 and everywhere.snapshot_bytes()["host"] > 0
+    p, g = 2, 2  # bf16: inside the host the stage's collectives over 8 workers, across it the chunk's all-reduce
+    assert hsdp.comm_bytes_per_step() == pytest.approx((7 / 8 * (2 * p + g) + 2 * 7 / 8 * g / 8) * 1e6)
+    for kw, message in (({"zero": 0}, "inside each host: give"), ({"hosts": None}, "inside each host: give"),
+                        ({"shard_scope": "rack"}, "must be all or host")):
+        with pytest.raises(ConfigError, match=message):
+            MemoryPlan(**{"params": 1e6, "workers": 64, "zero": 3, "hosts": 8, "shard_scope": "host", **kw})
 
 
 def test_plan_takes_hosts_and_workers_per_host_and_refuses_what_does_not_add_up(capsys):

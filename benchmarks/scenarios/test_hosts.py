@@ -1,9 +1,11 @@
 """Several hosts over real links: the testbed (benchmarks/hosts.py: network namespaces, a
 200 Mbit/s link each, a Ray node in each), 2 hosts of 2 workers, the GPT job's driver on
-host 0. The run ends on the one-process replay with the hierarchical all-reduce, through a
-kill and a join, through the loss of a whole host (its Ray node's processes killed by id)
-and through a partition (its link cut); the bytes each host sent per step, read from the
-links' counters, are the hierarchical all-reduce's and not the flat ring's.
+host 0. The run ends on the one-process replay with the hierarchical all-reduce and with
+ZeRO-2 and ZeRO-3 sharded inside each host (``--shard-scope host``, HSDP), through a kill
+and a join, through the loss of a whole host (its Ray node's processes killed by id) and
+through a partition (its link cut); the bytes each host sent per step, read from the links'
+counters, are ``elastic-dp plan``'s: the hierarchical all-reduce's and HSDP's, not the flat
+ring's.
 
 Needs root for the namespaces (CI runs as root); elsewhere each test skips, saying why. A
 long scenario (``python3 dev.py test benchmarks/scenarios``)."""
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.hosts import LinkLog, Testbed
+from elastic_dp.observe.capacity import MemoryPlan
 from tests.scripts.scenario import lines, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(Testbed.unavailable() is not None,
@@ -53,30 +56,51 @@ def _report(proc: subprocess.Popen, timeout_s: float = 240) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("all_reduce", ["hierarchical", "flat"])
-def test_the_gpt_job_across_two_hosts_ends_on_the_replay_and_the_hierarchical_all_reduce_halves_the_links_bytes(
-        bed, tmp_path, all_reduce):
+def _gpt_params() -> int:
+    from jobs import gpt
+
+    return sum(p.numel() for p in gpt.TASK.model().parameters())
+
+
+@pytest.mark.parametrize("options,figure", [(("all_reduce=hierarchical",), "hierarchical"), (("all_reduce=flat",), "flat"),
+                                            (("zero=2", "shard_scope=host"), "host"),
+                                            (("zero=3", "shard_scope=host"), "host")],
+                         ids=["hierarchical", "flat", "zero2-host", "zero3-host"])
+def test_the_gpt_job_across_two_hosts_ends_on_the_replay_and_sends_the_plans_bytes_over_each_link(
+        bed, tmp_path, options, figure):
     """jobs.gpt (3.3 MB of gradients), 2 hosts: the hierarchical all-reduce sends 2(H-1)/H =
     1.0x the gradient's bytes over each host's link, a flat ring of 4 ranks 2(N-1)/N = 1.5x
-    (one rank of each host sends the host's share). The bytes are taken between the commit
-    times of steps 4 and 20 (the links sampled every 20 ms). Bounds: no less than the figure
-    -2% (the algorithm cannot send less), and no more than the figure + 0.25x, half-way to
-    the other algorithm's, for TCP/IP headers and the acknowledgements of what the host
-    receives, the workers' reports to the driver and Ray's own traffic, which is by the
-    second, not by the step: +4-5% alone (docs/BENCHMARKS.md)."""
+    (one rank of each host sends the host's share), and ZeRO-2 and ZeRO-3 sharded inside each
+    host 1.0x (each chunk's gradient all-reduced with its replica; the parameter gathers stay
+    inside the host), where ZeRO over all 4 ranks sends 2.0x (stage 2) and 3.0x (stage 3):
+    ``elastic-dp plan``'s figures (``MemoryPlan.link_bytes_per_step``). The bytes are taken
+    between the commit times of steps 4 and 20 (the links sampled every 20 ms). Bounds: no
+    less than the figure -2% (the algorithm cannot send less), and no more than the figure
+    + 0.25x of the gradient's bytes, half-way to the next algorithm's, for TCP/IP headers and
+    the acknowledgements of what the host receives, the workers' reports to the driver and
+    Ray's own traffic, which is by the second, not by the step: +4-5% alone (docs/BENCHMARKS.md)."""
     with LinkLog(bed) as log:
-        report = _report(_start(bed, tmp_path, "steady", f"all_reduce={all_reduce}", "steps=24", "task=gpt"))
+        report = _report(_start(bed, tmp_path, "steady", *options, "steps=24", "task=gpt"))
     per_step = log.per_step(lines(tmp_path / "metrics.jsonl"), 4, 20)
     assert report["world_sizes"] == [4] * 24 and report["diff"] < GPT_TOL
-    memory = next(e for e in report["events"] if e["kind"] == "state_memory")
-    gradient_bytes = memory["ranks"][0]["gradients"]  # the stage-0 buckets: every parameter's gradient, fp32
-    expected = 1.0 if all_reduce == "hierarchical" else 1.5
+    params = _gpt_params()
+    gradient_bytes = 4 * params  # fp32
+    zero = next((int(o[5:]) for o in options if o.startswith("zero=")), 0)
+    plan = MemoryPlan(params=params, workers=4, zero=zero, precision="fp32", hosts=2).link_bytes_per_step()
+    expected = plan[figure] / gradient_bytes
     for host, sent in enumerate(per_step):
         assert 0.98 * expected < sent / gradient_bytes < expected + 0.25, (host, sent / gradient_bytes, per_step)
+    print(f"{'/'.join(options)}: {[round(s / gradient_bytes, 3) for s in per_step]}x the gradient's bytes per host "
+          f"per step (plan {expected:.3f}x)")
 
 
-def test_a_kill_and_a_join_across_hosts_with_the_hierarchical_all_reduce_end_on_the_replay(bed, tmp_path):
-    report = _report(_start(bed, tmp_path, "kill_join", "all_reduce=hierarchical"))
+@pytest.mark.parametrize("options", [("all_reduce=hierarchical",), ("zero=3", "shard_scope=host")],
+                         ids=["hierarchical", "zero3-host"])
+def test_a_kill_and_a_join_across_hosts_end_on_the_replay(bed, tmp_path, options):
+    """Under ``--shard-scope host`` the kill leaves hosts of 1 and 2 workers (blocks of one:
+    every worker a whole copy of the state), the join 2 and 2 again (each host a copy): each
+    re-cut from the replicas, no checkpoint (none is configured)."""
+    report = _report(_start(bed, tmp_path, "kill_join", *options))
     assert report["diff"] < TOL
     sizes = report["world_sizes"]
     assert 3 in sizes and sizes[-1] == 4, sizes  # the kill, then the joiner (on the killed worker's host)
@@ -87,15 +111,18 @@ def test_a_kill_and_a_join_across_hosts_with_the_hierarchical_all_reduce_end_on_
     assert len(meshes) >= 3 and sorted(meshes[-1]) == sorted(bed.address_of(h) for h in (0, 0, 1, 1)), meshes
     for hosts in meshes:
         assert all(hosts[r] == hosts[r + 1] or hosts[r + 1] not in hosts[:r + 1] for r in range(len(hosts) - 1)), hosts
+    assert not lines(tmp_path / "checkpoints.jsonl")
 
 
-@pytest.mark.parametrize("how,zero", [("killed", 0), ("partitioned", 0), ("killed", 2), ("drained", 0)])
-def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(bed, tmp_path, how, zero):
+@pytest.mark.parametrize("how,zero,scope", [("killed", 0, "all"), ("partitioned", 0, "all"), ("killed", 2, "all"),
+                                            ("killed", 2, "host"), ("killed", 3, "host"), ("drained", 0, "all")])
+def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(bed, tmp_path, how, zero, scope):
     """Host 1's Ray node and workers killed by id, its link cut, or the node drained for
     preemption with Ray's own CLI (``ray drain-node``): the run goes on with host 0's two
-    workers, from their replica at stage 0, and at ZeRO-2 from the peer snapshots the
-    snapshot ring put on host 0 (no checkpoint: none is configured). Afterwards the host is
-    brought back (the link healed, a new Ray node) for the next test.
+    workers, from their replica at stage 0, at ZeRO-2 from the peer snapshots the snapshot
+    ring put on host 0, and at ZeRO-2 and 3 under ``--shard-scope host`` from host 0's own
+    copy of the state, which no peer snapshot made (no checkpoint: none is configured).
+    Afterwards the host is brought back (the link healed, a new Ray node) for the next test.
 
     Partitioned: the link is healed once the run went on without the host. Ray had not
     declared the node dead (its health checks allow longer than the cut lasted), so the
@@ -105,7 +132,7 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
     fast = tmp_path / "fast"
     pace = "pace=0.35" if how == "partitioned" else "pace=0.2"  # time for replacements to start and join
     proc = _start(bed, tmp_path, "host_lost", f"zero={zero}", pace,
-                  *(["all_reduce=hierarchical"] if zero == 0 else []))
+                  *(["all_reduce=hierarchical"] if zero == 0 else []), *([f"shard_scope={scope}"] if zero else []))
     metrics = tmp_path / "metrics.jsonl"
     try:
         wait_for(metrics, lambda ms: len(ms) >= 4 and ms[-1]["world_size"] == 4, timeout_s=120)
@@ -139,7 +166,9 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
         assert change["lost"] == 0 and sorted(change["left_ranks"]) in ([0, 1], [2, 3]) and change["steps_rerun"] == 0
     else:  # host 1's ranks, contiguous (the hosts in the order their first worker was ready)
         assert change["lost"] == 2 and sorted(change["lost_ranks"]) in ([0, 1], [2, 3])
-    print(f"host {how} at ZeRO-{zero}: the run went on with the other host after {went_on_s:.2f} s "
+    if scope == "host":  # restored from host 0's live copy: at most the step in flight re-run
+        assert change["steps_rerun"] <= 1, change
+    print(f"host {how} at ZeRO-{zero} --shard-scope {scope}: the run went on with the other host after {went_on_s:.2f} s "
           f"(detected in {change.get('detect_s')} s)")
     if how == "partitioned":
         assert went_on_s < DETECT_S + 5, went_on_s

@@ -41,6 +41,11 @@ contiguous, docs/hosts.md), bytes each host sends per step: stage 0 with a flat 
 all-reduce, 2(H-1)/H · GΨ. Stages 1 to 3 move (G + P)Ψ, or (2P + G)Ψ at stage 3 (call it
 X): on gloo their collectives are all-to-alls, in which each of a host's W ranks sends a
 chunk to each of the N-W ranks elsewhere, W(H-1)/H · X; NCCL's rings send (N-1)/N · X.
+With ``--shard-scope host`` (HSDP: the state cut over each host's W workers, replicated
+across the hosts) the parameter all-gathers stay inside the hosts, and only each chunk's
+gradient crosses, all-reduced among its H replicas: 2(H-1)/H · GΨ per host, at any stage,
+as stage 0's hierarchical all-reduce; each worker then holds 1/W of the sharded state, not
+1/N, and no peer snapshot.
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ class MemoryPlan:
     """Stage 3: the units are freed after their forward (``--no-reshard-after-forward``: not)."""
     hosts: int | None = None
     """The hosts the workers are spread over, ``workers`` / ``hosts`` on each (None: not given)."""
+    shard_scope: str = "all"
+    """``--shard-scope``: the sharded state cut over every worker (``all``) or each host's (``host``)."""
 
     def __post_init__(self) -> None:
         if not self.params > 0:
@@ -104,6 +111,11 @@ class MemoryPlan:
             raise ConfigError(f"--optimizer must be one of {sorted(OPTIMIZER_MOMENTS)}, got {self.optimizer!r}")
         if self.hosts is not None and (self.hosts < 1 or self.workers % self.hosts):
             raise ConfigError(f"--hosts must be a positive divisor of the {self.workers} workers, got {self.hosts}")
+        if self.shard_scope not in ("all", "host"):
+            raise ConfigError(f"--shard-scope must be all or host, got {self.shard_scope!r}")
+        if self.shard_scope == "host" and (self.hosts is None or not self._partitioned):
+            raise ConfigError("--shard-scope host shards ZeRO's state inside each host: give --zero 1, 2 or 3 and "
+                              "--hosts")
 
     @property
     def _partitioned(self) -> frozenset[str]:
@@ -116,9 +128,14 @@ class MemoryPlan:
         p, g, master = PRECISIONS[self.precision]
         return p, g, master + 4 * OPTIMIZER_MOMENTS[self.optimizer]
 
+    @property
+    def _shards(self) -> int:
+        """Over how many workers the sharded state is cut."""
+        return self.workers // self.hosts if self.shard_scope == "host" else self.workers
+
     def bytes_per_param(self, workers: int | None = None) -> dict[str, float]:
         """Per-worker bytes per parameter: parameters, gradients, optimizer state, total."""
-        n = workers or self.workers
+        n = workers or self._shards
         p, g, k = self._pgk
         partitioned = self._partitioned
         k /= n if "optimizer" in partitioned else 1
@@ -142,7 +159,7 @@ class MemoryPlan:
     def snapshot_bytes(self) -> dict[str, float]:
         """Per-worker bytes of peer snapshots: host memory with the left neighbour on
         another host, and on the same host; the device's extra while one is sent (NCCL)."""
-        if not self._partitioned or self.workers == 1:
+        if not self._partitioned or self.workers == 1 or self._shards < self.workers:  # none, or replicas instead
             return {"host": 0.0, "host_neighbour_on_same_host": 0.0, "device_while_sent": 0.0}
         one = (4 + 4 * OPTIMIZER_MOMENTS[self.optimizer]) * self.params / self.workers
         return {"host": 2 * SNAPSHOTS_KEPT * one, "host_neighbour_on_same_host": SNAPSHOTS_KEPT * one,
@@ -161,8 +178,9 @@ class MemoryPlan:
         return 1 if sharded == 0 else max(1, math.ceil(sharded / room - 1e-12))
 
     def comm_bytes_per_step(self) -> float:
-        """Bytes each worker sends per step (ring algorithms)."""
-        n = self.workers
+        """Bytes each worker sends per step (ring algorithms; under ``--shard-scope host``
+        the collectives of its host's workers, and its chunk's all-reduce among its replicas)."""
+        n = self._shards
         p, g, _ = self._pgk
         share = (n - 1) / n
         if "gradients" not in self._partitioned and "optimizer" not in self._partitioned:
@@ -171,31 +189,36 @@ class MemoryPlan:
             per_param = share * (2 * p + g)
         else:
             per_param = share * (g + p)
+        if n < self.workers:
+            h = self.workers // n
+            per_param += 2 * (h - 1) / h * g / n
         return per_param * self.params
 
     def link_bytes_per_step(self) -> dict[str, float]:
         """Bytes each host sends over its link per step, by how the step communicates (needs
         ``hosts``): stage 0 ``flat`` and ``hierarchical``; a sharded stage on ``gloo`` (all-to-alls)
-        and on ``nccl`` (rings)."""
+        and on ``nccl`` (rings) at ``--shard-scope all``, and at ``--shard-scope host`` (``host``)."""
         if self.hosts is None:
             return {}
         h, n = self.hosts, self.workers
         w = n // h
         p, g, _ = self._pgk
         if h == 1:
-            return {k: 0.0 for k in (("flat", "hierarchical") if not self._partitioned else ("gloo", "nccl"))}
+            return {k: 0.0 for k in (("flat", "hierarchical") if not self._partitioned else ("gloo", "nccl", "host"))}
         if not self._partitioned:
             return {"flat": 2 * (n - 1) / n * g * self.params, "hierarchical": 2 * (h - 1) / h * g * self.params}
         moved = (2 * p + g if "parameters" in self._partitioned and self.reshard else p + g) * self.params
-        return {"gloo": w * (h - 1) / h * moved, "nccl": (n - 1) / n * moved}
+        return {"gloo": w * (h - 1) / h * moved, "nccl": (n - 1) / n * moved,
+                "host": 2 * (h - 1) / h * g * self.params}
 
     def report(self, gpu_memory: float | None = None) -> dict:
         out = {"inputs": {**asdict(self), "gpu_memory": gpu_memory},
                "bytes_per_param": self.bytes_per_param(),
                "per_worker_bytes": self.per_worker_bytes(),
                "per_worker_bytes_by_stage": {
-                   str(z): MemoryPlan(self.params, self.workers, z, self.precision,
-                                      self.optimizer).per_worker_bytes()["total"] for z in STAGES},
+                   str(z): MemoryPlan(self.params, self.workers, z, self.precision, self.optimizer, hosts=self.hosts,
+                                      shard_scope=self.shard_scope if z else "all").per_worker_bytes()["total"]
+                   for z in STAGES},
                "snapshot_bytes": self.snapshot_bytes(),
                "gathered_bytes": self.gathered_bytes(),
                "comm_bytes_per_step": self.comm_bytes_per_step()}
@@ -230,7 +253,8 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
                      f"with NCCL, {snap['device_while_sent'] / gib:.2f} GiB more on the device while one is sent")
     lines.append(f"  communication per step: {r['comm_bytes_per_step'] / 1e9:.3f} GB sent by each worker")
     if plan.hosts is not None:
-        per_host = ", ".join(f"{k} {v / 1e6:.3g} MB" for k, v in r["link_bytes_per_host_per_step"].items())
+        names = {"gloo": "gloo", "nccl": "nccl", "host": "--shard-scope host"}
+        per_host = ", ".join(f"{names.get(k, k)} {v / 1e6:.3g} MB" for k, v in r["link_bytes_per_host_per_step"].items())
         lines.append(f"  over each host's link per step ({plan.hosts} hosts of {plan.workers // plan.hosts} workers): "
                      f"{per_host}")
     if gpu_memory is not None:

@@ -4,7 +4,8 @@ cluster; the test acts on the hosts (kills one, cuts its link) from outside whil
 reading ``OUT/metrics.jsonl``. Prints one JSON line: the distance of the final parameters from
 the one-process replay of the same batches, the steps and world sizes, the events.
 
-    python -m tests.scripts.hosts OUT SCENARIO [all_reduce=flat|hierarchical] [zero=N] [steps=N] [task=tiny|gpt] [pace=S]
+    python -m tests.scripts.hosts OUT SCENARIO [all_reduce=flat|hierarchical] [zero=N] [shard_scope=all|host]
+        [steps=N] [task=tiny|gpt] [pace=S]
 
     task: the tiny GPT (default; micro-batches of 1) or jobs.gpt's (3.3 MB of gradients, its own batches)
     pace: seconds slept per micro-batch while paced (default 0.2)
@@ -43,8 +44,9 @@ def main(out: Path, scenario: str, options: dict[str, str]) -> None:
         task = dataclasses.replace(task, loss=PacedGPTLoss(seconds=float(options.get("pace", 0.2)),
                                                                   until=str(out / "fast")))
     train = {"zero": int(options.get("zero", 0)), "steps": int(options.get("steps", 24))}
-    if "all_reduce" in options:
-        train["all_reduce"] = options["all_reduce"]
+    for name in ("all_reduce", "shard_scope"):
+        if name in options:
+            train[name] = options[name]
     if plain is TINY_GPT_TASK:
         train["micro_batch"] = 1
     run = fit(task, out, workers=s["workers"], min_workers=s["min_workers"], inject=s["inject"], **train)
