@@ -77,7 +77,7 @@ def test_every_setting_of_a_part_the_run_did_not_choose_is_refused_naming_it(mod
 
 def _a_value_other_than_the_default(name: str):
     values = {"bucket_mb": 5.0, "first_bucket_mb": 1.0, "all_reduce": "flat", "reduce_fp32": False, "snapshot_every": 3,
-              "reshard_after_forward": False, "balance": True, "prefetch": True, "batch_stats": "local",
+              "shard_scope": "host", "reshard_after_forward": False, "balance": True, "prefetch": True, "batch_stats": "local",
               "max_staleness": 2, "staleness_lr": "inverse", "ps_shards": 2, "ps_device": "cpu", "sync_every": 10,
               "outer_lr": 1.0, "outer_momentum": 0.5, "outer_nesterov": False, "outer_reduce": "bf16",
               "fragments": 2, "fragment_delay": 1, "zero": 1}
@@ -92,6 +92,7 @@ def test_the_three_holes_of_the_old_checks_are_closed_from_the_command_line(caps
                        (["--mode", "diloco", "--no-reduce-fp32"], "--no-reduce-fp32"),
                        (["--snapshot-every", "3"], "--snapshot-every"),
                        (["--zero", "0", "--snapshot-every", "3"], "--snapshot-every"),
+                       (["--shard-scope", "host"], "--shard-scope"),
                        (["--zero", "2", "--no-reshard-after-forward"], "--no-reshard-after-forward")):
         assert cli.main(["train", "jobs.gpt", "--no-progress", *argv]) == 2, argv
         err = capsys.readouterr().err

@@ -115,7 +115,8 @@ def test_a_kill_and_a_join_across_hosts_end_on_the_replay(bed, tmp_path, options
 
 
 @pytest.mark.parametrize("how,zero,scope", [("killed", 0, "all"), ("partitioned", 0, "all"), ("killed", 2, "all"),
-                                            ("killed", 2, "host"), ("killed", 3, "host"), ("drained", 0, "all")])
+                                            ("killed", 2, "host"), ("killed", 3, "host"), ("partitioned", 3, "host"),
+                                            ("drained", 0, "all")])
 def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(bed, tmp_path, how, zero, scope):
     """Host 1's Ray node and workers killed by id, its link cut, or the node drained for
     preemption with Ray's own CLI (``ray drain-node``): the run goes on with host 0's two
@@ -123,6 +124,9 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
     ring put on host 0, and at ZeRO-2 and 3 under ``--shard-scope host`` from host 0's own
     copy of the state, which no peer snapshot made (no checkpoint: none is configured).
     Afterwards the host is brought back (the link healed, a new Ray node) for the next test.
+    Partitioned under ``--shard-scope host``: the host leaves (one host: its two workers
+    shard the state between them, with peer snapshots) and comes back (two hosts, a copy on
+    each, re-cut from the one host's chunks).
 
     Partitioned: the link is healed once the run went on without the host. Ray had not
     declared the node dead (its health checks allow longer than the cut lasted), so the
