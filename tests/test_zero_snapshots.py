@@ -49,7 +49,7 @@ def test_resharding_from_live_chunks_and_snapshots_continues_the_same_trajectory
     # the last snapshots arrive while the groups exist (a transfer cut by a group's end is dropped)
     _, _, old = train(task, config, 3, range(3), initial, before_exit=lambda r: r.strategy.holdings())
     assert [{k: v for k, v in r.strategy.holdings().items() if "bytes" not in k} for r in old] == [
-        {"rank": r, "live": 3, "own": [2, 3], "peer": [2, 3]} for r in range(3)]
+        {"rank": r, "chunk": r, "chunks": 3, "live": 3, "own": [2, 3], "peer": [2, 3]} for r in range(3)]
     # a snapshot holds the chunk's fp32 master and AdamW's two moments (and step counts);
     # the master is not sent: the neighbour copies it out of its gathered parameters; in
     # shared memory nothing is sent, and the left neighbour's snapshots are not held twice
