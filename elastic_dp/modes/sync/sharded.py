@@ -107,11 +107,11 @@ class ShardedLayout:
         if self.exported is None:
             old = self.gens.members
             holders = [m for m in failure.survivors if m in old]
-            if not self._export(holders):
+            missing = self._export(holders)
+            if missing is not None:
                 lost = [r for r, m in enumerate(old) if m not in holders]
-                return RecoveryResult(Recovery.STATE_LOST, reason=(
-                    f"ranks {lost} of {len(old)} were lost together, and with them every copy of a ZeRO chunk (its "
-                    "peer snapshot, or its replicas)"))
+                return RecoveryResult(Recovery.STATE_LOST,
+                                      reason=f"ranks {lost} of {len(old)} were lost together, and with them {missing}")
         step = self.exported.step
         self._import(members, faults)
         return RecoveryResult(classify(failure, step), step, details={"restored_step": step})
@@ -120,16 +120,18 @@ class ShardedLayout:
         self._export(self.gens.members)  # every chunk is live at this step
         self._import(members, {})
 
-    def _export(self, holders: list[Any]) -> bool:
+    def _export(self, holders: list[Any]) -> str | None:
         """Export the newest complete set of the current generation's chunks that
-        ``holders`` hold; False when some chunk is held by nobody."""
+        ``holders`` hold; None when done, else what was lost (some chunk is held by nobody)."""
         old = self.gens.members
         reports = self.gens.run(holders, {m.actor.chunk_holdings.remote(): m for m in holders})
         rank_of = {m: rank for rank, m in enumerate(old)}
         ring = Mesh(tuple(m.info.node_id for m in old))
         plan = chunk_sources(len(old), {rank_of[m]: r for m, r in reports.items()}, ring.right)
         if plan is None:
-            return False
+            replicated = any(r.get("chunks", len(old)) < len(old) for r in reports.values())
+            return "every replica of a ZeRO chunk (--shard-scope host)" if replicated else \
+                "a ZeRO chunk and its peer snapshot"
         metas, refs = {}, []
         for holder, kind in plan.sources:
             meta, ref = old[holder].actor.export_chunk.remote(kind, plan.step)
@@ -137,7 +139,7 @@ class ShardedLayout:
             refs.append(ref)
         self.gens.run(holders, metas)  # exported before the holders join the next generation
         self.exported = _Exported(plan.step, len(refs), refs)
-        return True
+        return None
 
     def _import(self, members: list[Any], faults: dict[int, Fault]) -> None:
         self.gens.form(members, faults)
