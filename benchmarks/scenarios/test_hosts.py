@@ -46,14 +46,15 @@ def _start(bed: Testbed, out: Path, scenario: str, *options: str) -> subprocess.
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
-def _report(proc: subprocess.Popen, timeout_s: float = 240) -> dict:
+def _report(proc: subprocess.Popen, timeout_s: float = 150) -> dict:
+    """The run's report: the last JSON line it printed (Ray's raylets may print after it)."""
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
     assert proc.returncode == 0, f"the run failed ({proc.returncode}):\n{err[-4000:]}"
-    return json.loads(out.strip().splitlines()[-1])
+    return json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
 
 
 def _gpt_params() -> int:
@@ -94,14 +95,15 @@ def test_the_gpt_job_across_two_hosts_ends_on_the_replay_and_sends_the_plans_byt
           f"per step (plan {expected:.3f}x)")
 
 
-@pytest.mark.parametrize("options", [("all_reduce=hierarchical",), ("zero=3", "shard_scope=host")],
-                         ids=["hierarchical", "zero3-host"])
+@pytest.mark.parametrize("options", [("all_reduce=hierarchical",), ("zero=3", "shard_scope=host", "task=gpt")],
+                         ids=["hierarchical", "zero3-host-gpt"])
 def test_a_kill_and_a_join_across_hosts_end_on_the_replay(bed, tmp_path, options):
-    """Under ``--shard-scope host`` the kill leaves hosts of 1 and 2 workers (blocks of one:
-    every worker a whole copy of the state), the join 2 and 2 again (each host a copy): each
-    re-cut from the replicas, no checkpoint (none is configured)."""
+    """The tiny GPT with the hierarchical all-reduce; jobs.gpt at ZeRO-3 under
+    ``--shard-scope host``, where the kill leaves hosts of 1 and 2 workers (blocks of one:
+    every worker a whole copy of the state) and the join 2 and 2 again (each host a copy):
+    each re-cut from the replicas, no checkpoint (none is configured)."""
     report = _report(_start(bed, tmp_path, "kill_join", *options))
-    assert report["diff"] < TOL
+    assert report["diff"] < (GPT_TOL if "task=gpt" in options else TOL)
     sizes = report["world_sizes"]
     assert 3 in sizes and sizes[-1] == 4, sizes  # the kill, then the joiner (on the killed worker's host)
     changes = [e for e in report["events"] if e["kind"] == "membership_changed"]
@@ -114,17 +116,19 @@ def test_a_kill_and_a_join_across_hosts_end_on_the_replay(bed, tmp_path, options
     assert not lines(tmp_path / "checkpoints.jsonl")
 
 
-@pytest.mark.parametrize("how,zero,scope", [("killed", 0, "all"), ("partitioned", 0, "all"), ("killed", 2, "all"),
-                                            ("killed", 2, "host"), ("killed", 3, "host"), ("partitioned", 3, "host"),
-                                            ("drained", 0, "all")])
-def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(bed, tmp_path, how, zero, scope):
+@pytest.mark.parametrize("how,zero,scope,task", [
+    ("killed", 0, "all", "tiny"), ("partitioned", 0, "all", "tiny"), ("killed", 2, "all", "tiny"),
+    ("killed", 2, "host", "gpt"), ("killed", 3, "host", "gpt"), ("partitioned", 3, "host", "tiny"),
+    ("drained", 0, "all", "tiny")])
+@pytest.mark.timeout(480)  # up to 120 s to start, 60 s to go on, 60 s to grow back, 150 s to end
+def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(bed, tmp_path, how, zero, scope, task):
     """Host 1's Ray node and workers killed by id, its link cut, or the node drained for
     preemption with Ray's own CLI (``ray drain-node``): the run goes on with host 0's two
     workers, from their replica at stage 0, at ZeRO-2 from the peer snapshots the snapshot
     ring put on host 0, and at ZeRO-2 and 3 under ``--shard-scope host`` from host 0's own
     copy of the state, which no peer snapshot made (no checkpoint: none is configured).
     Afterwards the host is brought back (the link healed, a new Ray node) for the next test.
-    Partitioned under ``--shard-scope host``: the host leaves (one host: its two workers
+    The tiny GPT, or jobs.gpt (``task``). Partitioned under ``--shard-scope host``: the host leaves (one host: its two workers
     shard the state between them, with peer snapshots) and comes back (two hosts, a copy on
     each, re-cut from the one host's chunks).
 
@@ -135,7 +139,7 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
     state is of a step the run has moved past; the coordinator drops it)."""
     fast = tmp_path / "fast"
     pace = "pace=0.35" if how == "partitioned" else "pace=0.2"  # time for replacements to start and join
-    proc = _start(bed, tmp_path, "host_lost", f"zero={zero}", pace,
+    proc = _start(bed, tmp_path, "host_lost", f"zero={zero}", pace, f"task={task}",
                   *(["all_reduce=hierarchical"] if zero == 0 else []), *([f"shard_scope={scope}"] if zero else []))
     metrics = tmp_path / "metrics.jsonl"
     try:
@@ -160,11 +164,14 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
         report = _report(proc)
     finally:
         fast.touch()
+        if proc.poll() is None:  # a run that failed the test: ended before the next test's
+            proc.kill()
+            proc.communicate()
         if how == "partitioned":
             bed.heal(1)
         bed.kill(1)  # whatever is left of host 1's node: a new one for the next test
         bed.start_node(1)
-    assert report["diff"] < TOL
+    assert report["diff"] < (GPT_TOL if task == "gpt" else TOL)
     change = next(e for e in report["events"] if e["kind"] == "membership_changed")
     if how == "drained":  # a planned leave at a step boundary: nothing lost, nothing re-run
         assert change["lost"] == 0 and sorted(change["left_ranks"]) in ([0, 1], [2, 3]) and change["steps_rerun"] == 0
