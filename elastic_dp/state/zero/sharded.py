@@ -10,8 +10,11 @@ chunk (a torch optimizer of the task's class over the master chunks: element-wis
 optimizers only). Where the gradients live is the stage's (``stage1.ShardedOptimizer``,
 ``stage2.ShardedGradients``). Every ``snapshot_every`` steps a rank's chunk is copied to
 its right neighbour (``.snapshots``), and after a failure the chunks are cut anew out of
-what the survivors hold (``holdings``, ``export``, ``import_chunks``). docs/zero.md walks
-through all of it, with the figures.
+what the survivors hold (``holdings``, ``export``, ``import_chunks``). Under
+``--shard-scope host`` (HSDP) the state is cut over the ranks of a block inside one host
+instead of every rank (``_cut``: ``shards`` chunks, ``shard`` this rank's), the parameters
+are gathered inside the block, and the chunk's copies on the other hosts replace the peer
+snapshot (docs/hosts.md). docs/zero.md walks through all of it, with the figures.
 """
 
 from __future__ import annotations
