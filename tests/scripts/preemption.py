@@ -44,8 +44,10 @@ SCENARIOS = {
     "drain2": dict(head=1, second=2, zero=2, mode="sync", pace=0.15, deadline=8, notice="drain"),
     "drain3": dict(head=1, second=2, zero=3, mode="sync", pace=0.15, deadline=8, notice="drain"),
     # async moves a shard by building its successor first (torch, the model): 6.5 s after the
-    # notice alone on a 2-core machine, past 8 s beside another scenario, so 12 s of notice
-    "drain_async": dict(head=1, second=1, zero=0, mode="async", pace=0.15, deadline=12, notice="drain"),
+    # notice alone on a 2-core machine, past 8 s beside another scenario, so 12 s of notice;
+    # and 48 updates, so that the run is still going when the move is done (of 20, the last came
+    # 0.3 s after the move alone, and before it beside other scenarios)
+    "drain_async": dict(head=1, second=1, zero=0, mode="async", pace=0.15, deadline=12, notice="drain", steps=48),
     "drain_diloco": dict(head=1, second=1, zero=0, mode="diloco", pace=0.15, deadline=8, notice="drain"),
     "sigterm": dict(head=1, second=1, zero=0, mode="sync", pace=0.15, deadline=None, notice="sigterm"),
     "release": dict(head=1, second=1, zero=0, mode="sync", pace=0.15, deadline=None, notice="release"),
@@ -87,7 +89,7 @@ def main(out: Path, scenario: str) -> None:
         _first_shard_on(second.node_id)
     task = paced_task(PacedLoss(seconds=s["pace"], until=str(FAST)))
     own = {"sync": {"zero": s["zero"]}, "diloco": {"sync_every": 4}}.get(s["mode"], {})  # the mode's settings
-    config = dataclasses.replace(task.defaults, steps=STEPS, mode=s["mode"],
+    config = dataclasses.replace(task.defaults, steps=s.get("steps", STEPS), mode=s["mode"],
                                  micro_batch=None if s["zero"] == 3 else task.defaults.micro_batch, **own)
     workers = s["head"] + s["second"]
     facts = {}
@@ -138,6 +140,7 @@ def main(out: Path, scenario: str) -> None:
     else:
         expected = replay(unpaced, config, str(out / "initial.safetensors"))
     print(json.dumps({"diff": max_abs_diff(load_file(out / "final.safetensors"), expected), **facts,
+                      "planned_steps": config.steps,
                       "events": lines(out / "events.jsonl"),
                       "steps": [m["step"] for m in lines(out / "metrics.jsonl")],
                       "world_sizes": [m["world_size"] for m in lines(out / "metrics.jsonl")],
