@@ -24,34 +24,51 @@ from elastic_dp.data import ElasticSampler, split
 from jobs.gpt import TASK
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """A peer's command line: ``--steps`` and ``--progress`` (and what ``parser`` adds)."""
+    parser = parser or argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--progress", required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def start() -> tuple[int, int]:
+    """One thread of torch's, the gloo process group torchrun describes; (rank, world size)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, progress: str) -> None:
+    """Each rank's own loop over its contiguous slice of the sampler's steps (no driver in
+    between), rank 0 appending each step's line to ``progress``; then the process ends.
+    The peer averages the gradients over the ranks: with equal slices, that is the global
+    batch's mean loss, as elastic_dp's."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(TASK.defaults.seed)
-    model = DistributedDataParallel(TASK.model(), bucket_cap_mb=25)
-    optimizer = TASK.optimizer(model.module)
     dataset = TASK.dataset()
     sampler = ElasticSampler(len(dataset), global_batch=TASK.defaults.global_batch, seed=TASK.defaults.seed)
-    for step in range(args.steps):
-        start = time.perf_counter()
+    for step in range(steps):
+        begun = time.perf_counter()
         mine = split(sampler.batch(step), world)[rank]
         batch = TASK.collate([dataset[int(i)] for i in mine])
         optimizer.zero_grad()
-        # the loss scaled so that DDP's average over ranks is the global-batch mean (slices are equal)
         loss = TASK.loss(model, batch)
         loss.backward()
         optimizer.step()
         if rank == 0:
-            with open(args.progress, "a") as f:
-                f.write(json.dumps({"step": step, "time": time.time(), "step_s": time.perf_counter() - start}) + "\n")
+            with open(progress, "a") as f:
+                f.write(json.dumps({"step": step, "time": time.time(), "step_s": time.perf_counter() - begun}) + "\n")
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
+
+
+def main() -> None:
+    args = arguments()
+    start()
+    torch.manual_seed(TASK.defaults.seed)
+    model = DistributedDataParallel(TASK.model(), bucket_cap_mb=25)
+    train(model, TASK.optimizer(model.module), args.steps, args.progress)
 
 
 if __name__ == "__main__":
