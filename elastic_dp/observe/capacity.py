@@ -253,8 +253,8 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
                      f"with NCCL, {snap['device_while_sent'] / gib:.2f} GiB more on the device while one is sent")
     lines.append(f"  communication per step: {r['comm_bytes_per_step'] / 1e9:.3f} GB sent by each worker")
     if plan.hosts is not None:
-        names = {"gloo": "gloo", "nccl": "nccl", "host": "--shard-scope host"}
-        per_host = ", ".join(f"{names.get(k, k)} {v / 1e6:.3g} MB" for k, v in r["link_bytes_per_host_per_step"].items())
+        per_host = ", ".join(f"{'--shard-scope host' if k == 'host' else k} {v / 1e6:.3g} MB"
+                             for k, v in r["link_bytes_per_host_per_step"].items())
         lines.append(f"  over each host's link per step ({plan.hosts} hosts of {plan.workers // plan.hosts} workers): "
                      f"{per_host}")
     if gpu_memory is not None:

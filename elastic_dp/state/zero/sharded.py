@@ -376,6 +376,11 @@ class Sharded(BucketedGradients):
         and a chunk's index is its rank."""
         return self.group.mesh.left(self.rank) if self.replicas == 1 and self.world_size > 1 else None
 
+    def _kept(self) -> list[int]:
+        """The chunks this rank holds: its own, and its left neighbour's where it keeps that one's peer snapshot."""
+        left = self._left()
+        return [self.shard] if left is None else [self.shard, left]
+
     def needed_sources(self, old_chunks: int) -> list[int]:
         """Old chunks that overlap this rank's new chunk or its left neighbour's."""
         left = self._left()
@@ -453,8 +458,7 @@ class Sharded(BucketedGradients):
         """All model tensors, and the optimizer state of this rank's new chunk and its left
         neighbour's (the peer snapshot it keeps): a checkpoint's other files are not read."""
         self._current()
-        return zero_format.wanted(self.buckets, self.chunks, self.names,
-                                  {self.shard} | ({self._left()} - {None}))
+        return zero_format.wanted(self.buckets, self.chunks, self.names, self._kept())
 
     def load(self, state: TrainingState) -> None:
         self._current()

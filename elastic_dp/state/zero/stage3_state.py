@@ -125,8 +125,7 @@ class UnitChunks:
         tensors = checkpoint.manifest["tensors"]
         fields = sorted({k.rpartition("/")[2] for k in tensors  # the reduction's rows are not the optimizer's
                          if k.startswith("optim/") and not k.startswith(f"optim/{REDUCTION}")})
-        left = self._left()
-        ranks = [self.shard] if left is None else [self.shard, left]
+        ranks = self._kept()
         ranges = zero_format.chunk_ranges(self.buckets, self.chunks, self.names, ranks, fields)
         params = {f"model/{k}" for k, v in self.model.state_dict(keep_vars=True).items() if id(v) in self.unit_of}
         got, state = checkpoint.read_ranges(ranges, whole=lambda k: k == "rng" or (k.startswith("model/")
