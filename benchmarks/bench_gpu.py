@@ -25,8 +25,10 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 import ray
 import torch
@@ -143,12 +145,18 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+    result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
+              "torch": torch.__version__, "ray": ray.__version__}
+    parts = {"gpt_job": lambda: compare(TASK, args.rounds, args.steps_per_round),
+             "fill_gpt": lambda: compare(FILL_GPT_TASK, args.rounds, args.fill_steps_per_round),
+             "fill_gpt_by_stage": lambda: by_stage(FILL_GPT_TASK, min(args.rounds, 4), args.fill_steps_per_round)}
     with local_ray(num_cpus=4):
-        result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
-                  "torch": torch.__version__, "ray": ray.__version__,
-                  "gpt_job": compare(TASK, args.rounds, args.steps_per_round),
-                  "fill_gpt": compare(FILL_GPT_TASK, args.rounds, args.fill_steps_per_round),
-                  "fill_gpt_by_stage": by_stage(FILL_GPT_TASK, min(args.rounds, 4), args.fill_steps_per_round)}
+        for name, part in parts.items():
+            result[name] = part()
+            # each part as it ends, so that a run stopped at its limit keeps the parts before
+            print(json.dumps({name: result[name]}), flush=True)
+            if os.environ.get("OUT"):
+                Path(os.environ["OUT"], "bench_gpu.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 
 

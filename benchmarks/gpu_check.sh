@@ -6,7 +6,8 @@
 # then benchmarks/bench_gpu.py (the GPT job's step against plain PyTorch on the same GPU,
 # model FLOPs utilisation of a GPT that fills the device, and that GPT at ZeRO stage 3
 # against stage 0). Prints the figures; the
-# JSON also goes to $OUT/bench_gpu.json when OUT is set.
+# JSON also goes to $OUT/bench_gpu.json when OUT is set (each part as it ends). The limits
+# come from GPU_TESTS_S, GPU_TEST_S, GPU_BENCH_S and GPU_ROUNDS (below).
 #
 #   benchmarks/gpu_check.sh            # with the python that has torch (CUDA) and ray
 #   PYTHON=.venv/bin/python benchmarks/gpu_check.sh
@@ -39,8 +40,14 @@ if not torch.cuda.is_available():
     sys.exit("no CUDA GPU is visible: nothing to check here")
 PYEOF
 
+# The limits, in seconds, of the tests (all, and each) and of the benchmark: the defaults fit
+# 10 minutes; a lease with less time left sets smaller ones.
+TESTS_S="${GPU_TESTS_S:-300}" TEST_S="${GPU_TEST_S:-240}" BENCH_S="${GPU_BENCH_S:-290}"
+ROUNDS="${GPU_ROUNDS:-6}"
 status=0
-timeout 300 "$PY" -m pytest -m cuda -ra -v tests/test_cuda.py 2>&1 | tee "${OUT:-/tmp}/gpu_tests.log" || status=1
-timeout 290 "$PY" -m benchmarks.bench_gpu --rounds 6 --steps-per-round 20 --fill-steps-per-round 8 \
+nvidia-smi -L 2>&1 | tee "${OUT:-/tmp}/nvidia_smi.log"
+timeout "$TESTS_S" "$PY" -m pytest -m cuda -ra -v --timeout "$TEST_S" tests/test_cuda.py 2>&1 \
+    | tee "${OUT:-/tmp}/gpu_tests.log" || status=1
+timeout "$BENCH_S" "$PY" -m benchmarks.bench_gpu --rounds "$ROUNDS" --steps-per-round 20 --fill-steps-per-round 8 \
     2>&1 | tee "${OUT:-/tmp}/bench_gpu.log" || status=1
 exit $status

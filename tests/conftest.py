@@ -16,6 +16,14 @@ for _key, _value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "t
     os.environ.setdefault(_key, _value)
 
 
+def _gpus() -> int:
+    """The GPUs this machine's torch sees (NVML's count, no CUDA context): a node started by
+    ``ray.cluster_utils.Cluster`` has none unless told, unlike ``ray.init``'s."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A one-node cluster of 4 CPU slots (``ray.cluster_utils.Cluster``: ``ray.init`` cannot
@@ -33,7 +41,7 @@ def ray_cluster():
     # and fails where that dir does not exist (a fresh machine that never ran Ray)
     os.makedirs(os.path.dirname(ray._private.utils.get_ray_address_file(None)), exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "include_dashboard": False, "include_log_monitor": False, "temp_dir": temp_dir,
+        "num_cpus": 4, "num_gpus": _gpus(), "include_dashboard": False, "include_log_monitor": False, "temp_dir": temp_dir,
         "object_store_memory": 2**30,
         "_system_config": {"prestart_worker_first_driver": False, "enable_worker_prestart": False}})
     try:
