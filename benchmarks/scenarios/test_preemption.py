@@ -46,7 +46,8 @@ def test_a_drain_in_async_mode_lets_the_worker_finish_its_gradient_and_moves_the
     assert summary["updates"] == report["planned_steps"]
     moved = {e["shard"]: e for e in report["events"] if e["kind"] == "ps_shard_moved"}
     assert 0 in moved and set(moved) <= {0, "keeper"}  # Ray may have put the keeper there too
-    assert all(e["time"] < report["notice_at"] + 12 for e in moved.values())  # before the deadline (12 s)
+    timeline = [(round(e["time"] - report["notice_at"], 2), e["kind"]) for e in report["events"]]
+    assert all(e["time"] < report["notice_at"] + report["deadline"] for e in moved.values()), timeline  # in time
     assert not any(e["kind"] == "ps_shards_restored" for e in report["events"])
 
 
