@@ -13,6 +13,7 @@ long scenario (``python3 dev.py test benchmarks/scenarios``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -61,6 +62,49 @@ def _gpt_params() -> int:
     from jobs import gpt
 
     return sum(p.numel() for p in gpt.TASK.model().parameters())
+
+
+def _contiguous(hosts: list[str]) -> bool:
+    """Each host's ranks next to each other in the rank order."""
+    return all(hosts[r] == hosts[r + 1] or hosts[r + 1] not in hosts[:r + 1] for r in range(len(hosts) - 1))
+
+
+@pytest.mark.timeout(360)
+def test_a_joiner_takes_its_place_beside_its_hosts_ranks_and_the_links_show_it(tmp_path):
+    """Three hosts of 2 workers, jobs.gpt, a flat ring (``--all-reduce flat``): rank 2, the
+    first of the middle host's ranks, is killed at step 3 and its replacement joins on that
+    host (the only free slot). Beside its host's ranks (A A B B C C) the ring leaves each host
+    once, and each host sends 2(N-1)/N = 1.67x the gradient's bytes a step, the plan's flat
+    figure; a joiner put at the end (A A B C C B) would make the ring leave host B twice:
+    B would send about twice what A and C send. Read from the links' counters between the
+    steps after the join (the first at 6 workers, plus one) and the last; bounds as the
+    two-host test's: the figure -2%, +0.25x. Runs first in this module, with a testbed of
+    its own, before the module's two-host one is made (both at once would load 2 cores
+    with 5 Ray nodes)."""
+    with Testbed(hosts=3, slots=2, rate_mbit=200, name=f"edq{os.getpid() % 100000}") as bed3:
+        with LinkLog(bed3) as log:
+            report = _report(_start(bed3, tmp_path, "kill_middle", "all_reduce=flat", "task=gpt", "pace=0.6",
+                                    "steps=24"), timeout_s=240)
+        metrics = lines(tmp_path / "metrics.jsonl")
+        sizes = [m["world_size"] for m in metrics]
+        assert 5 in sizes and sizes[-1] == 6, sizes
+        joined = next(m["step"] for m in metrics if m["world_size"] == 6 and m["step"] > 3)
+        assert joined + 1 < 23, f"the joiner came at step {joined}: too late to read the links"
+        gradient_bytes = 4 * _gpt_params()
+        ratios = [sent / gradient_bytes for sent in log.per_step(metrics, joined + 1, 23)]  # hosts 0, 1, 2
+        flat = MemoryPlan(params=_gpt_params(), workers=6, zero=0, precision="fp32",
+                          hosts=3).link_bytes_per_step()["flat"] / gradient_bytes
+        meshes = [e["hosts"] for e in report["events"] if e["kind"] == "mesh"]
+        seen = f"after the join at step {joined}: {[round(r, 3) for r in ratios]}x the gradient's bytes per host " \
+               f"per step (plan's flat ring of 6: {flat:.3f}x); rank orders {meshes}"
+        print(seen)
+        for ratio in ratios:
+            assert 0.98 * flat < ratio < flat + 0.25, seen
+        assert all(_contiguous(hosts) for hosts in meshes), seen
+        first, last = meshes[0], meshes[-1]
+        assert len(set(first)) == 3 and sorted(last) == sorted(first), seen  # the joiner on the killed one's host
+        assert last.index(first[2]) == 2, seen  # ...in the middle, beside its host's other rank
+        assert report["diff"] < GPT_TOL
 
 
 @pytest.mark.parametrize("options,figure", [(("all_reduce=hierarchical",), "hierarchical"), (("all_reduce=flat",), "flat"),

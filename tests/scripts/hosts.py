@@ -13,6 +13,8 @@ the one-process replay of the same batches, the steps and world sizes, the event
     steady     4 workers (2 a host), unpaced
     kill_join  3 to 4 workers: rank 1 killed at step 6 (--inject), a worker joins at step 12
     host_lost  2 to 4 workers, paced until OUT/fast exists: the test kills a host or cuts its link
+    kill_middle  6 workers (3 hosts of 2): rank 2, the first of the middle host's, killed at step 3;
+               its replacement joins where its slot was freed, on that host
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SCENARIOS = {
     "steady": dict(workers=4, min_workers=4, paced=False, inject=()),
     "kill_join": dict(workers=4, min_workers=3, paced=True, inject=("kill:step=6:rank=1", "join:step=12")),
     "host_lost": dict(workers=4, min_workers=2, paced=True, inject=()),
+    "kill_middle": dict(workers=6, min_workers=5, paced=True, inject=("kill:step=3:rank=2",)),
 }
 
 
