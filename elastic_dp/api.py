@@ -113,7 +113,8 @@ def build_coordinator(task: Task, train: TrainConfig, cluster: ClusterConfig, ch
     settings = settings or run_settings(job_name(task), train)
     plan = FaultPlan(faults)
     membership = Membership(WorkerPool(task, train, cluster), min_workers=cluster.min_workers,
-                            max_workers=cluster.workers, held_back=sum(f.kind == "join" for f in faults),
+                            max_workers=cluster.workers, spares=cluster.spares,
+                            held_back=sum(f.kind == "join" for f in faults),
                             wait_timeout_s=cluster.min_wait_timeout_s,
                             placement_timeout_s=cluster.placement_timeout_s)
     store = None

@@ -194,6 +194,9 @@ class ClusterConfig:
     min_workers: int | None = setting(None, help="fewest workers the run trains with (MIN of --workers MIN:MAX; "
                                       "None: workers): training starts once this many are placed and goes on "
                                       "while this many are alive")
+    spares: int = setting(0, "--spares", "workers started and built beside the members (K), kept ready: a lost or "
+                          "leaving member's place is taken by one in the same re-formation, and a new spare is "
+                          "started in its place (default 0)", metavar="K")
     min_wait_timeout_s: float = setting(300.0, "--min-wait-timeout", "below MIN workers, seconds to wait for "
                                         "capacity before failing (default 300)")
     device: Literal["auto", "cpu", "cuda"] = setting(
@@ -230,6 +233,7 @@ class ClusterConfig:
         _require(self.workers > 0, f"workers must be positive, got {self.workers} (--workers)")
         _require(self.min_workers is None or 1 <= self.min_workers <= self.workers,
                  f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {self.min_workers}:{self.workers}")
+        _require(self.spares >= 0, f"spares must be >= 0, got {self.spares} (--spares)")
         _require(self.min_wait_timeout_s >= 0,
                  f"min_wait_timeout_s must be >= 0, got {self.min_wait_timeout_s} (--min-wait-timeout)")
         _require(self.device in ("auto", "cpu", "cuda"),

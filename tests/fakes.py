@@ -35,6 +35,7 @@ class FakePool:
         self.capacity, self.pending, self.alive, self.stopped, self.requested = capacity, [], [], [], []
         self.slots_go_with_workers = False  # a stopped worker's slot is gone too (a lost node)
         self.notices: dict = {}  # member -> LeaveNotice, reported by leave_notices
+        self.dead: list = []  # members that died, reported by gone
         self._ids = itertools.count()
 
     def start(self, count: int) -> None:
@@ -72,6 +73,15 @@ class FakePool:
 
     def leave_notices(self, members) -> dict:
         return {m: n for m, n in self.notices.items() if m in members}
+
+    def gone(self, workers) -> list:
+        """Ready workers the test killed (``die``) while they stood by."""
+        return [w for w in workers if w in self.dead]
+
+    def die(self, member) -> None:
+        self.dead.append(member)
+        if member in self.alive:
+            self.alive.remove(member)
 
     def placement_error(self, wanted, timeout_s, ready):
         raise AssertionError("the fake pool places everyone")

@@ -24,8 +24,10 @@ class FakeMode:
     ranks lost in successive re-formations; ``state_lost``: re-formations that find no copy
     of the state (as ZeRO does when a chunk and its snapshot are gone)."""
 
-    def __init__(self, losses=None, reform_losses=(), state_lost=0, resize_losses=(), eval_losses=None) -> None:
+    def __init__(self, losses=None, reform_losses=(), state_lost=0, resize_losses=(), eval_losses=None,
+                 at=None) -> None:
         self.losses, self.reform_losses, self.state_lost = dict(losses or {}), list(reform_losses), state_lost
+        self.at = dict(at or {})  # step -> a callable run (once) as the step starts: the world outside acts
         self.resize_losses = list(resize_losses)
         self.eval_losses = dict(eval_losses or {})  # step -> ranks lost while evaluating after it (once)
         self.generation, self.members, self.calls, self.ended = -1, [], [], []
@@ -42,6 +44,8 @@ class FakeMode:
         """A window: steps until ``limit``, or until ``keep_going`` says no between two."""
         limit = step + 1 if limit is None else limit
         while True:
+            if step in self.at:
+                self.at.pop(step)()
             if step in self.losses:
                 lost = [self.members[r] for r in self.losses.pop(step)]
                 raise MembersLost(self.members, lost, f"{lost} died", step=step)
@@ -122,11 +126,11 @@ class FakeStore:
 
 
 def _run(mode, *, workers=3, min_workers=2, capacity=None, steps=6, faults=(), store=None, every=0,
-         wait_timeout_s=300.0, eval_every=None, policy="elastic"):
+         wait_timeout_s=300.0, eval_every=None, policy="elastic", spares=0, pool=None):
     clock = FakeClock()
-    pool = FakePool(capacity if capacity is not None else workers)
+    pool = pool or FakePool(capacity if capacity is not None else workers + spares)
     joins = sum(f.kind == "join" for f in faults)
-    membership = Membership(pool, min_workers=min_workers, max_workers=workers, held_back=joins,
+    membership = Membership(pool, min_workers=min_workers, max_workers=workers, spares=spares, held_back=joins,
                             wait_timeout_s=wait_timeout_s, clock=clock, policy=policy)
     coordinator = Coordinator(mode, membership, train=TrainConfig(steps=steps, eval_every=eval_every),
                               faults=FaultPlan(faults),
@@ -282,3 +286,67 @@ def test_a_registered_policy_that_keeps_a_worker_ready_has_the_mode_told_of_its_
     assert ("reform", 2) in mode.calls and "WAITING" not in _states(coordinator)  # w2 took w1's place at once
     with pytest.raises(ConfigError, match="membership policy must be one of elastic, one-spare, got 'x'"):
         Membership(pool, min_workers=1, max_workers=2, policy="x")
+
+
+# -- warm spares (--spares K) ------------------------------------------------------------------
+def _changes(coordinator) -> list[dict]:
+    return [e for e in coordinator.recorder.summary.events if e["kind"] == "membership_changed"]
+
+
+def test_a_spare_takes_a_lost_members_place_in_the_same_re_formation_and_another_is_started():
+    mode = FakeMode(losses={2: [1]})
+    coordinator, pool, _ = _run(mode, workers=3, min_workers=2, spares=1)
+    coordinator.run()
+    assert _states(coordinator) == ["STARTING", "RUNNING", "RECOVERING", "REFORMING", "RUNNING", "FINISHING",
+                                    "FINISHED"]  # no RESIZING: nothing joins later
+    assert _reason(coordinator, RunState.REFORMING) == "2 survivor(s), 1 joiner(s)"
+    change, = _changes(coordinator)
+    assert (change["world_size"], change["lost"], change["joined"], change["promoted"]) == (3, 1, 1, 1)
+    assert ("reform", 3) in mode.calls and ("resize", 3) not in mode.calls
+    assert [m.id for m in mode.members] == [0, 2, 3] and pool.stopped[0].id == 1  # w3, the spare, took w1's place
+    assert len(pool.stopped) == 5  # ... and w4 was started as the next spare (all stopped at the end)
+    assert [c[1] for c in mode.calls if c[0] == "standby"] == [[3], [4]]
+    assert coordinator.membership.policy.wanted(3, 1) == 0  # the group and its one spare: nothing more to ask
+
+
+def test_a_spare_that_dies_standing_by_is_replaced_and_the_group_never_notices():
+    pool = FakePool(4)
+    mode = FakeMode(at={3: lambda: pool.die(next(m for m in pool.alive if m.id == 3))})
+    coordinator, _, _ = _run(mode, workers=3, spares=1, pool=pool)
+    coordinator.run()
+    assert "RECOVERING" not in _states(coordinator) and not _changes(coordinator)
+    assert pool.stopped[0].id == 3 and [m.id for m in mode.members] == [0, 1, 2]
+    assert len(pool.stopped) == 5  # w4 started in its place (the mode hears of it at the next window)
+
+
+def test_a_spare_lost_with_a_member_is_not_admitted_and_the_run_goes_on_without_it():
+    pool = FakePool(4)
+    mode = FakeMode(at={2: lambda: pool.die(next(m for m in pool.alive if m.id == 3))}, losses={2: [0]})
+    coordinator, _, _ = _run(mode, workers=3, min_workers=2, spares=1, pool=pool, steps=8)
+    coordinator.run()
+    first, second = _changes(coordinator)
+    assert (first["world_size"], first["lost"], first["promoted"]) == (2, 1, 0)  # the dead spare left out
+    assert (second["world_size"], second["joined"], second["promoted"]) == (3, 1, 0)  # a new worker, later
+
+
+def test_without_a_spare_ready_a_loss_takes_the_old_path_shrink_then_join():
+    pool = FakePool(3)  # no room for the spare; the loss takes its slot with it (a lost node)
+    pool.slots_go_with_workers = True
+    mode = FakeMode(losses={2: [1]}, at={4: lambda: setattr(pool, "capacity", pool.capacity + 1)})  # a node returns
+    coordinator, _, _ = _run(mode, workers=3, min_workers=2, spares=1, pool=pool, steps=8)
+    coordinator.run()
+    first, second = _changes(coordinator)
+    assert (first["world_size"], first["promoted"]) == (2, 0) and (second["world_size"], second["joined"]) == (3, 1)
+    assert not [c for c in mode.calls if c[0] == "standby"]
+
+
+def test_a_leave_notice_promotes_a_spare_at_the_next_boundary():
+    from elastic_dp.messages import LeaveNotice
+
+    pool = FakePool(4)
+    mode = FakeMode(at={3: lambda: pool.notices.update({pool.alive[1]: LeaveNotice("drain", "drain of node n1")})})
+    coordinator, _, _ = _run(mode, workers=3, min_workers=3, spares=1, pool=pool)
+    coordinator.run()
+    change, *_ = _changes(coordinator)
+    assert (change["world_size"], change["left"], change["joined"], change["promoted"]) == (3, 1, 1, 1)
+    assert change["steps_rerun"] == 0 and "RECOVERING" not in _states(coordinator)

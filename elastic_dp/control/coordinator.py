@@ -297,6 +297,7 @@ class Coordinator:
         joined = [m for m in members if m not in before]
         left_ranks = [r for r, m in enumerate(ranked) if m not in after]
         left = [ranked[r] for r in left_ranks]
+        promoted = self.membership.promoted(members)
         self.mode.resize(members)
         self.membership.admit(members)
         self.membership.release(left)  # let go after the state they held moved to the new generation
@@ -307,7 +308,7 @@ class Coordinator:
             extra.update(left=len(left), left_ranks=left_ranks, leave="at_boundary", restored_step=self.step)
         self.recorder.event("membership_changed", step=self.step, cause=self.decision.reason,
                             generation=self.mode.generation,
-                            world_size=len(members), joined=len(joined), lost=0,
+                            world_size=len(members), joined=len(joined), promoted=len(promoted), lost=0,
                             reform_s=round(time.monotonic() - start, 4), steps_rerun=0, **extra)
         return Transition(RunState.RUNNING, f"generation {self.mode.generation} formed over {len(members)}")
 
@@ -331,6 +332,7 @@ class Coordinator:
 
     def _reforming(self) -> Transition:
         members = list(self.decision.members)
+        promoted = self.membership.promoted(members)
         result = self.mode.reform(members, self.failure)
         if result.outcome is Recovery.STATE_LOST:
             if self.store is not None and not self._checkpoint_exists:  # a save may be committing now
@@ -344,7 +346,9 @@ class Coordinator:
             self.decision = MembershipDecision(Action.RESTORE, tuple(members), result.reason)
             return Transition(RunState.RESTORING, result.reason)
         self.membership.admit(members)
-        self._event_changed("membership_changed", result, step=result.step, **result.details)
+        survivors = set(self.failure.survivors)
+        self._event_changed("membership_changed", result, step=result.step, **result.details,
+                            joined=sum(m not in survivors for m in members), promoted=len(promoted))
         self._go_to(result.step)
         return Transition(RunState.RUNNING, f"{result.outcome.value}: step {result.step} is next")
 

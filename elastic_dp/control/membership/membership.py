@@ -52,16 +52,20 @@ class Pool(Protocol):
     def leave_notices(self, members: list) -> dict:
         """The ``LeaveNotice``s that concern ``members`` now (their node drains, SIGTERM, a release)."""
 
+    def gone(self, workers: list) -> list:
+        """Those of ``workers`` (ready, not in the group) found dead since the last call."""
+
 
 class Membership:
     """The members of the current generation, the ready joiners, and the pool behind them.
 
     ``held_back`` workers (injected joins) are not requested at the start: the target
-    grows by one for each when ``grow`` is called at its step. ``policy``: the name of the
+    grows by one for each when ``grow`` is called at its step. ``spares`` more than the
+    target are kept ready beside the group (``--spares``). ``policy``: the name of the
     membership policy in ``policy.POLICIES``.
     """
 
-    def __init__(self, pool: Pool, *, min_workers: int, max_workers: int, held_back: int = 0,
+    def __init__(self, pool: Pool, *, min_workers: int, max_workers: int, spares: int = 0, held_back: int = 0,
                  wait_timeout_s: float = 300.0, placement_timeout_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
                  policy: str = "elastic") -> None:
@@ -69,7 +73,7 @@ class Membership:
             raise ConfigError(f"the membership policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.policy_class = POLICIES[policy]
         self.pool = pool
-        self.min_workers, self.max_workers = min_workers, max_workers
+        self.min_workers, self.max_workers, self.spares = min_workers, max_workers, spares
         self.target = max(min_workers, max_workers - held_back)
         self.wait_timeout_s, self.placement_timeout_s = wait_timeout_s, placement_timeout_s
         self.clock, self.wall = clock, wall  # the wall clock times the notices' deadlines
@@ -77,6 +81,9 @@ class Membership:
         """The current generation, in rank order."""
         self.joiners: list = []
         """Ready workers not in the current generation."""
+        self._spares: set = set()
+        """Joiners that became ready while the members and the joiners before them filled the
+        target: the spares, which only a loss or a leave makes room for."""
         self._waiting_since: float | None = None
         self.leaving: dict = {}
         """Members and joiners with a leave notice (``LeaveNotice``), until they are gone."""
@@ -84,7 +91,7 @@ class Membership:
     @property
     def policy(self) -> Policy:
         return self.policy_class(min_workers=self.min_workers, max_workers=self.target,
-                                 wait_timeout_s=self.wait_timeout_s)
+                                 wait_timeout_s=self.wait_timeout_s, spares=self.spares)
 
     @property
     def standby(self) -> list:
@@ -95,9 +102,9 @@ class Membership:
         """Request the first workers (as many as the policy wants: the target, and any it
         keeps ready beside the group); return the ready ones once MIN are (more if placed,
         up to the target: the rest wait as joiners). The autoscaler is asked for room for
-        the target (MAX) at once, so the nodes for workers that do not fit now are started
-        while the run trains on the others."""
-        self.pool.request_capacity(self.target)
+        the target (MAX) and the spares at once, so the nodes for workers that do not fit
+        now are started while the run trains on the others."""
+        self.pool.request_capacity(self.target + self.spares)
         self.pool.start(self.policy.wanted(0, 0))
         ready = self.pool.wait_ready(self.min_workers, self.placement_timeout_s)
         if len(ready) < self.min_workers:
@@ -105,19 +112,34 @@ class Membership:
         while self.pool.placed_but_starting() and len(ready) < self.target:  # placed: nearly ready
             ready += self.pool.wait_ready(1, self.placement_timeout_s)
         self.joiners += ready[self.target:]
+        self._spares.update(ready[self.target:])
         return ready[:self.target]
+
+    def _collect(self) -> None:
+        """The workers that became ready since the last look join the joiners; those beyond
+        the target are spares."""
+        for worker in self.pool.poll():
+            if len(self.members) + len(self.joiners) >= self.target:
+                self._spares.add(worker)
+            self.joiners.append(worker)
 
     def grow(self, count: int) -> None:
         """Injected joins: raise the target by ``count`` and wait until the new workers are ready."""
         self.target = min(self.max_workers, self.target + count)
-        self.pool.request_capacity(self.target)
+        self.pool.request_capacity(self.target + self.spares)
         self.pool.start(count)
         self.joiners += self.pool.wait_ready(count, self.placement_timeout_s)
 
     def at_step_boundary(self) -> MembershipDecision:
         """Between steps: CONTINUE, or REFORM to let members with a leave notice go and to
-        admit the joiners that are ready (a joiner with a notice is stopped instead)."""
-        self.joiners += self.pool.poll()
+        admit the joiners that are ready (a joiner with a notice is stopped instead). A
+        ready joiner found dead (a spare, say) is replaced; the group does not notice."""
+        self._collect()
+        dead = self.pool.gone(self.joiners)
+        if dead:
+            logger.warning("%s: died while standing by; starting another", dead)
+            self.lose(dead)
+            self._replace()
         for member, notice in self.pool.leave_notices([*self.members, *self.joiners]).items():
             if member not in self.leaving:
                 logger.info("%r: leave notice: %s", member, notice.describe(self.wall()))
@@ -128,8 +150,13 @@ class Membership:
             self.lose(going)
             self._replace()
         now = self.wall()
-        return self.policy.at_step_boundary(self.members, self.joiners,
-                                            {m: n.describe(now) for m, n in self.leaving.items() if m in self.members})
+        return self.policy.at_step_boundary(self.members, self.joiners, {
+            m: n.describe(now) for m, n in self.leaving.items() if m in self.members})
+
+    def promoted(self, members: Sequence[Hashable]) -> list:
+        """Those of ``members`` (a decision's next generation) that stood by as spares
+        until now: they take the places of members that were lost or left."""
+        return [m for m in members if m in self._spares]
 
     def overdue(self, margin_s: float) -> dict:
         """Members whose leave deadline is less than ``margin_s`` away: no step boundary
@@ -158,19 +185,23 @@ class Membership:
         return self.pool.progress_refs()
 
     def lose(self, lost: Sequence[Hashable]) -> None:
-        """Stop workers that died or hung; they leave the members and the joiners."""
+        """Stop workers that died or hung; they leave the members and the joiners (the
+        workers ready by now are collected first, as the group they stood beside was)."""
+        self._collect()
         for member in lost:
             self.pool.stop(member)
         self.members = [m for m in self.members if m not in lost]
         self.joiners = [j for j in self.joiners if j not in lost]
         for member in lost:
             self.leaving.pop(member, None)
+            self._spares.discard(member)
 
     def after_failure(self, survivors: Sequence[Hashable], *, has_checkpoint: bool) -> MembershipDecision:
         """Members failed; ``survivors`` (rank order) are the rest of the group that was
         running or forming. Asks for replacements up to the target, then decides: REFORM,
         RESTORE, WAIT (below MIN; the wait is timed from the first WAIT) or FAIL."""
-        self.joiners += self.pool.poll()
+        self._collect()
+        self.lose(self.pool.gone(self.joiners))  # a spare lost with the members is not admitted
         joiners = [j for j in self.joiners if j not in survivors]
         self.pool.start(self.policy.wanted(len(survivors), len(self.pool.pending) + len(joiners)))
         now = self.clock()
@@ -187,6 +218,7 @@ class Membership:
         self.members = list(members)
         admitted = set(members)
         self.joiners = [j for j in self.joiners if j not in admitted]
+        self._spares -= admitted
 
     def close(self) -> None:
         """Stop every worker, and withdraw the request for capacity."""

@@ -10,7 +10,8 @@ from it (``comm.mesh.rank_order``).
 The policies are registered by name in ``POLICIES``; ``Membership`` builds the one it is
 given (``policy=``) from the run's bounds. A policy that asks for more workers than it
 admits keeps the rest ready beside the group: the standby workers, which the coordinator
-tells the mode of (``TrainingMode.standby``).
+tells the mode of (``TrainingMode.standby``). ``ElasticPolicy``'s ``spares`` are such
+workers: asked for beyond MAX, admitted only in place of a member that is lost or leaves.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class MembershipDecision:
 
 class Policy(Protocol):
     """What ``Membership`` asks of a policy (built as ``cls(min_workers=, max_workers=,
-    wait_timeout_s=)``)."""
+    wait_timeout_s=, spares=)``)."""
 
     def wanted(self, current: int, pending: int) -> int:
         """How many more workers to request, given ``current`` members and ``pending`` starts."""
@@ -61,11 +62,15 @@ class Policy(Protocol):
 @dataclass(frozen=True, slots=True)
 class ElasticPolicy:
     """Keep between ``min_workers`` and ``max_workers`` workers; wait up to
-    ``wait_timeout_s`` below ``min_workers`` before failing."""
+    ``wait_timeout_s`` below ``min_workers`` before failing. ``spares`` more are asked for
+    and kept ready beside the group (``--spares``): the joiners beyond ``max_workers``,
+    which only a loss or a leave makes room for, so that the re-formation that removes a
+    member admits a spare in its place and the group keeps its size."""
 
     min_workers: int
     max_workers: int
     wait_timeout_s: float = 300.0
+    spares: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.max_workers:
@@ -73,10 +78,13 @@ class ElasticPolicy:
                               f"{self.min_workers}:{self.max_workers}")
         if self.wait_timeout_s < 0:
             raise ConfigError(f"the wait timeout must be >= 0, got {self.wait_timeout_s} (--min-wait-timeout)")
+        if self.spares < 0:
+            raise ConfigError(f"spares must be >= 0, got {self.spares} (--spares)")
 
     def wanted(self, current: int, pending: int) -> int:
-        """How many more workers to request, given ``current`` members and ``pending`` starts."""
-        return max(0, self.max_workers - current - pending)
+        """How many more workers to request, given ``current`` members and ``pending`` starts
+        (ready joiners count as pending): up to ``max_workers`` and the spares beside them."""
+        return max(0, self.max_workers + self.spares - current - pending)
 
     def after_failure(self, survivors: Sequence[Hashable], joiners: Sequence[Hashable], *,
                       waited_s: float, has_checkpoint: bool) -> MembershipDecision:

@@ -29,6 +29,9 @@ from elastic_dp.worker.leave import NOTICE_POLL_S, draining_nodes, forget_notice
 
 logger = logging.getLogger(__name__)
 
+STANDBY_PING_S = 1.0
+"""How often a ready worker outside the group (a spare) is asked whether it is alive."""
+
 
 @dataclass(eq=False)
 class Member:
@@ -41,6 +44,8 @@ class Member:
     placed_ref: object | None = None
     info: WorkerInfo | None = None
     stopped: bool = False
+    ping_ref: object | None = None
+    """A heartbeat in flight while it stands by (``WorkerPool.gone``)."""
 
     def __repr__(self) -> str:
         return f"worker-{self.id}"
@@ -60,6 +65,7 @@ class WorkerPool:
         self._ids = itertools.count()
         self._cls = remote_worker_class()
         self._next_notice_read = 0.0
+        self._next_ping = 0.0
         self._written: dict[str, LeaveNotice] = {}  # the notices in the GCS at the last read
         self.pending: list[Member] = []   # placement or setup not finished
         self.all: list[Member] = []
@@ -151,6 +157,27 @@ class WorkerPool:
             if own is not None:
                 notices[m] = own
         return notices
+
+    def gone(self, workers: list[Member]) -> list[Member]:
+        """Those of ``workers`` (ready, standing by) whose last heartbeat failed: the actor
+        died. A heartbeat goes to each at most every ``STANDBY_PING_S``; its answer is read
+        at a later call, so a check costs no wait."""
+        dead = []
+        for m in workers:
+            if m.ping_ref is None or not ray.wait([m.ping_ref], timeout=0)[0]:
+                continue
+            ref, m.ping_ref = m.ping_ref, None
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(m)
+        now = time.monotonic()
+        if now >= self._next_ping:
+            self._next_ping = now + STANDBY_PING_S
+            for m in workers:
+                if m.ping_ref is None and m not in dead:
+                    m.ping_ref = m.actor.heartbeat.remote()
+        return dead
 
     def placed_but_starting(self) -> int:
         return sum(1 for m in self.pending if m.actor is not None)

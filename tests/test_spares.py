@@ -1,0 +1,29 @@
+"""Warm spares (``--spares K``) on a Ray cluster: a worker killed in a step is replaced by
+a spare in the same re-formation, so the group never trains one short, and the run ends
+where the one-process replay of the same batches ends, at stage 0, ZeRO-2 and ZeRO-3.
+The membership decisions (a spare lost while it stands by, one lost with a member, none
+ready, a leave notice) are tested with fakes in tests/test_coordinator.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.reference import max_abs_diff, replay
+from tests.runs import fit
+from tests.tasks import TINY_GPT_TASK
+
+TOL = 2e-5  # as tests/test_elastic.py: the tiny GPT, 6 steps, float32 reduction order
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_a_spare_takes_a_killed_members_place_and_the_group_never_shrinks(ray_cluster, tmp_path, zero):
+    run = fit(TINY_GPT_TASK, tmp_path, workers=2, cluster={"spares": 1}, inject=["kill:step=3:rank=1"], steps=6,
+              zero=zero)
+    expected = replay(TINY_GPT_TASK, run.config, str(tmp_path / "initial.safetensors"))
+    assert max_abs_diff(run.weights(), expected) < TOL
+    change, = run.changes()
+    assert (change["lost_ranks"], change["joined"], change["promoted"], change["world_size"]) == ([1], 1, 1, 2)
+    assert change["steps_rerun"] == 1  # the interrupted step, and no other
+    metrics = run.lines("metrics")
+    assert [m["step"] for m in metrics] == list(range(6))
+    assert {m["world_size"] for m in metrics} == {2}  # no step trained one short
