@@ -19,7 +19,16 @@ Ray Train restarts every worker from the latest checkpoint.
 Hang detection (elastic_dp only, default settings): how long until a SIGSTOPped worker,
 and a worker whose training thread blocks forever in its forward, are found.
 
-    .venv/bin/python -m benchmarks.bench_recovery --steps 30 --every 8 --crash-step 20 [--only crash|hang]
+Warm spares (``--only spares``): the GPT job on 2 workers at ZeRO stages 0, 2 and 3, with
+``--spares 1`` and without; rank 1's process is SIGKILLed from outside the program (this
+driver, by the pid the ``mesh`` event gives) once step ``--crash-step`` - 1 has committed.
+Measured: from the kill to the first commit at full size (2 workers) and to the first
+commit at all, steps lost beyond the interrupted one, and what the spare cost while it
+stood by (its process's CPU seconds per step, from /proc; it takes part in no collective,
+so it receives nothing). Ray Train v2 in the same run, as in the crash part: its group
+restarts at full size from its checkpoint (``--every``).
+
+    .venv/bin/python -m benchmarks.bench_recovery --steps 30 --every 8 --crash-step 20 [--only crash|hang|spares]
 """
 
 from __future__ import annotations
@@ -27,9 +36,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
+import signal
 import statistics
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import ray
@@ -90,6 +103,84 @@ def bench_hangs(args: argparse.Namespace, work: Path) -> dict:
     return figures
 
 
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _worker_pids() -> set[int]:
+    """This driver's elastic_dp worker processes (descendants running a WorkerActor)."""
+    from tests.procs import worker_pids
+
+    return set(worker_pids())
+
+
+def bench_spare(args: argparse.Namespace, work: Path, zero: int, spares: int) -> dict:
+    """One run: the GPT job at ``zero`` on 2 workers with ``spares``; rank 1 SIGKILLed by pid
+    once step ``crash_step`` - 1 committed."""
+    out = work / f"spares-{zero}-{spares}"
+    config = dataclasses.replace(TASK.defaults, steps=args.steps, micro_batch=None, warmup_steps=0, zero=zero)
+    trainer = Trainer(TASK, train=config, cluster=ClusterConfig(workers=2, min_workers=1, spares=spares),
+                      out_dir=str(out), progress=False)
+    failed: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as exc:  # noqa: BLE001 - reported by the driver thread
+            failed.append(exc)
+
+    def wait_for(step: int) -> list[dict]:
+        while True:
+            metrics = _lines(out / "metrics.jsonl")
+            if any(m["step"] == step for m in metrics):
+                return metrics
+            if not thread.is_alive():
+                raise RuntimeError(f"the run ended before step {step}: {failed}")
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=fit)
+    thread.start()
+    half = wait_for(args.crash_step // 2)  # the spare is built by now: its CPU from here to the kill
+    mesh = [e for e in _lines(out / "events.jsonl") if e["kind"] == "mesh"][-1]
+    standing_by = sorted(_worker_pids() - set(mesh["pids"]))
+    cpu_half = {pid: _cpu_s(pid) for pid in standing_by}
+    before = wait_for(args.crash_step - 1)
+    cpu_before = {pid: _cpu_s(pid) for pid in standing_by}
+    killed_at = time.time()
+    os.kill(mesh["pids"][1], signal.SIGKILL)
+    thread.join()
+    if failed:
+        raise failed[0]
+    metrics = _lines(out / "metrics.jsonl")
+    change = next(e for e in _lines(out / "events.jsonl") if e["kind"] == "membership_changed")
+    after = [m for m in metrics if m["time"] > killed_at]
+    full = next(m for m in after if m["world_size"] == 2)
+    steps = [m["step"] for m in metrics]
+    figures = {"kill_to_first_commit_s": round(after[0]["time"] - killed_at, 3),
+               "kill_to_full_size_commit_s": round(full["time"] - killed_at, 3),
+               "steps_trained_short": sum(m["world_size"] < 2 for m in after),
+               "steps_lost": max(0, change["steps_rerun"] - 1),  # committed steps trained again
+               "steps_rerun": change["steps_rerun"], "promoted": change.get("promoted", 0),
+               "detect_s": change["detect_s"], "reform_s": change["reform_s"]}
+    assert steps == list(range(args.steps)), steps  # each step committed once
+    if standing_by:  # the spare's CPU while it stood by, between the two reads
+        spent = sum(cpu_before[p] - cpu_half[p] for p in standing_by)
+        seconds = max(m["time"] for m in before) - max(m["time"] for m in half)
+        figures["spare_cpu_ms_per_step"] = round(1e3 * spent / (len(before) - len(half)), 3)
+        figures["spare_cpu_share_while_training"] = round(spent / seconds, 4)
+    return figures
+
+
+def bench_spares(args: argparse.Namespace, work: Path) -> dict:
+    return {f"zero{zero}": {f"spares{k}": bench_spare(args, work, zero, k) for k in (1, 0)} for zero in (0, 2, 3)}
+
+
 def bench_ray_train(args: argparse.Namespace, work: Path) -> dict:
     from ray.train import CheckpointConfig as RTCheckpointConfig
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -114,8 +205,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--crash-step", type=int, default=20)
-    parser.add_argument("--only", choices=["all", "crash", "hang"], default="all",
-                        help="crash: the kill against Ray Train; hang: hang detection (elastic_dp only)")
+    parser.add_argument("--only", choices=["all", "crash", "hang", "spares"], default="all",
+                        help="crash: the kill against Ray Train; hang: hang detection (elastic_dp only); spares: "
+                             "a kill with and without a warm spare (elastic_dp only)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="edp-recovery-", dir="/tmp"))
     ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=str(work / "ray"),
@@ -128,6 +220,10 @@ def main() -> None:
                 result[f"ratio_{key}"] = result["ray_train_v2"][key] / result["elastic_dp"][key]
         if args.only in ("all", "hang"):
             result["hangs"] = bench_hangs(args, work)
+        if args.only in ("all", "spares"):
+            result["spares"] = bench_spares(args, work)
+            if args.only == "spares":  # the peer restarts its whole group, at full size, from a checkpoint
+                result["ray_train_v2"] = bench_ray_train(args, work)
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)

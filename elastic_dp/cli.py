@@ -96,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                       "bytes each host sends over its link per step (docs/hosts.md)")
     plan.add_argument("--workers-per-host", type=int, default=None, help="workers on each host (with --hosts)")
     plan.add_argument("--zero", type=int, default=0, help="ZeRO stage 0, 1, 2 or 3 (default 0)")
+    plan.add_argument("--spares", type=int, default=0, help="warm spares beside the workers (as for train): a "
+                      "device each, which must hold a worker's state once promoted")
     plan.add_argument("--shard-scope", default="all", help="with --zero 1-3 and --hosts: the state sharded over every "
                       "worker (all, default) or inside each host with replicas across hosts (host: HSDP)")
     plan.add_argument("--unit-params", default=None,
@@ -144,7 +146,7 @@ def _plan(args: argparse.Namespace) -> int:
     plan = MemoryPlan(params=parse_size(args.params, "--params"), workers=workers, zero=args.zero, hosts=args.hosts,
                       precision=args.precision, optimizer=args.optimizer,
                       unit_params=parse_size(args.unit_params, "--unit-params") if args.unit_params else None,
-                      reshard=args.reshard, shard_scope=args.shard_scope)
+                      reshard=args.reshard, shard_scope=args.shard_scope, spares=args.spares)
     gpu = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
     print(json.dumps(plan.report(gpu), indent=1) if args.json else render(plan, gpu))
     return 0

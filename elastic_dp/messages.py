@@ -60,6 +60,8 @@ class WorkerInfo:
     """The Ray node the worker runs on."""
     node_ip: str = ""
     """That node's address (the ``mesh`` event's hosts)."""
+    pid: int = 0
+    """The worker's process on that node (the ``mesh`` event's pids)."""
     device_name: str = ""
     """The GPU's name (``torch.cuda.get_device_name``); empty on a CPU."""
     eval_len: int = 0

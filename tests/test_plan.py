@@ -115,6 +115,7 @@ def test_cli_text_and_json(capsys):
     (["--params", "1e9", "--workers", "4", "--zero", "2", "--unit-params", "1e8"], "ZeRO stage 3's: add --zero 3"),
     (["--params", "1e9", "--workers", "4", "--zero", "3", "--unit-params", "2e9"], "at most --params"),
     (["--params", "1e9", "--workers", "4", "--gpu-memory=-80GB"], "--gpu-memory must be positive"),
+    (["--params", "1e9", "--workers", "4", "--spares=-1"], "--spares must be a non-negative integer"),
 ])
 def test_bad_plan_input_is_named(args, message, capsys):
     assert cli.main(["plan", *args]) == 2
@@ -166,3 +167,10 @@ def test_plan_takes_hosts_and_workers_per_host_and_refuses_what_does_not_add_up(
                           ([], "give --workers, or --hosts and --workers-per-host")):
         assert main(["plan", "--params", "1M", *argv]) != 0
         assert message in capsys.readouterr().err
+
+
+def test_spares_are_devices_of_their_own_that_must_hold_a_workers_state_once_promoted(capsys):
+    assert cli.main(["plan", "--params", "7.5e9", "--workers", "64", "--zero", "1", "--spares", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["spares"] == {"workers": 2, "devices": 66, "bytes_each_once_promoted": pytest.approx(31.40625e9)}
+    assert "spares" not in MemoryPlan(params=7.5e9, workers=64, zero=1).report()

@@ -71,7 +71,8 @@ class CollectiveRun:
         """The ``mesh`` event: where each rank of a new generation runs (docs/hosts.md); the
         first generation's is held until the start's checks passed (a refused resume writes
         nothing)."""
-        self._mesh = {"generation": generation, "hosts": [m.info.node_ip for m in members]}
+        self._mesh = {"generation": generation, "hosts": [m.info.node_ip for m in members],
+                      "pids": [m.info.pid for m in members]}
         if self._started:
             self.recorder.event("mesh", **self._mesh)
 

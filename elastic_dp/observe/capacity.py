@@ -92,6 +92,9 @@ class MemoryPlan:
     """The hosts the workers are spread over, ``workers`` / ``hosts`` on each (None: not given)."""
     shard_scope: str = "all"
     """``--shard-scope``: the sharded state cut over every worker (``all``) or each host's (``host``)."""
+    spares: int = 0
+    """``--spares``: workers built beside the group, each with a device of its own that must
+    hold a member's state once it is promoted."""
 
     def __post_init__(self) -> None:
         if not self.params > 0:
@@ -111,6 +114,8 @@ class MemoryPlan:
             raise ConfigError(f"--optimizer must be one of {sorted(OPTIMIZER_MOMENTS)}, got {self.optimizer!r}")
         if self.hosts is not None and (self.hosts < 1 or self.workers % self.hosts):
             raise ConfigError(f"--hosts must be a positive divisor of the {self.workers} workers, got {self.hosts}")
+        if not isinstance(self.spares, int) or self.spares < 0:
+            raise ConfigError(f"--spares must be a non-negative integer, got {self.spares}")
         if self.shard_scope not in ("all", "host"):
             raise ConfigError(f"--shard-scope must be all or host, got {self.shard_scope!r}")
         if self.shard_scope == "host" and (self.hosts is None or not self._partitioned):
@@ -224,6 +229,9 @@ class MemoryPlan:
                "comm_bytes_per_step": self.comm_bytes_per_step()}
         if self.hosts is not None:
             out["link_bytes_per_host_per_step"] = self.link_bytes_per_step()
+        if self.spares:
+            out["spares"] = {"workers": self.spares, "devices": self.workers + self.spares,
+                             "bytes_each_once_promoted": self.per_worker_bytes()["total"]}
         if gpu_memory is not None:
             out["fits"] = self.per_worker_bytes()["total"] + self.gathered_bytes() <= gpu_memory
             out["workers_needed"] = self.workers_needed(gpu_memory)
@@ -257,6 +265,9 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
                              for k, v in r["link_bytes_per_host_per_step"].items())
         lines.append(f"  over each host's link per step ({plan.hosts} hosts of {plan.workers // plan.hosts} workers): "
                      f"{per_host}")
+    if plan.spares:
+        lines.append(f"  spares: {plan.spares} more worker(s), {plan.workers + plan.spares} devices in all; each "
+                     f"needs the {r['per_worker_bytes']['total'] / gib:.2f} GiB above once promoted")
     if gpu_memory is not None:
         need = r["workers_needed"]
         lines.append(f"  on {gpu_memory / 1e9:.3g} GB devices: " + ("fits" if r["fits"] else "does NOT fit")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Callable, Iterator
 
@@ -75,7 +76,7 @@ class WorkerActor:
             self.program.leave()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         return dataclasses.replace(self.replica.info(), node_id=ray.get_runtime_context().get_node_id(),
-                                   node_ip=ray.util.get_node_ip_address(), device_name=name)
+                                   node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), device_name=name)
 
     def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int,
                         fault: Fault | None = None, link_delay_s: float = 0.0,
