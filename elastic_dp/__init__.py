@@ -1,7 +1,8 @@
 """elastic_dp: elastic data-parallel training for PyTorch on Ray.
 
 Public names: ``Trainer``, ``Task``, the config dataclasses, ``ElasticSampler``, ``Fault``
-(fault injection) and the exception classes. Everything else is internal.
+(fault injection), ``keep_workers`` (worker processes kept from one ``Trainer.fit()`` for
+the next) and the exception classes. Everything else is internal.
 
 ``Trainer`` (the driver: the coordinator, the modes, Ray's placement) is imported when it
 is first used, so that a worker process, which imports ``elastic_dp.worker``, does not
@@ -11,6 +12,7 @@ import the driver side (a tenth of its start-up CPU after torch and Ray).
 from typing import Any
 
 from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig
+from elastic_dp.control.membership.kept import keep_workers
 from elastic_dp.data import ElasticSampler, split
 from elastic_dp.errors import (
     CheckpointError,
@@ -42,5 +44,5 @@ __all__ = [
     "Trainer", "Task", "load_task", "TrainConfig", "ClusterConfig", "CheckpointConfig", "MetricsConfig",
     "ElasticSampler", "split", "RunSummary",
     "ElasticDPError", "ConfigError", "TaskError", "PlacementError", "CheckpointError", "StorageError", "WorkerError",
-    "CollectiveError", "MembershipError", "ClusterError", "NonFiniteError", "Fault",
+    "CollectiveError", "MembershipError", "ClusterError", "NonFiniteError", "Fault", "keep_workers",
 ]

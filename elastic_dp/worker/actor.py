@@ -14,8 +14,11 @@ in the process's ``FaultHook``, and each phase's code fires them.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
+import sys
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -46,6 +49,8 @@ class WorkerActor:
 
     def __init__(self, *, device: str, backend: str, num_threads: int, collective_timeout_s: float,
                  leave_grace_s: float = 25.0) -> None:
+        self._environ, self._modules = dict(os.environ), set(sys.modules)  # what a reset goes back to
+        self.num_threads = num_threads
         torch.set_num_threads(num_threads)
         keep_freed_memory()  # each step reuses the last one's memory (elastic_dp.malloc)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
@@ -68,8 +73,13 @@ class WorkerActor:
             self.program.leave()
         logger.warning("%s: leaving at the next step boundary", notice.describe(time.time()))
 
-    def setup(self, task: Task, config: TrainConfig) -> WorkerInfo:
-        """Build the model, dataset and optimizer (errors surface as TaskError/the cause)."""
+    def setup(self, task: Task, config: TrainConfig, group: dict[str, Any] | None = None) -> WorkerInfo:
+        """Build the model, dataset and optimizer (errors surface as TaskError/the cause).
+        ``group``: a kept worker's collective settings for this run (``backend``,
+        ``collective_timeout_s``, ``leave_grace_s``; ``elastic_dp.keep_workers``)."""
+        if group is not None:
+            self.group = CollectiveGroup(backend=group["backend"], timeout_s=group["collective_timeout_s"])
+            self.sigterm.grace_s = group["leave_grace_s"]
         self.replica = Replica(task, config, self.device, self.group, self.faults)
         self.program = make_program(self.replica)
         if self.sigterm.notice is not None:  # signalled while building
@@ -77,6 +87,32 @@ class WorkerActor:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         return dataclasses.replace(self.replica.info(), node_id=ray.get_runtime_context().get_node_id(),
                                    node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), device_name=name)
+
+    def reset(self) -> int:
+        """Drop everything of the run, for the next one (``elastic_dp.keep_workers``): the
+        collective group, the model, optimizer, program and their threads, staged checkpoint
+        parts, armed faults; the environment variables as the process started with them;
+        the job's own modules (imported since the process started, from outside the Python
+        installation and elastic_dp), so the next run imports them afresh. Returns the
+        threads left alive. A worker sent SIGTERM is refused (it is leaving)."""
+        if self.sigterm.notice is not None:
+            raise WorkerError(f"{self.sigterm.notice.cause}: the worker is leaving, it is not kept")
+        self.group.abort()
+        self.group.destroy()
+        self.group = CollectiveGroup(backend=self.group.backend, timeout_s=self.group.timeout_s)
+        self.replica = self.program = None
+        self._staged.clear()
+        self.faults = FaultHook()
+        os.environ.clear()
+        os.environ.update(self._environ)
+        for name in set(sys.modules) - self._modules:
+            if _a_job_module(sys.modules.get(name)):
+                del sys.modules[name]
+        torch.set_num_threads(self.num_threads)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return threading.active_count()
 
     def configure_group(self, host: str, port: int, generation: int, rank: int, world_size: int,
                         fault: Fault | None = None, link_delay_s: float = 0.0,
@@ -249,6 +285,17 @@ class WorkerActor:
         with torch.random.fork_rng():  # every rank runs the same forwards, which gather the units
             torch.manual_seed(self.replica.config.seed)
             return task.sample(self.replica.settled_model())
+
+
+def _a_job_module(module: Any) -> bool:
+    """A module of the job's own code: from a file outside the Python installation (the
+    standard library, site-packages) and not elastic_dp's."""
+    path = getattr(module, "__file__", None)
+    name = getattr(module, "__name__", "")
+    if not path or name == "elastic_dp" or name.startswith("elastic_dp."):
+        return False
+    installed = {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    return not any(os.path.realpath(path).startswith(os.path.realpath(p) + os.sep) for p in installed)
 
 
 def remote_worker_class():

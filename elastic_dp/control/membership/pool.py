@@ -20,6 +20,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic_dp.config import ClusterConfig, TrainConfig
+from elastic_dp.control.membership.kept import KEPT, RESET_TIMEOUT_S, Kept
+from elastic_dp.control.membership.kept import stop as stop_kept
 from elastic_dp.control.placement import resolve_device, worker_bundle
 from elastic_dp.errors import PlacementError
 from elastic_dp.messages import LeaveNotice, WorkerInfo
@@ -46,6 +48,8 @@ class Member:
     stopped: bool = False
     ping_ref: object | None = None
     """A heartbeat in flight while it stands by (``WorkerPool.gone``)."""
+    kept: bool = False
+    """A process kept from an earlier run (``elastic_dp.keep_workers``)."""
 
     def __repr__(self) -> str:
         return f"worker-{self.id}"
@@ -79,10 +83,31 @@ class WorkerPool:
             self._device = device
         return self._device
 
+    @property
+    def _kind(self) -> tuple:
+        """What a kept worker must match to serve this run: the Ray job, the device, its share."""
+        gpu = self.cluster.gpus_per_worker if self.device == "cuda" else 0.0
+        return ray.get_runtime_context().get_job_id(), self.device, gpu
+
+    def _group_settings(self) -> dict:
+        return {"backend": self.cluster.backend_for(self.device), "leave_grace_s": self.cluster.leave_grace_s,
+                "collective_timeout_s": self.cluster.collective_timeout_s}
+
     def start(self, count: int) -> None:
-        """Request ``count`` more workers; they become ready when placed and built."""
+        """Request ``count`` more workers; they become ready when placed and built. Inside
+        ``elastic_dp.keep_workers()`` a kept worker of this run's kind is taken first (kept
+        ones of another kind are stopped: their slots may be needed)."""
+        kind = self._kind if KEPT.active else None
+        for kept in KEPT.others(kind) if kind is not None else ():
+            stop_kept(kept)
         for _ in range(count):
-            member = Member(id=next(self._ids), group=placement_group([worker_bundle(self.device, self.cluster.gpus_per_worker)]))
+            kept = KEPT.take(kind) if kind is not None else None
+            if kept is None:
+                member = Member(id=next(self._ids),
+                                group=placement_group([worker_bundle(self.device, self.cluster.gpus_per_worker)]))
+            else:  # placed and started: its task is built at once
+                member = Member(id=next(self._ids), group=kept.group, actor=kept.actor, kept=True)
+                member.setup_ref = member.actor.setup.remote(self.task, self.train, self._group_settings())
             member.placed_ref = member.group.ready()
             self.pending.append(member)
             self.all.append(member)
@@ -111,6 +136,8 @@ class WorkerPool:
                 except ray.exceptions.RayActorError as exc:
                     logger.warning("%r died while starting: %s", member, exc)
                     self.stop(member)
+                    if member.kept:  # it died while kept: one started in its place
+                        self.start(1)
                     continue  # task errors (TaskError) propagate
                 ready.append(member)
         return ready
@@ -197,12 +224,39 @@ class WorkerPool:
             self.pending.remove(member)
 
     def stop_all(self) -> None:
+        """Stop every worker; inside ``elastic_dp.keep_workers()`` keep the ready ones that
+        reset within ``RESET_TIMEOUT_S`` and whose node is not draining, for the next run."""
+        for member in self._keep() if KEPT.active else ():
+            member.stopped = True
+            KEPT.put(Kept(self._kind, member.actor, member.group))
         for member in self.all:
             try:
                 self.stop(member)
             except Exception as exc:  # already gone
                 logger.debug("stopping %r: %s", member, exc)
         self.all.clear()
+
+    def _keep(self) -> list[Member]:
+        """The ready workers that reset for the next run."""
+        try:
+            draining = draining_nodes()
+        except Exception:  # an older or unusual cluster: none drains
+            draining = {}
+        released = {key for key in self._written}
+        ready = [m for m in self.all if not m.stopped and m.info is not None and m not in self.pending
+                 and m.info.node_id not in draining and notice_key("node", m.info.node_id) not in released
+                 and notice_key("actor", m.actor._actor_id.hex()) not in released]
+        resets = {m.actor.reset.remote(): m for m in ready}
+        done, _ = ray.wait(list(resets), num_returns=len(resets), timeout=RESET_TIMEOUT_S) if resets else ([], [])
+        kept = []
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as exc:  # it died, or refused (a SIGTERM): stopped with the rest
+                logger.info("%r is not kept: %s", resets[ref], exc)
+                continue
+            kept.append(resets[ref])
+        return kept
 
     def request_capacity(self, count: int) -> None:
         """A standing request to Ray's autoscaler (KubeRay's in-tree one on Kubernetes) for a
