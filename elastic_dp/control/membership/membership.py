@@ -101,7 +101,8 @@ class Membership:
     def place(self) -> list:
         """Request the first workers (as many as the policy wants: the target, and any it
         keeps ready beside the group); return the ready ones once MIN are (more if placed,
-        up to the target: the rest wait as joiners). The autoscaler is asked for room for
+        up to the target: the rest wait as joiners; the spares placed are waited for too,
+        so that they stand by from the first step). The autoscaler is asked for room for
         the target (MAX) and the spares at once, so the nodes for workers that do not fit
         now are started while the run trains on the others."""
         self.pool.request_capacity(self.target + self.spares)
@@ -109,7 +110,7 @@ class Membership:
         ready = self.pool.wait_ready(self.min_workers, self.placement_timeout_s)
         if len(ready) < self.min_workers:
             raise self.pool.placement_error(self.min_workers, self.placement_timeout_s, len(ready))
-        while self.pool.placed_but_starting() and len(ready) < self.target:  # placed: nearly ready
+        while self.pool.placed_but_starting() and len(ready) < self.target + self.spares:  # placed: nearly ready
             ready += self.pool.wait_ready(1, self.placement_timeout_s)
         self.joiners += ready[self.target:]
         self._spares.update(ready[self.target:])
