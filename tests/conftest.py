@@ -9,6 +9,9 @@ import tempfile
 
 import pytest
 
+from elastic_dp import keep_workers
+from elastic_dp.control.membership.kept import KEPT
+
 # Credentials for the loopback S3 server of tests/test_s3.py (moto accepts any). Set before
 # Ray starts, so that the workers, which inherit Ray's environment, have them too.
 for _key, _value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -46,11 +49,24 @@ def ray_cluster():
         "_system_config": {"prestart_worker_first_driver": False, "enable_worker_prestart": False}})
     try:
         ray.init(address=cluster.address, configure_logging=False, log_to_driver=False)
-        yield ray
+        with keep_workers():  # each run's worker processes serve the next test's run (docs/elastic.md)
+            yield ray
     finally:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_workers(ray_cluster):
+    """This test's runs start new worker processes and end them (a test that looks at the
+    processes themselves): the kept ones are stopped, and none is kept until it ends."""
+    KEPT.stop_all()
+    depth, KEPT.depth = KEPT.depth, 0
+    try:
+        yield
+    finally:
+        KEPT.depth = depth
 
 
 # -- tiers: ``-m "not ray"`` is the quick tier (README) ------------------------------------

@@ -129,7 +129,8 @@ def test_stale_updates_a_straggler_a_join_and_a_kill_replay_from_updates_jsonl(r
     assert len(lost) == 2 and "heartbeats" in lost[1]["cause"]
     joined = next(e for e in events if e["kind"] == "membership_changed" and e["joined"])
     assert joined["step"] == 4 and joined["world_size"] == 3  # 2 started; the third joined, no re-formation
-    assert len({u["worker"] for u in updates}) == 3  # and the joiner's updates were applied
+    assert {0, 1, 2} <= {u["worker"] for u in updates}  # the joiner's (worker 2) applied too; and the
+    # kill's replacement's, if it was built before the last update
     histogram = Counter(u["staleness"] for u in final.values())
     assert summary.staleness == histogram
     assert "staleness    " + ", ".join(f"{k}: {n}" for k, n in sorted(histogram.items())) in summary.render()

@@ -40,7 +40,7 @@ def run_against_replay(tmp_path, workers, inject, *, steps=6, min_workers=None, 
     return summary, diff, events, metrics
 
 
-def test_kills_in_each_phase_reform_in_place_and_end_where_the_uninterrupted_run_ends(ray_cluster, tmp_path):
+def test_kills_in_each_phase_reform_in_place_and_end_where_the_uninterrupted_run_ends(fresh_workers, tmp_path):
     """Rank 1 is killed in step 2's forward, in step 4's all-reduce and in step 6's optimizer
     step, in one run (3 workers, at least 2: a replacement joins when it is ready); no worker
     process outlives the run."""

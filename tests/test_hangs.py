@@ -14,7 +14,6 @@ import time
 from safetensors.torch import load_file
 
 from elastic_dp import ClusterConfig, ElasticSampler, Trainer
-from tests.procs import worker_pids
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.tasks import PacedLoss, paced_task
@@ -41,7 +40,7 @@ def test_a_worker_stopped_from_outside_is_found_by_its_missed_heartbeats(ray_clu
         metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 120
         while time.monotonic() < deadline:
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                pid = worker_pids()[0]
+                pid = next(e for e in read_lines(tmp_path / "events.jsonl") if e["kind"] == "mesh")["pids"][0]
                 os.kill(pid, signal.SIGSTOP)
                 stopped.append(pid)
                 return

@@ -1,7 +1,9 @@
 """Worker processes kept from one ``Trainer.fit()`` for the next (``elastic_dp.keep_workers``):
 the next run's workers are the same processes, and it ends exactly where the same run on
 new processes ends, whatever the run before it did (another task, a ZeRO stage, a module
-that keeps state, an environment variable it set, a worker it lost)."""
+that keeps state, an environment variable it set, a worker it lost). ``fresh_workers``: the
+suite's own kept workers stopped first, so that each test's block is the outermost one and
+its runs outside the block start new processes."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_the_next_run_takes_the_kept_processes_and_ends_where_new_ones_end(ray_cluster, tmp_path):
+def test_the_next_run_takes_the_kept_processes_and_ends_where_new_ones_end(fresh_workers, tmp_path):
     fresh = fit(stateful_job.TASK, tmp_path / "fresh", workers=2, steps=4)
     with elastic_dp.keep_workers():
         first = fit(TINY_GPT_TASK, tmp_path / "first", workers=2, steps=3, zero=2)
@@ -44,7 +46,7 @@ def test_the_next_run_takes_the_kept_processes_and_ends_where_new_ones_end(ray_c
     assert not any(_alive(pid) for pid in _pids(third))
 
 
-def test_a_worker_lost_in_a_run_is_not_kept_and_the_next_run_starts_one_in_its_place(ray_cluster, tmp_path):
+def test_a_worker_lost_in_a_run_is_not_kept_and_the_next_run_starts_one_in_its_place(fresh_workers, tmp_path):
     with elastic_dp.keep_workers():
         first = fit(TINY_GPT_TASK, tmp_path / "first", workers=2, min_workers=1, steps=6,
                     inject=["kill:step=2:rank=1"])  # its replacement is kept, joined or not

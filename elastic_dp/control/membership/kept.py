@@ -12,10 +12,12 @@ Inside the block, a run that ends hands each of its healthy workers back here in
 killing it: the worker first drops everything of the run (``WorkerActor.reset``: its model,
 optimizer, program, threads and collective group; the environment variables the run set;
 the job's own modules, which the next run imports afresh), and keeps its placement group,
-so its slot stays reserved. The next run takes kept workers of its kind (same Ray job,
-device and GPU share) before it starts new ones, and builds its task on them. A worker the
-run lost, one that did not reset within ``RESET_TIMEOUT_S``, and one whose node was asked to
-drain are stopped as before. When the block ends, every kept worker is stopped.
+so its slot stays reserved. The next run's first workers are kept ones of its kind (same
+Ray job, device and GPU share), as many as there are and it asks for; it builds its task
+on them, and stops the kept workers it did not take, so that their slots are free for its
+own (its replacements and joiners start anew). A worker the run lost, one that did not
+reset within ``RESET_TIMEOUT_S``, and one whose node was asked to drain or that was sent
+SIGTERM are stopped as before. When the block ends, every kept worker is stopped.
 
 What carries over from one run to the next in a kept process: the libraries it imported
 (torch, transformers, ...) with whatever global settings a task changed in them (say
@@ -67,13 +69,6 @@ class KeptWorkers:
 
     def put(self, kept: Kept) -> None:
         self.kept.append(kept)
-
-    def others(self, kind: Hashable) -> list[Kept]:
-        """The kept workers not of ``kind``, taken out: their slots may be what a run of
-        ``kind`` needs (the caller stops them)."""
-        others = [k for k in self.kept if k.kind != kind]
-        self.kept = [k for k in self.kept if k.kind == kind]
-        return others
 
     def stop_all(self) -> None:
         kept, self.kept = self.kept, []

@@ -21,7 +21,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic_dp.config import ClusterConfig, TrainConfig
 from elastic_dp.control.membership.kept import KEPT, RESET_TIMEOUT_S, Kept
-from elastic_dp.control.membership.kept import stop as stop_kept
 from elastic_dp.control.placement import resolve_device, worker_bundle
 from elastic_dp.errors import PlacementError
 from elastic_dp.messages import LeaveNotice, WorkerInfo
@@ -94,14 +93,13 @@ class WorkerPool:
                 "collective_timeout_s": self.cluster.collective_timeout_s}
 
     def start(self, count: int) -> None:
-        """Request ``count`` more workers; they become ready when placed and built. Inside
-        ``elastic_dp.keep_workers()`` a kept worker of this run's kind is taken first (kept
-        ones of another kind are stopped: their slots may be needed)."""
-        kind = self._kind if KEPT.active else None
-        for kept in KEPT.others(kind) if kind is not None else ():
-            stop_kept(kept)
+        """Request ``count`` more workers; they become ready when placed and built. The
+        run's first workers are kept ones of its kind, as many as there are
+        (``elastic_dp.keep_workers()``); the kept workers it does not take are stopped then,
+        so their slots are free for its other workers and for replacements, which start anew."""
+        first = not self.all
         for _ in range(count):
-            kept = KEPT.take(kind) if kind is not None else None
+            kept = KEPT.take(self._kind) if first and KEPT.kept else None
             if kept is None:
                 member = Member(id=next(self._ids),
                                 group=placement_group([worker_bundle(self.device, self.cluster.gpus_per_worker)]))
@@ -111,6 +109,8 @@ class WorkerPool:
             member.placed_ref = member.group.ready()
             self.pending.append(member)
             self.all.append(member)
+        if first:
+            KEPT.stop_all()
 
     def poll(self) -> list[Member]:
         """Advance pending workers; return the ones that became ready to join."""
