@@ -8,6 +8,10 @@ elastic_dp.data) and the learning-rate rule of TrainConfig are shared.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 import torch
 from safetensors.torch import load_file
 
@@ -60,9 +64,21 @@ def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None =
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
+RECORD_DIFFS = "EDP_RECORD_DIFFS"
+"""A file to which every ``max_abs_diff`` appends its figure and the test that asked
+(``python -m tests.noise FILE`` sums them up): how the suite's bounds were measured."""
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    if os.environ.get(RECORD_DIFFS):  # the test's id reaches the scenario scripts through the environment
+        test = os.environ.get("PYTEST_CURRENT_TEST", " ".join(sys.argv)).rsplit(" (", 1)[0]
+        caller = sys._getframe(1)
+        at = f"{os.path.relpath(caller.f_code.co_filename)}:{caller.f_lineno}"
+        with open(os.environ[RECORD_DIFFS], "a") as f:
+            f.write(json.dumps({"test": test, "at": at, "diff": diff}) + "\n")
+    return diff
 
 
 def replay_updates(task: Task, config: TrainConfig, initial: str, updates: list[dict]) -> dict[str, torch.Tensor]:
