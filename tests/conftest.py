@@ -93,3 +93,30 @@ def _no_ray_outside_the_ray_tier(request, monkeypatch):
 
     monkeypatch.setattr(ray, "init", refuse)
     yield
+
+
+# -- float noise, measured (tests/noise.py) ---------------------------------------------------
+if os.environ.get("EDP_RECORD_DIFFS"):
+    import json
+    import sys
+
+    import torch
+
+    def _recording(check):
+        """``check`` (torch.allclose, torch.testing.assert_close) that first appends its
+        largest absolute difference and the test's place to the record."""
+
+        def recorded(actual, expected, *args, **kwargs):
+            caller = sys._getframe(1)
+            if os.path.abspath(caller.f_code.co_filename).startswith(os.path.dirname(os.path.abspath(__file__))):
+                diff = float((torch.as_tensor(actual).double() - torch.as_tensor(expected).double()).abs().max())
+                test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+                at = f"{os.path.relpath(caller.f_code.co_filename)}:{caller.f_lineno}"
+                with open(os.environ["EDP_RECORD_DIFFS"], "a") as f:
+                    f.write(json.dumps({"test": test, "at": at, "diff": diff}) + "\n")
+            return check(actual, expected, *args, **kwargs)
+
+        return recorded
+
+    torch.allclose = _recording(torch.allclose)
+    torch.testing.assert_close = _recording(torch.testing.assert_close)

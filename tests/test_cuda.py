@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.cuda,
                                  reason="no CUDA GPU is visible to torch: the CUDA path is tested on a GPU "
                                         "machine (benchmarks/gpu_check.sh)")]
 
-TOL = 2e-5  # AdamW, 6 steps: float32 summation order moves it about 2e-6 (see README)
+TOL = 2e-5  # AdamW, 6 steps: float32 summation order moves it about 2e-6 on CPUs (tests.noise); on one
+# H200 (2026-12-04) every test passed within it, the figures not recorded: record them at the next lease
 
 
 def _fused_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -127,5 +128,5 @@ def test_global_batch_statistics_on_the_gpu_end_where_the_gpu_replay_ends(ray_cl
 
     cluster = ClusterConfig(workers=2, min_workers=1, device="cuda", gpus_per_worker=1.0 if gpus == 2 else 0.5)
     summary, diff = _run(tmp_path, cluster, task=CNN_TASK, inject=["kill:step=3:rank=1"], batch_stats="global")
-    assert diff < 1e-5  # SGD, as tests/test_buffers.py
+    assert diff < 1e-5  # SGD, as tests/test_buffers.py (9.5e-7 there on CPUs); passed on the H200
     assert summary.steps == 6

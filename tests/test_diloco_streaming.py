@@ -21,6 +21,10 @@ from tests.reference import max_abs_diff, replay_diloco
 from tests.tasks import TINY_GPT_TASK, Regression
 from tests.zero_runs import CPU, initial_weights
 
+TOL = 2e-5  # float32 order; worst measured 8.4e-06 (5 tests here, from 0 by case; 3 suite runs on
+# 2026-12-04, python -m tests.noise; thread ranks: the same figure in each run): 2.4x margin, while a
+# fragment synced a step off moves it 2.9e-2 or more (the checks below)
+
 
 def run_windows(task: Task, config: TrainConfig, world: int, settings: DiLoCoSettings, initial, probe=None):
     """``config.steps`` inner steps in windows on ``world`` thread ranks. Returns rank 0's
@@ -75,7 +79,7 @@ def test_the_windows_follow_the_replay_of_the_streaming_rule(world, fragments, d
     rule = dict(world=world, sync_every=6, outer_lr=0.7, outer_momentum=0.9)
     expected, history = replay_diloco(task, config, initial, **rule, fragments=fragments, delay=delay)
     assert max_abs_diff(ours, initial) > 1e-3
-    assert max_abs_diff(ours, expected) < 2e-5, max_abs_diff(ours, expected)  # measured 0 to 8.4e-6
+    assert max_abs_diff(ours, expected) < TOL, max_abs_diff(ours, expected)
     for t in range(len(thetas[0])):
         assert all(torch.equal(thetas[r][t], thetas[0][t]) for r in range(world)), t
     # the outer steps: one per fragment and window, then the final sync of those not sent at the last step
@@ -87,7 +91,7 @@ def test_the_windows_follow_the_replay_of_the_streaming_rule(world, fragments, d
                  if start + send <= stop]
     final = [(f, 14, 14) for f, (send, _) in enumerate(plan) if send != 2]
     assert used == [(f, s, min(u, 14)) for f, s, u in scheduled] + final
-    assert float((thetas[0][-1] - torch.cat([h.reshape(-1) for h in history[-1]])).abs().max()) < 2e-5
+    assert max_abs_diff({"theta": thetas[0][-1]}, {"theta": torch.cat([h.reshape(-1) for h in history[-1]])}) < TOL
     if (fragments, delay) != (1, 0):
         plain, _ = replay_diloco(task, config, initial, **rule)
         assert max_abs_diff(plain, expected) > 1e-3
@@ -125,7 +129,7 @@ def test_local_sgd_on_a_constant_gradient_keeps_every_inner_step_once(fragments,
                              fragment_delay=delay)
     ours, _, _ = run_windows(task, task.defaults, 2, settings, initial)
     for name, scale in (("a", 1), ("b", 2), ("c", -1)):
-        assert torch.allclose(ours[name], -15 * 0.1 * scale * G, atol=1e-5), (name, ours[name])
+        assert torch.allclose(ours[name], -15 * 0.1 * scale * G, atol=1e-5), (name, ours[name])  # 1.4e-6 measured
 
 
 def test_between_windows_a_member_keeps_its_own_parameters_and_evaluates_theta():

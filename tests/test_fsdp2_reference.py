@@ -29,6 +29,9 @@ from tests.reference import max_abs_diff
 from tests.tasks import TINY_GPT_TASK
 from tests.zero_runs import initial_weights, train
 
+TOL = 2e-5  # float32 order; worst measured 1.1e-06 (3 tests here, 3 suite runs on 2026-12-04,
+# python -m tests.noise; thread ranks: the same figure in each run): 18x margin
+
 WORLD = 2
 CONFIG = dataclasses.replace(TINY_GPT_TASK.defaults, steps=6, global_batch=13, micro_batch=None)
 
@@ -83,4 +86,4 @@ def test_stage_3_reaches_fsdp2_s_parameters(fsdp2, settings):
                        initial)
     assert max_abs_diff(ours, initial) > 1e-3
     print(f"stage 3 vs FSDP2: {max_abs_diff(ours, theirs):.2e}")
-    assert max_abs_diff(ours, theirs) < 2e-5
+    assert max_abs_diff(ours, theirs) < TOL

@@ -20,6 +20,7 @@ from tests.tasks import MLP_TASK, SCHEDULED_TASK, halving, mlp, sgd_two_groups, 
 from tests.zero_runs import initial_weights, train
 
 TOL = 2e-5  # SGD on the MLP: float32 reduction order only (as in test_sync_equivalence)
+# worst measured 3.3e-08 (5 tests here, 3 suite runs on 2026-12-04, python -m tests.noise): 606x margin
 
 
 def stated(schedule: str, s: int, W: int, D: int, m: float, f: float) -> float:

@@ -13,6 +13,7 @@ from tests.runs import fit
 from tests.tasks import TINY_GPT_TASK
 
 TOL = 2e-5  # as tests/test_elastic.py: the tiny GPT, 6 steps, float32 reduction order
+# worst measured 2.6e-06 (3 tests here, 3 suite runs on 2026-12-04, python -m tests.noise): 8x margin
 
 
 @pytest.mark.parametrize("zero", [0, 2, 3])

@@ -22,6 +22,7 @@ from tests.reference import max_abs_diff, replay
 from tests.tasks import PacedLoss, paced_task
 
 TOL = 2e-5  # SGD on the MLP: float32 reduction order only (as in test_hangs)
+# worst measured 8.6e-07 (4 tests here, 3 suite runs on 2026-12-04, python -m tests.noise): 23x margin
 STEPS = 24
 JOIN_STEPS = 80  # a replacement's start may take seconds on a loaded machine (see the test)
 

@@ -23,6 +23,9 @@ from tests.reference import max_abs_diff
 from tests.tasks import MLP_TASK, TINY_GPT_TASK, Regression, mlp
 from tests.zero_runs import CPU, initial_weights, train
 
+TOL = 2e-5  # float32 reduction order; worst measured 2.4e-06 (17 tests here, 3 suite runs on 2026-12-04,
+# python -m tests.noise; thread ranks: the same figure in each run): 8x margin
+
 
 @pytest.mark.parametrize("task", [MLP_TASK, TINY_GPT_TASK], ids=["sgd-two-groups", "adamw-gpt"])
 @pytest.mark.parametrize("zero", [1, 2])
@@ -34,7 +37,7 @@ def test_sharded_stages_reach_the_parameters_of_stage_0(task, zero, world):
     sharded, _, replicas = train(task, dataclasses.replace(config, zero=zero), world, range(6), initial)
     assert len(replicas[0].strategy.buckets) > 2
     assert all(r.strategy.defer_gather for r in replicas)  # each gather waited for in the next forward
-    assert max_abs_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < TOL
 
 
 class _HeadOutsideForward(nn.Module):
@@ -63,7 +66,7 @@ def test_parameters_read_outside_their_modules_forward_are_gathered_at_the_end_o
     reference, _, _ = train(task, config, 2, range(5), initial)
     sharded, _, replicas = train(task, dataclasses.replace(config, zero=zero), 2, range(5), initial)
     assert [r.strategy.defer_gather for r in replicas] == [False, False]
-    assert max_abs_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < TOL
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
@@ -113,9 +116,9 @@ def test_a_checkpoint_saved_at_3_workers_resumes_at_2_and_at_4():
     assert {k.rpartition("/")[2] for k in saved.optimizer_tensors} == {"exp_avg", "exp_avg_sq", "step"}
     for world in (2, 4):
         resumed, _, _ = train(task, config, world, range(3, 6), None, start=saved)
-        assert max_abs_diff(resumed, uninterrupted) < 2e-5, world
+        assert max_abs_diff(resumed, uninterrupted) < TOL, world
     stage0, _, _ = train(task, dataclasses.replace(config, zero=0), 2, range(3, 6), None, start=saved)
-    assert max_abs_diff(stage0, uninterrupted) < 2e-5
+    assert max_abs_diff(stage0, uninterrupted) < TOL
 
 
 
@@ -149,7 +152,7 @@ def test_the_forward_waits_for_the_all_gather_of_every_bucket_it_reads(zero, mon
     assert all(r.strategy.defer_gather for r in replicas)  # the gathers were left to the forward
     monkeypatch.undo()
     reference, _, _ = train(task, config, 2, range(4), initial)
-    assert max_abs_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < TOL
 
 
 def test_the_forwards_wait_for_its_parameters_is_timed_apart_from_its_compute():
@@ -321,7 +324,7 @@ def test_gloo_with_cuda_tensors_stages_every_call_through_host_copies(monkeypatc
     assert staged
     monkeypatch.undo()
     reference, _, _ = train(MLP_TASK, config, 2, range(5), initial)
-    assert max_abs_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < TOL
 
 
 

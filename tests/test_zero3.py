@@ -28,6 +28,9 @@ from tests.tasks import CNN_TASK, MLP_TASK, TINY_GPT_TASK, Regression, mlp
 from tests.test_eval import REL, plain_eval
 from tests.zero_runs import CPU, initial_weights, train
 
+TOL = 2e-5  # float32 reduction order; worst measured 3.4e-06 (23 tests here, 3 suite runs on 2026-12-04,
+# python -m tests.noise; thread ranks: the same figure in each run): 6x margin
+
 MLP_UNITS = dataclasses.replace(MLP_TASK, shard_units=lambda model: [model[0], model[2]])
 """The MLP has no ModuleList: two of its Linear layers are units, the last one the root."""
 
@@ -46,10 +49,10 @@ def test_stage_3_reaches_the_parameters_of_stage_0_and_of_the_replay(task, world
     reference, _, _ = train(task, config, world, range(6), initial)
     sharded, _, replicas = train(task, dataclasses.replace(config, zero=3, reshard_after_forward=reshard), world,
                                  range(6), initial)
-    assert max_abs_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < TOL
     save_file(initial, tmp_path / "initial.safetensors")
     expected = replay(task, config, str(tmp_path / "initial.safetensors"))
-    assert max_abs_diff(sharded, expected) < 2e-5
+    assert max_abs_diff(sharded, expected) < TOL
     strategy = replicas[0].strategy
     assert len(strategy.units) == (2 if task is TINY_GPT_TASK else 2)
     held = sum(s.numel() for s in strategy.param_chunks)
@@ -121,10 +124,10 @@ def test_a_stage_3_checkpoint_resumes_at_stage_0_and_2_at_other_world_sizes_and_
     assert len(shares) == 3 and all(abs(n - total / 3) <= 2 * pieces for n in shares.values()), shares
     for zero, world in ((0, 2), (2, 4)):
         resumed, _, _ = train(task, dataclasses.replace(config, zero=zero), world, range(3, 6), None, start=saved)
-        assert max_abs_diff(resumed, uninterrupted) < 2e-5, (zero, world)
+        assert max_abs_diff(resumed, uninterrupted) < TOL, (zero, world)
     _, states, _ = train(task, dataclasses.replace(config, zero=0), 2, range(3), initial)
     back, _, replicas = train(task, config, 3, range(3, 6), None, start=states[0])
-    assert max_abs_diff(back, uninterrupted) < 2e-5
+    assert max_abs_diff(back, uninterrupted) < TOL
 
 
 def test_a_checkpoint_loads_at_stage_3_reading_only_the_rank_s_chunks(tmp_path, monkeypatch):
@@ -164,7 +167,7 @@ def test_a_checkpoint_loads_at_stage_3_reading_only_the_rank_s_chunks(tmp_path, 
                 kinds = 1 + len({k.rpartition("/")[2] for k in saved.manifest["tensors"] if k.startswith("optim/")})
                 assert max(read) <= kinds * params * 2 / world + 64, (read, kinds, params)
             resumed, _, _ = train(task, config, world, range(3, 6), None, start=saved)
-            assert max_abs_diff(resumed, uninterrupted) < 2e-5, (saved_zero, saved_world, world)
+            assert max_abs_diff(resumed, uninterrupted) < TOL, (saved_zero, saved_world, world)
 
 
 def test_the_units_are_freed_after_their_forward_unless_kept():
@@ -341,7 +344,7 @@ def test_bf16_parameters_are_gathered_from_fp32_master_chunks_as_stage_1_keeps_t
     assert all(m.dtype == torch.float32 for m in replicas[0].strategy.masters)
     assert all(s.dtype == torch.bfloat16 for s in replicas[0].strategy.param_chunks)
     m1, m3 = merge_parts(parts1).optimizer_tensors, merge_parts(parts3).optimizer_tensors
-    assert float((m3["0.weight/master"] - m1["0.weight/master"]).abs().max()) < 1e-6
+    assert max_abs_diff({"master": m3["0.weight/master"]}, {"master": m1["0.weight/master"]}) < 1e-6  # measured 0
     assert float((m3["0.weight/master"] - stage3["0.weight"].float()).abs().max()) > 0  # the masters moved further
     torch.testing.assert_close(m3["0.weight/master"].to(torch.bfloat16), stage3["0.weight"])
     assert max_abs_diff(stage3, stage1) <= 2 ** -8 * max(float(v.float().abs().max()) for v in stage1.values())
@@ -354,7 +357,7 @@ def test_balanced_slices_under_stage_3_reach_stage_0():
     initial = initial_weights(TINY_GPT_TASK, config.seed)
     reference, _, _ = train(TINY_GPT_TASK, config, 2, range(6), initial, sizes=(3, 11))
     sharded, _, _ = train(TINY_GPT_TASK, dataclasses.replace(config, zero=3), 2, range(6), initial, sizes=(3, 11))
-    assert max_abs_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < TOL
 
 
 def test_a_non_finite_step_under_stage_3_is_skipped_on_every_rank():
@@ -367,5 +370,5 @@ def test_a_non_finite_step_under_stage_3_is_skipped_on_every_rank():
     initial = initial_weights(task, config.seed)
     reference, _, _ = train(task, config, 2, range(6), initial)
     sharded, _, replicas = train(task, dataclasses.replace(config, zero=3), 2, range(6), initial)
-    assert max_abs_diff(sharded, reference) < 2e-5
+    assert max_abs_diff(sharded, reference) < TOL
     assert all(torch.isfinite(v).all() for v in sharded.values())

@@ -16,7 +16,8 @@ from tests.procs import alive
 from tests.tasks import TINY_GPT_TASK
 from tests.test_elastic import run_against_replay
 
-TOL = 2e-5
+TOL = 2e-5  # float32 reduction order
+# worst measured 4.4e-06 (4 tests here, 3 suite runs on 2026-12-04, python -m tests.noise): 5x margin
 
 
 def _run(tmp_path, workers, inject, *, zero, snapshot_every=1, **kw):

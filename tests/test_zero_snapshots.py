@@ -26,6 +26,9 @@ from tests.reference import max_abs_diff
 from tests.tasks import MLP_TASK, TINY_GPT_TASK
 from tests.zero_runs import CPU, initial_weights, train
 
+TOL = 2e-5  # float32 reduction order; worst measured 1.2e-06 (2 tests here, 3 suite runs on 2026-12-04,
+# python -m tests.noise; thread ranks: the same figure in each run): 17x margin
+
 
 @pytest.fixture(params=["shared", "sent"])
 def transport(request, monkeypatch):
@@ -87,7 +90,7 @@ def test_resharding_from_live_chunks_and_snapshots_continues_the_same_trajectory
         return replica.model_state()
 
     final = run_ranks(2, rank_fn)[0]
-    assert max_abs_diff(final, uninterrupted) < 2e-5
+    assert max_abs_diff(final, uninterrupted) < TOL
 
 
 def test_snapshots_every_k_steps_roll_back_to_a_consistent_step(transport):
