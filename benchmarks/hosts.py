@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 SUBNET = "10.213.57"
 """The testbed's /24: no interface outside its namespaces has an address in it."""
@@ -77,6 +77,9 @@ class Testbed:
         self.token = secrets.token_hex(32)
         self.root = Path(tempfile.mkdtemp(prefix=f"{self.name}-", dir="/tmp"))
         self._made: list[tuple[str, str]] = []  # ("netns"|"link", name), in the order made
+        self.node_ids: dict[int, str] = {}
+        """Each host's Ray node, the one started last there: the control store may still count
+        an earlier one of that address alive for a while."""
         self._closed = False
         atexit.register(self.close)
 
@@ -153,7 +156,9 @@ class Testbed:
             _tc(ns, *["eth0" if a is None else a for a in shape])    # what the host sends
         for h in range(self.hosts):
             self.start_node(h, wait=False)
-        self.wait_nodes(lambda live: len(set(live.values())) == self.hosts, f"{self.hosts} Ray nodes")
+        live = self.wait_nodes(lambda live: live if len(set(live.values())) == self.hosts else None,
+                               f"{self.hosts} Ray nodes")
+        self.node_ids = {h: next(n for n, a in live.items() if a == self.address_of(h)) for h in range(self.hosts)}
 
     def start_node(self, host: int, *, wait: bool = True) -> None:
         """Start a Ray node in ``host``'s namespace (the head on host 0), ``slots`` CPUs; with
@@ -172,8 +177,9 @@ class Testbed:
         if host == 0:
             self._wait_head()
         if wait:
-            self.wait_nodes(lambda live: any(n not in before and a == self.address_of(host) for n, a in live.items()),
-                            f"a new Ray node on host {host}")
+            new = self.wait_nodes(lambda live: [n for n, a in live.items() if n not in before and a == self.address_of(host)],
+                                  f"a new Ray node on host {host}")
+            self.node_ids[host] = new[0]
 
     def _wait_head(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -196,14 +202,15 @@ class Testbed:
             raise RuntimeError(f"could not list the testbed's nodes: {done.stdout[-1000:]} {done.stderr[-2000:]}")
         return json.loads(listed[-1].removeprefix("nodes:"))
 
-    def wait_nodes(self, ready: Callable[[dict[str, str]], bool], what: str, timeout_s: float = 90.0) -> None:
-        """Until ``ready(live_nodes())``."""
+    def wait_nodes(self, ready: Callable[[dict[str, str]], Any], what: str, timeout_s: float = 90.0) -> Any:
+        """Until ``ready(live_nodes())`` is true; what it returned."""
         deadline = time.monotonic() + timeout_s
-        while not ready(live := self.live_nodes()):
+        while not (answer := ready(live := self.live_nodes())):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no {what} after {timeout_s:.0f} s: live {sorted(live.values())} "
                                    f"(logs in {self.root})")
             time.sleep(0.5)
+        return answer
 
     def close(self) -> None:
         """End every process started in the namespaces (by id), delete the namespaces, links

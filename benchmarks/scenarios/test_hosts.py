@@ -29,10 +29,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.skipif(Testbed.unavailable() is not N
                                                   reason=f"no testbed of hosts: {Testbed.unavailable()}")]
 
 REPO = str(Path(__file__).resolve().parents[2])
-TOL = 2e-5  # the tiny GPT job, 24 steps at micro-batches of 1: as benchmarks/scenarios/test_node_loss.py
+TOL = 2e-5  # the tiny GPT job, 24 steps at micro-batches of 1: as benchmarks/scenarios/test_node_loss.py;
+# worst measured 9.5e-06 (the host lost by a partition under --shard-scope host; one scenario run on 2026-12-04, python -m tests.noise): 2.1x margin
 GPT_TOL = 3e-3
 """jobs.gpt, 24 steps: float32 order noise is ~3e-4 there (N=1 against N=2, docs/BENCHMARKS.md), one
-skipped or repeated step moves it ~8e-2."""
+skipped or repeated step moves it ~8e-2; measured here up to 6.9e-5 (one scenario run on 2026-12-04, python -m tests.noise)."""
 DETECT_S = 7.0  # a host cut off is found by missed heartbeats (--heartbeat-timeout 5) in 5.9-6.1 s (docs/hosts.md)
 
 
@@ -194,16 +195,20 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
         elif how == "partitioned":
             bed.cut(1)
         else:
-            node = next(n for n, address in bed.live_nodes().items() if address == bed.address_of(1))
+            # the node started last on host 1: after a test that replaced it, the control store
+            # may still count the earlier one of that address alive (draining that one was a
+            # notice nobody heard, seen twice in 3 runs of this module)
             drained = bed.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--reason",
                                "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "test_hosts",
-                               "--deadline-remaining-seconds", "60", "--node-id", node])
+                               "--deadline-remaining-seconds", "60", "--node-id", bed.node_ids[1]])
             assert drained.returncode == 0, drained.stderr
-        wait_for(metrics, lambda ms: ms[-1]["world_size"] == 2, timeout_s=60)
+        assert wait_for(metrics, lambda ms: ms[-1]["world_size"] == 2, timeout_s=60)[-1]["world_size"] == 2, \
+            f"the run did not go on without host 1 within 60 s of its {how} node"
         went_on_s = time.monotonic() - at
         if how == "partitioned":
             bed.heal(1)
-            wait_for(metrics, lambda ms: ms[-1]["world_size"] == 4, timeout_s=60)
+            assert wait_for(metrics, lambda ms: ms[-1]["world_size"] == 4, timeout_s=60)[-1]["world_size"] == 4, \
+                "the run did not grow back to 4 within 60 s of the healed link"
         fast.touch()
         report = _report(proc)
     finally:
@@ -217,7 +222,9 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
         bed.start_node(1)
     assert report["diff"] < (GPT_TOL if task == "gpt" else TOL)
     change = next((e for e in report["events"] if e["kind"] == "membership_changed"), None)
-    assert change is not None, (report["world_sizes"], report["events"])
+    assert change is not None, f"world sizes {report['world_sizes']}, events " + "; ".join(
+        f"{e['kind']} {({k: v for k, v in e.items() if k in ('cause', 'step', 'world_size', 'reason')})}"
+        for e in report["events"])
     if how == "drained":  # a planned leave at a step boundary: nothing lost, nothing re-run
         assert change["lost"] == 0 and sorted(change["left_ranks"]) in ([0, 1], [2, 3]) and change["steps_rerun"] == 0
     else:  # host 1's ranks, contiguous (the hosts in the order their first worker was ready)
