@@ -164,11 +164,13 @@ def test_a_kill_and_a_join_across_hosts_end_on_the_replay(bed, tmp_path, options
 @pytest.mark.parametrize("how,zero,scope,task", [
     ("killed", 0, "all", "tiny"), ("partitioned", 0, "all", "tiny"), ("killed", 2, "all", "tiny"),
     ("killed", 2, "host", "gpt"), ("killed", 3, "host", "gpt"), ("partitioned", 3, "host", "tiny"),
-    ("drained", 0, "all", "tiny")])
+    ("drained", 0, "all", "tiny"), ("drained", 2, "all", "tiny"), ("drained", 3, "host", "tiny")])
 @pytest.mark.timeout(480)  # up to 120 s to start, 60 s to go on, 60 s to grow back, 150 s to end
 def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(bed, tmp_path, how, zero, scope, task):
     """Host 1's Ray node and workers killed by id, its link cut, or the node drained for
-    preemption with Ray's own CLI (``ray drain-node``): the run goes on with host 0's two
+    preemption with Ray's own CLI (``ray drain-node``; at stage 0, at ZeRO-2, whose leavers
+    hand their chunks over at the boundary, and at ZeRO-3 under ``--shard-scope host``, where
+    host 0 holds a copy): the run goes on with host 0's two
     workers, from their replica at stage 0, at ZeRO-2 from the peer snapshots the snapshot
     ring put on host 0, and at ZeRO-2 and 3 under ``--shard-scope host`` from host 0's own
     copy of the state, which no peer snapshot made (no checkpoint: none is configured).
