@@ -78,6 +78,7 @@ class Trainer:
 
     def fit(self) -> RunSummary:
         """Train to ``train.steps``; attaches to Ray, or starts an embedded local Ray."""
+        check_before_ray(self.checkpoint, self.name)
         recorder = RunRecorder(self.out_dir, total_steps=self.train.steps, progress=self.progress,
                                tensorboard=self.metrics.tensorboard)  # refuses an unwritable one now
         peak = self.metrics.peak_tflops
@@ -117,12 +118,7 @@ def build_coordinator(task: Task, train: TrainConfig, cluster: ClusterConfig, ch
                             held_back=sum(f.kind == "join" for f in faults),
                             wait_timeout_s=cluster.min_wait_timeout_s,
                             placement_timeout_s=cluster.placement_timeout_s)
-    store = None
-    if checkpoint.dir is not None:
-        store = CheckpointStore(Storage(checkpoint.dir, "--checkpoint-dir"), keep=checkpoint.keep)
-    elif checkpoint.storage is not None:
-        store = CheckpointStore(Storage(checkpoint.storage, "--storage").child(name or run_name(settings)),
-                                keep=checkpoint.keep)
+    store = checkpoint_store(checkpoint, name or run_name(settings))
     if getattr(train.mode, "ps_device", "cpu") == "cuda" and ray.cluster_resources().get("GPU", 0) < PS_GPU_SHARE:
         raise ConfigError("--ps-device cuda puts the parameter servers on a GPU, and the Ray cluster has none: "
                           "use --ps-device cpu or attach to a cluster with GPUs (--address)")
@@ -137,6 +133,27 @@ def job_name(task: Task) -> str:
     factory = getattr(task.model, "func", task.model)  # a functools.partial's function
     module = getattr(factory, "__module__", None) or type(factory).__module__
     return f"{module}:{getattr(factory, '__qualname__', type(factory).__qualname__)}"
+
+
+def checkpoint_store(checkpoint: CheckpointConfig, name: str) -> CheckpointStore | None:
+    """Where the run's checkpoints go: ``checkpoint.dir``, or the run ``name``'s prefix under
+    ``checkpoint.storage``; None without either."""
+    if checkpoint.dir is not None:
+        return CheckpointStore(Storage(checkpoint.dir, "--checkpoint-dir"), keep=checkpoint.keep)
+    if checkpoint.storage is not None:
+        return CheckpointStore(Storage(checkpoint.storage, "--storage").child(name), keep=checkpoint.keep)
+    return None
+
+
+def check_before_ray(checkpoint: CheckpointConfig, name: str) -> None:
+    """What can fail before Ray starts, fails then: a checkpoint location that cannot be a
+    directory, and ``--resume`` (latest) with nothing to resume from. Nothing is created."""
+    store = checkpoint_store(checkpoint, name)
+    if store is None:
+        return
+    store.storage.check_path()
+    if checkpoint.resume == "latest":
+        store.load()  # a clear error, naming the location, when it holds no checkpoint
 
 
 def _ensure_ray(cluster: ClusterConfig) -> bool:

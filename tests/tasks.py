@@ -303,3 +303,21 @@ class Deep(nn.Module):
 
 DEEP_TASK = Task(model=Deep, dataset=Regression, loss=mse, optimizer=adamw,
                  defaults=TrainConfig(steps=6, global_batch=12, seed=7))
+
+
+def no_optimizer(model: nn.Module) -> None:
+    """An optimizer factory that forgets to return what it built."""
+    torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+class NoParameters(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(dim=1, keepdim=True)
+
+
+def plain_sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+NO_OPTIMIZER_TASK = dataclasses.replace(MLP_TASK, optimizer=no_optimizer)
+NO_PARAMETERS_TASK = dataclasses.replace(MLP_TASK, model=NoParameters, optimizer=plain_sgd)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,7 +21,7 @@ from elastic_dp import (
     Trainer,
     load_task,
 )
-from tests.tasks import BAD_LOSS_TASK, MLP_TASK
+from tests.tasks import BAD_LOSS_TASK, MLP_TASK, NO_OPTIMIZER_TASK, NO_PARAMETERS_TASK
 
 
 def _trainer(task=MLP_TASK, *, workers=2, out=None, **kw):
@@ -67,18 +68,64 @@ def test_more_workers_than_the_cluster_can_place(ray_cluster):
         _trainer(workers=9, train={"global_batch": 9}, cluster={"placement_timeout_s": 2}).fit()
 
 
-def test_unwritable_checkpoint_dir(ray_cluster, tmp_path):
+# Not in the Ray tier: these fail before Ray starts (a test there that started it would fail).
+def test_an_out_or_checkpoint_dir_that_cannot_be_a_directory_is_refused_before_anything_starts(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with pytest.raises(CheckpointError, match=r"not writable.*CheckpointConfig\.dir"):
+    with pytest.raises(CheckpointError, match=r"CheckpointConfig\.dir .*/a-file is a file, not a directory"):
+        _trainer(checkpoint={"dir": str(blocker)}).fit()
+    with pytest.raises(CheckpointError, match=r"CheckpointConfig\.dir .*/a-file/ckpt is under .*/a-file, which is a "
+                                              r"file, not a directory"):
         _trainer(checkpoint={"dir": str(blocker / "ckpt")}).fit()
+    with pytest.raises(CheckpointError, match=r"Trainer's out_dir .*/a-file/run is under .*/a-file, which is a file"):
+        _trainer(out=blocker / "run").fit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
-def test_resume_without_checkpoint(ray_cluster, tmp_path):
+def test_resume_without_checkpoint_is_refused_before_anything_starts_and_creates_nothing(tmp_path):
     with pytest.raises(CheckpointError, match=r"no checkpoint to resume from.*CheckpointConfig\.resume"):
-        _trainer(checkpoint={"dir": str(tmp_path / "empty"), "resume": True}).fit()
+        _trainer(checkpoint={"dir": str(tmp_path / "empty" / "ckpt"), "resume": True}).fit()
+    assert not (tmp_path / "empty").exists()
     with pytest.raises(ConfigError, match=r"CheckpointConfig\.dir"):
         CheckpointConfig(resume=True)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--out", "{blocker}/run"], "--out {blocker}/run is under {blocker}, which is a file, not a directory"),
+    (["--checkpoint-dir", "{blocker}", "--checkpoint-every", "1"], "--checkpoint-dir {blocker} is a file"),
+    (["--checkpoint-dir", "{empty}", "--resume"], "no checkpoint to resume from in {empty}: drop --resume")])
+def test_the_cli_refuses_bad_paths_in_one_line_before_ray_starts(tmp_path, args, says):
+    blocker, empty = tmp_path / "a-file", tmp_path / "nothing"
+    blocker.write_text("")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "elastic_dp.cli", "train", "jobs.gpt", "--no-progress",
+                           *(a.format(blocker=blocker, empty=empty) for a in args)],
+                          capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"elastic-dp: error: {says.format(blocker=blocker, empty=empty)}"), proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # one line, no traceback, nothing of Ray's
+    assert not empty.exists()
+    assert took < 10, took  # the interpreter and the imports (1.5-2 s here); Ray's start alone takes 4-6 s
+
+
+def test_an_optimizer_factory_that_returns_none_or_a_model_without_parameters_is_named(ray_cluster, tmp_path):
+    with pytest.raises(TaskError, match=r"Task\.optimizer returned NoneType, not a torch\.optim\.Optimizer"):
+        _trainer(NO_OPTIMIZER_TASK, out=tmp_path / "a").fit()
+    with pytest.raises(TaskError, match=r"the model Task\.model built \(NoParameters\) has no parameters"):
+        _trainer(NO_PARAMETERS_TASK, out=tmp_path / "b").fit()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.ray  # the command starts an embedded Ray
+def test_the_cli_names_an_optimizer_factory_that_returns_none_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "elastic_dp.cli", "train", "tests.no_optimizer_job", "--no-progress",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert errors == ["elastic-dp: error: Task.optimizer returned NoneType, not a torch.optim.Optimizer: the factory "
+                      "must return the optimizer it builds over model.parameters()"], proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
 
 
 def test_resume_with_another_global_batch_or_from_a_corrupted_checkpoint_is_refused(ray_cluster, tmp_path):

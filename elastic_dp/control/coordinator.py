@@ -168,8 +168,8 @@ class Coordinator:
     def _starting(self) -> Transition:
         resume = None
         if self.store is not None:
-            self.store.check_writable()
             resume = self._checkpoint_to_resume()  # verified before anything starts or is written
+            self.store.check_writable()  # (after: a --resume with nothing to resume creates no directory)
         members = self.membership.place()
         try:
             self.step = self.mode.start(members, resume)

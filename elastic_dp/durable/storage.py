@@ -113,8 +113,25 @@ class Storage:
             if self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound:
                 self.fs.delete_dir(self.path(rel))
 
+    def check_path(self) -> None:
+        """A local root that could not become a directory fails now, naming the setting, and
+        nothing is created: the root, or the first of its parents that exists, is a file, or
+        a directory this process cannot write into. (An object store's is checked by writing.)"""
+        if not self.local:
+            return
+        path = Path(self.root)
+        existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+        if not existing.is_dir():
+            where = "is a file" if existing == path else f"is under {existing}, which is a file"
+            raise StorageError(f"{self.setting} {self.root} {where}, not a directory: pass a directory "
+                               f"(one that exists, or that can be made) as {self.setting}")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise StorageError(f"{self.setting} {self.root}: {existing} is not writable by this process: pass a "
+                               f"writable {self.setting}")
+
     def check_writable(self) -> None:
         """Fail now, before training, if files cannot be written here."""
+        self.check_path()
         probe = f".probe-{uuid.uuid4().hex}"
         try:
             if self.local:

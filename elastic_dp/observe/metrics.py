@@ -132,6 +132,8 @@ class RunRecorder:
             self.storage.check_writable()
             self.out = Path(tempfile.mkdtemp(prefix="elastic-dp-out-"))  # staging for the logs
         else:
+            if self.storage is not None:
+                self.storage.check_path()  # a file in the way is refused now, before anything starts
             self.out = Path(out_dir) if out_dir else None
         self._opened = False  # the output directory is touched only once there is output
         self._files = ["metrics.jsonl", "events.jsonl"]

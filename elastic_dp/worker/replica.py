@@ -86,7 +86,13 @@ class Replica:
             init.all()  # at stage 3 each unit when the first layout keeps its chunks of it
         self.dataset = task.dataset()
         self.eval_dataset = task.eval_dataset() if config.eval_every and task.eval_dataset is not None else None
+        if next(self.model.parameters(), None) is None:
+            raise TaskError(f"the model Task.model built ({type(self.model).__name__}) has no parameters: there is "
+                            "nothing to train; return the module whose parameters the optimizer steps")
         self.optimizer = task.optimizer(self.model)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TaskError(f"Task.optimizer returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer: "
+                            "the factory must return the optimizer it builds over model.parameters()")
         self.rates = LearningRates(task, config, self.optimizer)
         """Each param group's learning rate at each step (``elastic_dp.schedules``)."""
         self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device, self.faults,
