@@ -69,10 +69,12 @@ def test_eval_settings_are_refused_where_they_cannot_apply():
 
 
 @pytest.mark.ray
-def test_a_worker_killed_while_evaluating_under_zero_2_re_runs_the_evaluation(ray_cluster, tmp_path):
+def test_a_worker_killed_while_evaluating_under_zero_2_re_runs_the_evaluation(ray_cluster, tmp_path, caplog):
     """3 workers, ZeRO-2, evaluations after steps 2, 4 and 6 on 5 global batches of the eval
     set; rank 1 dies in the last: the group re-forms (no step re-run) and evaluates again.
-    The last evaluation is the plain mean with the final parameters."""
+    The last evaluation is the plain mean with the final parameters. The progress lines give
+    each held-out loss and each step by the index metrics.jsonl gives it."""
+    caplog.set_level("INFO", logger="elastic_dp.observe.metrics")
     config = dataclasses.replace(TINY_GPT_TASK.defaults, steps=6, zero=2, eval_every=2, eval_batches=5)
     summary = Trainer(TINY_GPT_TASK, train=config, cluster=ClusterConfig(workers=3, min_workers=1),
                       out_dir=str(tmp_path), progress=False, inject=["kill:step=5:rank=1:phase=eval"]).fit()
@@ -86,3 +88,8 @@ def test_a_worker_killed_while_evaluating_under_zero_2_re_runs_the_evaluation(ra
     assert evals[-1]["eval_loss"] == pytest.approx(expected, rel=REL)
     assert summary.eval_loss == evals[-1]["eval_loss"]
     assert evals[0]["eval_loss"] > evals[-1]["eval_loss"]
+    said = [r.getMessage() for r in caplog.records if r.name == "elastic_dp.observe.metrics"]
+    assert [m for m in said if m.startswith("held-out loss")] == [
+        f"held-out loss after step {m['step']}: {m['eval_loss']:.4f} over 60 samples" for m in evals]
+    last = lines[[i for i, m in enumerate(lines) if "eval_loss" not in m][-1]]
+    assert any(m.startswith(f"gen {last['generation']} step 5 (6/6 done): loss {last['loss']:.4f}") for m in said)

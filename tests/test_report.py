@@ -21,7 +21,9 @@ from elastic_dp.observe.report import (
     RunLog,
     plot_breakdown,
     plot_loss,
+    pauses,
     plot_lr,
+    plot_throughput,
     read_run,
     write_report,
 )
@@ -129,6 +131,22 @@ def test_the_learning_rate_is_plotted_at_each_step_a_skipped_one_left_out():
     metrics = [{"step": s, "time": 10.0 + s, "step_s": 1.0, "lr": lr} for s, lr in enumerate([0.1, 0.05, None, 0.02])]
     line = next(line for line in plot_lr(RunLog(metrics=metrics, events=[])).axes[0].lines if line.get_gid() == "lr")
     assert list(line.get_xdata()) == [0, 1, 3] and list(line.get_ydata()) == [0.1, 0.05, 0.02]
+
+
+def test_a_pause_between_steps_is_drawn_as_a_gap_not_as_a_slope():
+    """8 s waiting for a joiner between steps 2 and 3 of 0.5 s steps: the line breaks there and
+    the pause is shaded; steps back to back are one line."""
+    ends = [10.0, 10.5, 11.0, 19.5, 20.0]
+    metrics = [{"step": s, "time": t, "step_s": 0.5, "samples": 32, "world_size": 2 if s < 3 else 3}
+               for s, t in enumerate(ends)]
+    assert pauses(metrics) == [(11.0, 19.0)]
+    axes = plot_throughput(RunLog(metrics=metrics, events=[])).axes[0]
+    line = next(line for line in axes.lines if line.get_gid() == "samples_per_s")
+    rates = list(line.get_ydata())
+    assert [r != r for r in rates] == [False, False, False, True, False, False]  # one NaN: the break after step 2
+    span, = [p for p in axes.patches if p.get_gid() == "pause"]
+    assert span.get_x() == pytest.approx(11.0 - 9.5) and span.get_width() == pytest.approx(8.0)
+    assert pauses(metrics[:3]) == []
 
 
 def test_throughput_tokens_and_model_flops_utilisation():

@@ -210,8 +210,9 @@ class RunRecorder:
             self._bar.update(1)
             self._bar.set_postfix(loss=shown, workers=world_size, gen=generation)
         elif (step + 1) % self._log_every == 0 or step + 1 == self.total_steps or loss is None:
-            logger.info("gen %d step %d/%d: loss %s, %.3f s/step, %d workers",
-                        generation, step + 1, self.total_steps, shown, step_s, world_size)
+            # the step's index as metrics.jsonl and the report give it, then how many of the run's are done
+            logger.info("gen %d step %d (%d/%d done): loss %s, %.3f s/step, %d workers",
+                        generation, step, step + 1, self.total_steps, shown, step_s, world_size)
 
     def evaluation(self, step: int, loss: float, samples: int) -> None:
         """An evaluation with the parameters after ``step`` (0-based, the step it follows):
@@ -221,6 +222,11 @@ class RunRecorder:
         for exporter in self.exporters:
             exporter.evaluation(record)
         self.summary.eval_loss = loss
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"eval loss {loss:.4f} after step {step}", refresh=False)
+            self._bar.write(f"held-out loss after step {step}: {loss:.4f} over {samples} samples")
+        else:
+            logger.info("held-out loss after step %d: %.4f over %d samples", step, loss, samples)
 
     def rewind(self, to_step: int) -> None:
         """The run went back to ``to_step`` (a rollback or a checkpoint): steps from there on

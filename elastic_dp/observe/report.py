@@ -139,15 +139,41 @@ def plot_loss(log: RunLog) -> Figure:
     return fig
 
 
+PAUSE_FACTOR = 5.0
+"""Time between two steps (the end of one to the start of the next) longer than this many
+median step times, and than ``PAUSE_MIN_S``, is a pause: drawn as a gap, not as a line."""
+PAUSE_MIN_S = 0.5
+
+
+def pauses(metrics: list[dict]) -> list[tuple[float, float]]:
+    """(end of a step, start of the next) wherever the run trained nothing for a while: a
+    re-formation, a wait for a joiner or for capacity, a checkpoint or an evaluation."""
+    if len(metrics) < 2:
+        return []
+    typical = sorted(m["step_s"] for m in metrics)[len(metrics) // 2]
+    gaps = [(a["time"], b["time"] - b["step_s"]) for a, b in zip(metrics, metrics[1:])]
+    return [(end, start) for end, start in gaps if start - end > max(PAUSE_FACTOR * typical, PAUSE_MIN_S)]
+
+
 def plot_throughput(log: RunLog) -> Figure:
     fig = _figure()
     ax = fig.add_subplot()
     t0 = log.metrics[0]["time"] - log.metrics[0]["step_s"]
-    times = [m["time"] - t0 for m in log.metrics]
-    ax.plot(times, [m["samples"] / m["step_s"] for m in log.metrics], color="tab:blue")
-    ax.set(xlabel="wall time (s)", ylabel="samples/s", title="Throughput and world size")
+    times, rates = [], []
+    paused = {end for end, _ in pauses(log.metrics)}
+    for m in log.metrics:
+        times.append(m["time"] - t0)
+        rates.append(m["samples"] / m["step_s"])
+        if m["time"] in paused:  # a break in the line: nothing was trained until the next step
+            times.append(m["time"] - t0)
+            rates.append(float("nan"))
+    ax.plot(times, rates, color="tab:blue", gid="samples_per_s")
+    for end, start in pauses(log.metrics):
+        ax.axvspan(end - t0, start - t0, color="tab:gray", alpha=0.2, linewidth=0, gid="pause")
+    ax.set(xlabel="wall time (s)", ylabel="samples/s", title="Throughput and world size (gray: no step trained)")
     world = ax.twinx()
-    world.step(times, [m["world_size"] for m in log.metrics], where="post", color="tab:green")
+    world.step([m["time"] - t0 for m in log.metrics], [m["world_size"] for m in log.metrics], where="post",
+               color="tab:green")
     world.set_ylabel("workers", color="tab:green")
     world.set_ylim(0, max(m["world_size"] for m in log.metrics) + 1)
     return fig
