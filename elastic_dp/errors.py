@@ -108,6 +108,19 @@ class CollectiveError(WorkerError):
     was aborted. Recoverable: the survivors re-form the group and re-run the step."""
 
 
+def peer_error(exc: BaseException) -> str:
+    """What a failed collective says, without the backend's source path and its advice:
+    gloo's ``[/__w/pytorch/.../pair.cc:537] Read error [127.0.0.1]:12183: Connection reset
+    by peer. This is typically caused by ... GLHF! ...`` becomes ``Read error
+    [127.0.0.1]:12183: Connection reset by peer``."""
+    text = str(exc).strip()
+    if text.startswith("[") and "] " in text and ("/" in text.split("] ", 1)[0] or ".cc:" in text.split("] ", 1)[0]):
+        text = text.split("] ", 1)[1]  # the C++ source location
+    for advice in (". This is typically caused by", " This is typically caused by"):
+        text = text.split(advice, 1)[0]
+    return text.rstrip(".")
+
+
 class StorageError(CheckpointError):
     """Storage (``--checkpoint-dir``, ``--storage``, an ``--out`` URI) cannot be opened,
     reached, read or written; the message names the location and the setting."""

@@ -243,22 +243,40 @@ class FaultPlan:
         """``slowlink``: the least time each collective of the workers' groups takes."""
         self._pending = [f for f in faults if f.kind not in ("slow", "slowlink")]
         self._sizes: dict[tuple[str, int], set[int]] = defaultdict(set)  # (what, step) -> world sizes
+        self._given: list[Fault] = []  # kills and hangs handed out, until a loss is explained by one
+
+    def _give(self, fault: Fault) -> Fault:
+        self._pending.remove(fault)
+        if fault.kind in ("kill", "hang"):
+            self._given.append(fault)
+        return fault
 
     def take(self, step: int, rank: int, phases: tuple[str, ...]) -> Fault | None:
         """The first pending fault for ``rank`` at ``step`` in one of ``phases`` (handed out)."""
         for fault in self._pending:
             if fault.kind != "join" and fault.step == step and fault.rank == rank and fault.phase in phases:
-                self._pending.remove(fault)
-                return fault
+                return self._give(fault)
         return None
+
+    def explain(self, step: int, ranks: Iterable[int]) -> Fault | None:
+        """The kill or hang handed out to one of ``ranks`` that a loss of them found at ``step``
+        is: one of that step or the two before (a window goes on past a step whose optimizer
+        phase killed a rank; a hang is found by a deadline); the latest such, which then
+        explains no other loss."""
+        ranks = set(ranks)
+        found = [f for f in self._given if f.rank in ranks and step - 2 <= f.step <= step]
+        if not found:
+            return None
+        fault = max(found, key=lambda f: f.step)
+        self._given.remove(fault)
+        return fault
 
     def take_due(self, step: int, rank: int) -> Fault | None:
         """``--mode async``: the first pending kill or hang of ``rank`` at ``step`` or an
         earlier step (a worker computes whole steps, and not every one of them)."""
         for fault in self._pending:
             if fault.kind in ("kill", "hang") and fault.step <= step and fault.rank == rank and fault.phase != "shard":
-                self._pending.remove(fault)
-                return fault
+                return self._give(fault)
         return None
 
     def _take_all(self, what: str, step: int, world_size: int, phases: tuple[str, ...]) -> dict[int, Fault]:
@@ -292,7 +310,11 @@ class FaultPlan:
 
     def put_back(self, faults: Iterable[Fault | None]) -> None:
         """Faults handed out that did not fire (their worker came back): pending again."""
-        self._pending.extend(f for f in faults if f is not None)
+        for fault in faults:
+            if fault is not None:
+                self._pending.append(fault)
+                if fault in self._given:
+                    self._given.remove(fault)
 
     def next_join(self, step: int) -> int | None:
         """The step of the next injected join after ``step`` (None: none is pending)."""

@@ -385,6 +385,9 @@ class Coordinator:
             if lost.step is not None:  # a window committed the steps before this one
                 self.step = lost.step
             cause, leave = lost.cause, None
+            injected = self.faults.explain(self.step, lost.lost_ranks)
+            if injected is not None:  # the loss was asked for: say so, beside the signal that found it
+                cause = f"{cause} (the injected fault {injected}, --inject)"
             forced = [self._forced[m] for m in lost.lost if m in self._forced]
             if forced:
                 notice, at = forced[0]

@@ -24,7 +24,7 @@ import numpy as np
 from elastic_dp.comm.vote import Vote
 from elastic_dp.data import ElasticSampler, rank_slice
 from elastic_dp.durable.checkpoint import REDUCTION, Checkpoint, Part, add_piece, part_files
-from elastic_dp.errors import CollectiveError
+from elastic_dp.errors import CollectiveError, peer_error
 from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult, WindowPlan
 from elastic_dp.modes.program import Program
@@ -272,7 +272,7 @@ class SyncProgram(Program):
             strategy.abandon()
             result.error = local_error and portable(local_error, result.rank, step)
             result.error = result.error or CollectiveError(
-                f"gen {result.generation} rank {result.rank} step {step}: collective failed: {exc}",
+                f"gen {result.generation} rank {result.rank} step {step}: collective failed: {peer_error(exc)}",
                 rank=result.rank, step=step)
             return None
 

@@ -32,7 +32,7 @@ from elastic_dp.comm.reducer import GradientReducer, make_buckets
 from elastic_dp.comm.reductions import ReduceScatter, Reduction
 from elastic_dp.config import TrainConfig
 from elastic_dp.durable.checkpoint import TrainingState, Wanted
-from elastic_dp.errors import CollectiveError
+from elastic_dp.errors import CollectiveError, peer_error
 from elastic_dp.faults import FaultHook
 from elastic_dp.state.base import BucketedGradients, broadcast_tensors, inside, nbytes
 from elastic_dp.state.buffers import BufferHistory, ModelBuffers
@@ -289,7 +289,7 @@ class Sharded(BucketedGradients):
 
     def _collective_error(self, what: str, exc: Exception) -> CollectiveError:
         return CollectiveError(f"gen {self.generation} rank {self.rank} step {self.live_step}: {what} failed: "
-                               f"{exc}", rank=self.rank, step=self.live_step)
+                               f"{peer_error(exc)}", rank=self.rank, step=self.live_step)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this worker holds for parameters, gradients and optimizer state (with the
