@@ -18,6 +18,7 @@ apply to every flag not given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -125,9 +126,12 @@ def _train(args: argparse.Namespace) -> int:
     low, high = args.workers
     cluster = ClusterConfig(workers=high, min_workers=low, **_given(args, ClusterConfig))
     checkpoint = CheckpointConfig(**_given(args, CheckpointConfig))
-    summary = Trainer(task, train=train, cluster=cluster, checkpoint=checkpoint,
-                      out_dir=args.out, progress=args.progress, inject=args.inject,
-                      metrics=MetricsConfig(**_given(args, MetricsConfig))).fit()
+    trainer = Trainer(task, train=train, cluster=cluster, checkpoint=checkpoint, out_dir=args.out,
+                      progress=args.progress, inject=args.inject, metrics=MetricsConfig(**_given(args, MetricsConfig)))
+    # standard output is the summary's: what Ray prints on the driver's stdout while the run
+    # trains (its raylet's notes of a worker that died, the workers' own prints) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        summary = trainer.fit()
     print(summary.render())
     return 0
 

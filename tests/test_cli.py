@@ -19,6 +19,22 @@ pytestmark = pytest.mark.ray  # it starts Ray in a subprocess
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def test_standard_output_is_the_summary_alone_through_a_kill(tmp_path):
+    """A worker killed mid-run makes Ray's raylet print its note (\"A worker died or was killed
+    ... OOM killer ...\") on the driver's stdout: it goes to stderr, and stdout is the summary,
+    from its first line; no worker says it was sent SIGTERM as the run ends."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_dp.cli", "train", "jobs.gpt", "--workers", "1:2", "--steps", "6",
+         "--out", str(tmp_path / "out"), "--no-progress", "--inject", "kill:step=3:rank=1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("elastic_dp run summary\n"), proc.stdout[:2000]
+    assert "raylet" not in proc.stdout and "A worker died" not in proc.stdout, proc.stdout
+    assert "SIGTERM" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "the injected fault kill:step=3:rank=1" in proc.stdout  # the summary's event names it
+
+
 def test_gpt_job_writes_weights_metrics_events_and_summary(tmp_path):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
