@@ -11,9 +11,13 @@ Example (a complete one is in the README)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
+from collections.abc import Iterator
 
 import ray
 
@@ -168,9 +172,26 @@ def _ensure_ray(cluster: ClusterConfig) -> bool:
     # Embedded local Ray, sized so the requested workers fit even on a small laptop.
     num_cpus = max(os.cpu_count() or 1, cluster.workers)
     logger.info("starting an embedded local Ray with %d CPU slots", num_cpus)
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-             configure_logging=False, log_to_driver=True)
+    with _sigint_after():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 configure_logging=False, log_to_driver=True)
     return True
+
+
+@contextlib.contextmanager
+def _sigint_after() -> Iterator[None]:
+    """SIGINT (Ctrl-C) held back until the block ends: an interrupt inside ``ray.init`` once
+    left the process dead of SIGSEGV. The processes Ray starts inherit the held mask, so a
+    Ctrl-C in the terminal, which reaches the whole process group, leaves them to the
+    driver's shutdown. Off the main thread, nothing is held."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)  # a held SIGINT is delivered now
 
 
 def check_reachable(address: str, setting: str, timeout_s: float = 10.0) -> None:

@@ -27,7 +27,7 @@ import sys
 
 from elastic_dp.api import Trainer
 from elastic_dp.config import CheckpointConfig, ClusterConfig, MetricsConfig, TrainConfig
-from elastic_dp.errors import SURFACE, ConfigError, ElasticDPError, TaskError
+from elastic_dp.errors import SURFACE, ConfigError, ElasticDPError, Interrupted, TaskError
 from elastic_dp.observe.capacity import MemoryPlan, parse_size, render
 from elastic_dp.settings import arguments, declarations
 from elastic_dp.task import load_task
@@ -212,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"plan": _plan, "release": _release, "report": _report, "tokenize": _tokenize,
                 "train": _train}[args.command](args)
+    except Interrupted as exc:  # Ctrl-C during the run: where it stopped, and how to go on
+        print(f"elastic-dp: {exc}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before the run had started (its job, Ray's start, the checks)
+        print("elastic-dp: interrupted before the run started: nothing was trained or written", file=sys.stderr)
+        return 130
     except ElasticDPError as exc:
         print(f"elastic-dp: error: {exc}", file=sys.stderr)
         return 2

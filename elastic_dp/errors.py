@@ -78,6 +78,17 @@ class MembershipError(ElasticDPError):
     """The run cannot keep enough workers alive; the message says what to change."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """The run was interrupted (Ctrl-C: SIGINT): the message says where it stopped, the
+    latest checkpoint and how to go on from it. Its workers are stopped and no partial
+    checkpoint is left. A ``KeyboardInterrupt``, not an error: code that catches Ctrl-C
+    still does, and ``except Exception`` does not swallow it."""
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return in_api_words(text) if SURFACE.get() == "api" else text
+
+
 class NonFiniteError(ElasticDPError):
     """Steps had a non-finite loss or gradient (no update was applied); the message names
     the step, the ranks and the setting (``--on-nonfinite``, ``--max-nonfinite-steps``)."""

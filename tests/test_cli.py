@@ -4,8 +4,11 @@ on an embedded local Ray that the command starts and stops itself."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,47 @@ def test_gpt_job_writes_weights_metrics_events_and_summary(tmp_path):
                for r in memory["ranks"]), memory
     assert all(isinstance(e["time"], float) for e in events)
     assert sorted(p.name[:13] for p in ckpt.iterdir()) == ["step-00000003", "step-00000006"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("after", ["starting an embedded local Ray", "workers; model has", "event checkpoint_saved"],
+                         ids=["in-ray-init", "formed", "mid-run"])
+def test_ctrl_c_ends_the_run_in_one_line_with_exit_130_and_leaves_nothing_behind(tmp_path, after):
+    """SIGINT to the command's process group (what Ctrl-C in a terminal sends), once its log
+    shows it is starting Ray, has formed the group, or has saved a checkpoint: exit 130, one
+    line that says where the run stopped and how to go on, no traceback, every process it
+    started ended, no checkpoint without its manifest, no final weights."""
+    from tests.procs import descendants
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_dp.cli", "train", "jobs.gpt", "--steps", "400",
+                             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--out", str(out),
+                             "--no-progress"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    seen = []
+    for line in proc.stderr:  # its log, until the moment to interrupt it
+        seen.append(line)
+        if after in line:
+            break
+    started = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, stderr = proc.communicate(timeout=120)
+    said = [line for line in stderr.splitlines() if line.startswith("elastic-dp:") or "Traceback" in line]
+    assert proc.returncode == 130, "".join(seen[-5:]) + stderr[-3000:]
+    assert len(said) == 1 and said[0].startswith("elastic-dp: interrupted "), said
+    if after == "event checkpoint_saved":
+        assert re.match(r"elastic-dp: interrupted after \d+ committed steps of 400; the latest checkpoint is of step "
+                        r"\d+, .*: go on from it with --resume$", said[0]), said
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in started if _alive(pid)], [open(f"/proc/{p}/cmdline").read() for p in started if _alive(p)]
+    assert all((d / "manifest.json").exists() for d in ckpt.iterdir()) if ckpt.exists() else True
+    assert not (out / "final.safetensors").exists()

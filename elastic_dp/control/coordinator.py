@@ -32,7 +32,7 @@ from typing import Any, Callable
 from elastic_dp.config import CheckpointConfig, TrainConfig
 from elastic_dp.control.membership import Action, Membership, MembershipDecision
 from elastic_dp.data import check_resumable, check_same_run
-from elastic_dp.errors import MembershipError
+from elastic_dp.errors import Interrupted, MembershipError
 from elastic_dp.faults import FaultPlan
 from elastic_dp.modes.base import Failure, MembersLost, Recovery, RecoveryResult, TrainingMode
 from elastic_dp.observe.metrics import RunRecorder, RunSummary
@@ -111,6 +111,7 @@ class Coordinator:
         """Members stopped before their leave deadline (member -> (``LeaveNotice``, when)): their
         loss is that leave."""
         self._standby: list = []  # the standby workers the mode was last told of
+        self._closed = False
         self._handlers: dict[RunState, Callable[[], Transition]] = {
             RunState.STARTING: self._starting, RunState.RUNNING: self._running, RunState.SAVING: self._saving,
             RunState.EVALUATING: self._evaluating,
@@ -120,13 +121,33 @@ class Coordinator:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> RunSummary:
-        """Iterate until FINISHED (return the summary) or FAILED (raise the error)."""
+        """Iterate until FINISHED (return the summary) or FAILED (raise the error). Ctrl-C
+        (``KeyboardInterrupt``) stops the workers and raises ``Interrupted``, saying where the
+        run stopped and how to go on; a checkpoint it was saving is deleted, not left half-written."""
         try:
             while not self.state.is_terminal:
                 self.iterate()
             return self.recorder.finish()
+        except KeyboardInterrupt:
+            self.close()
+            raise self._interrupted() from None
         finally:
             self.close()
+
+    def _interrupted(self) -> Interrupted:
+        where = f"after {self.step} committed step{'s' * (self.step != 1)} of {self.steps}"
+        if self.store is None:
+            return Interrupted(f"interrupted {where}; no checkpoint is kept (--checkpoint-dir and --checkpoint-every "
+                               "keep one to go on from)")
+        for name in self.store.discard_uncommitted():
+            logger.info("deleted %s: a checkpoint the interrupt cut short", self.store.storage.url(name))
+        latest = self.store.latest()
+        if latest is None:
+            return Interrupted(f"interrupted {where}; no checkpoint had been saved in {self.store.url}")
+        again = ("run it again to go on from it (--storage resumes by itself)" if self.ckpt_cfg.resume == "auto"
+                 else "go on from it with --resume")
+        return Interrupted(f"interrupted {where}; the latest checkpoint is of step {latest.step}, {latest.url}: "
+                           f"{again}")
 
     def iterate(self) -> None:
         """Run the current state's handler once and move to the state it returns."""
@@ -151,7 +172,10 @@ class Coordinator:
 
     def close(self) -> None:
         """Stop every worker (killing the actors releases their process groups with them),
-        and whatever actors the mode has of its own."""
+        and whatever actors the mode has of its own (once)."""
+        if self._closed:
+            return
+        self._closed = True
         self.mode.close()
         self.membership.close()
 

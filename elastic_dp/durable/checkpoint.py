@@ -391,6 +391,14 @@ class CheckpointStore:
             if not done and s <= step and name != newest:
                 self.storage.delete(name)
 
+    def discard_uncommitted(self) -> list[str]:
+        """Delete the checkpoint directories that never got their manifest (a save cut short:
+        no writer is left), and return them."""
+        partial = [name for _, name, done in self._entries() if not done]
+        for name in partial:
+            self.storage.delete(name)
+        return partial
+
     def latest(self) -> Checkpoint | None:
         """The newest committed checkpoint; None when there is none."""
         committed = [name for _, name, done in self._entries() if done]
