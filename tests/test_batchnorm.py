@@ -5,6 +5,8 @@ that fails completes the step's collectives; the buffers' save, restore and agre
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -142,10 +144,24 @@ def test_a_saved_step_restores_and_the_ranks_agree_on_the_sample_weighted_mean()
         assert torch.equal(state["5.running_var"], before["5.running_var"])  # equal everywhere: exactly kept
 
 
-def test_global_statistics_refuse_micro_batches_and_async_naming_the_settings():
-    """In the Python API's words (the command's flags: tests/test_errors.py)."""
-    with pytest.raises(ConfigError, match=r"TrainConfig.batch_stats='global' computes .* drop TrainConfig.micro_batch"):
-        TrainConfig(batch_stats="global", micro_batch=4)
+def test_global_statistics_refuse_a_micro_batch_that_splits_a_slice_and_async_naming_the_settings():
+    """In the Python API's words (the command's flags: tests/test_errors.py). A micro-batch
+    is refused only where it would split a slice at the fewest workers: 12 samples over at
+    least 2 workers make slices of at most 6."""
+    from elastic_dp import ClusterConfig, Trainer
+
+    def trainer(micro_batch, min_workers, balance=False):
+        train = dataclasses.replace(CNN_TASK.defaults, batch_stats="global", micro_batch=micro_batch, balance=balance)
+        return Trainer(CNN_TASK, train=train, cluster=ClusterConfig(workers=3, min_workers=min_workers))
+
+    trainer(6, 2), trainer(4, 3), trainer(12, 1)  # accepted: no slice is split
+    with pytest.raises(ConfigError, match=r"TrainConfig.batch_stats='global' computes .* TrainConfig.micro_batch=5 "
+                                          r"would split a slice: at 2 workers \(MIN of ClusterConfig\(min_workers=MIN, "
+                                          r"workers=MAX\)\) a worker's slice of the global batch 12 is up to 6 samples: "
+                                          r"raise TrainConfig.micro_batch to 6"):
+        trainer(5, 2)
+    with pytest.raises(ConfigError, match=r"is up to 11 samples \(with TrainConfig\(balance=True\)\)"):
+        trainer(6, 2, balance=True)
     with pytest.raises(ConfigError, match=r"TrainConfig.batch_stats is read only with TrainConfig.mode='sync', and "
                                           r"this run is TrainConfig.mode='async'"):
         TrainConfig(batch_stats="global", mode="async")

@@ -68,6 +68,19 @@ def test_global_statistics_end_on_the_replay_at_any_worker_count(ray_cluster, tm
     assert max_abs_diff(final, load_file(tmp_path / "initial.safetensors")) > 1e-2, "training moved the model"
 
 
+def test_global_statistics_with_a_micro_batch_that_splits_no_slice_end_on_the_replay(ray_cluster, tmp_path):
+    """A job whose defaults set a micro-batch (as the README's example does), with
+    ``--batch-stats global``: 3 workers, at least 2, micro-batches of 6, so that every slice
+    (4 samples at 3 workers, 6 at 2) is one forward; through a kill and a join."""
+    config = dataclasses.replace(CNN_TASK.defaults, batch_stats="global", micro_batch=6)
+    run = fit(CNN_TASK, tmp_path, workers=3, min_workers=2, inject=["kill:step=3:rank=1", "join:step=6"],
+              config=config)
+    assert {m["world_size"] for m in read_lines(tmp_path / "metrics.jsonl")} >= {2, 3}
+    expected = replay(CNN_TASK, config, str(tmp_path / "initial.safetensors"))
+    assert max_abs_diff(run.weights(), expected) < TOL
+    assert [int(run.weights()[k]) for k in BN_COUNTERS] == [10, 10]
+
+
 def test_async_updates_add_their_forward_s_change_and_a_skipped_or_lost_one_leaves_none(ray_cluster, tmp_path):
     """``--mode async``, 2 workers, staleness up to 2: step 2's sample is NaN, so its
     forward made the running statistics NaN and its update is skipped as a no-op (and

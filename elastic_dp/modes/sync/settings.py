@@ -45,6 +45,20 @@ class SyncSettings(ModeSettings):
         if self.buckets.all_reduce is not None and self.zero.number != 0:
             raise ConfigError(f"--all-reduce {self.buckets.all_reduce} chooses ZeRO stage 0's all-reduce; stage "
                               f"{self.zero.number} reduce-scatters its gradients: drop --all-reduce")
-        if self.batch_stats == "global" and train.micro_batch is not None:
-            raise ConfigError("--batch-stats global computes batch-norm statistics over the global batch in one "
-                              "forward per worker: drop --micro-batch, or use --batch-stats local")
+
+    def check_run(self, train: Any, cluster: Any, checkpoint: Any) -> None:
+        """``--batch-stats global`` makes one forward per worker and step: a ``--micro-batch``
+        is refused only where it would split a slice, at the fewest workers the run trains
+        with (with ``--balance`` a slice may grow to all the batch but a sample a peer)."""
+        if self.batch_stats != "global" or train.micro_batch is None:
+            return
+        fewest = cluster.min_workers
+        largest = train.global_batch - (fewest - 1) if self.balance else -(-train.global_batch // fewest)
+        if train.micro_batch < largest:
+            at = f"at {fewest} worker{'s' * (fewest > 1)} (MIN of --workers MIN:MAX)"
+            raise ConfigError(
+                f"--batch-stats global computes batch-norm statistics over the global batch in one forward per "
+                f"worker, and --micro-batch {train.micro_batch} would split a slice: {at} a worker's slice of the "
+                f"global batch {train.global_batch} is up to {largest} samples"
+                f"{' (with --balance)' if self.balance else ''}: raise --micro-batch to {largest}, drop it, or use "
+                "--batch-stats local")
