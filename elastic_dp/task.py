@@ -58,9 +58,9 @@ class Task:
     """Optional, ``--init units`` (the default at ``--zero 3``): ``init_module(model, name,
     module)`` initialises the parameters and buffers ``module`` (named ``name`` in
     ``model``) owns itself, not its children's, just materialised uninitialised on the
-    device; the rest of ``model`` may not be materialised yet. A Hugging Face model's is
-    ``model._init_weights(module)``. Default: ``module.reset_parameters()`` (docs/zero.md,
-    the initialisation rule)."""
+    device; the rest of ``model`` may not be materialised yet. Default: the model's own
+    ``model._init_weights(module)`` where it has one (a Hugging Face ``PreTrainedModel``),
+    else ``module.reset_parameters()`` (docs/zero.md, the initialisation rule)."""
     collate: Callable[[list], Any] = default_collate
     """Turns a list of samples into a batch (default: torch's ``default_collate``)."""
     defaults: TrainConfig = field(default_factory=TrainConfig)

@@ -115,11 +115,6 @@ def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def init_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    """``--init units`` (the default at ``--zero 3``): the model's own initialisation of one module."""
-    model._init_weights(module)
-
-
 def make_task(model: str = "llama", overrides: dict[str, Any] | None = None, *, tokens: str | None = None,
               context: int = 64, lr: float = 1e-3, defaults: TrainConfig | None = None) -> Task:
     """The Task of a ``transformers`` causal LM (``model``: a model type or a local
@@ -131,7 +126,7 @@ def make_task(model: str = "llama", overrides: dict[str, Any] | None = None, *, 
     return Task(model=functools.partial(build_model, model, overrides, vocab),
                 dataset=functools.partial(build_dataset, tokens, context),
                 eval_dataset=None if tokens else functools.partial(build_eval_dataset, context),
-                loss=loss, optimizer=functools.partial(build_optimizer, lr=lr), init_module=init_module,
+                loss=loss, optimizer=functools.partial(build_optimizer, lr=lr),
                 tokens_per_sample=context,
                 defaults=defaults or TrainConfig(steps=100, global_batch=16, micro_batch=8, warmup_steps=10,
                                                  lr_schedule="cosine", clip_grad_norm=1.0))

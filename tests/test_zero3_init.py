@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from elastic_dp import Task, TaskError
+from elastic_dp.state.units import model_units
 from elastic_dp.worker.replica import Replica
 from tests.ranks import run_ranks
 from tests.reference import max_abs_diff, replay
@@ -25,11 +26,11 @@ from tests.zero_runs import CPU, initial_weights, train
 def by_the_rule(task: Task, seed: int) -> dict[str, torch.Tensor]:
     """docs/zero.md's initialisation rule in plain torch: unit u of the model's
     ``blocks`` (the root, every other module, last) under seed ``seed * 1000003 + u``,
-    each module that owns parameters by the task's ``init_module`` (else its
-    ``reset_parameters``), in ``named_modules`` order. The model is built whole here: every
-    parameter it was built with is drawn again."""
+    each module that owns parameters by the task's ``init_module`` (else the model's own
+    ``_init_weights``, else its ``reset_parameters``), in ``named_modules`` order. The model is
+    built whole here: every parameter it was built with is drawn again."""
     model = task.model()
-    units = list(model.blocks)
+    units = list(model.blocks) if hasattr(model, "blocks") else model_units(model, task.shard_units)
     owner = {id(m): u for u, unit in enumerate(units) for m in unit.modules()}
     for u in range(len(units) + 1):
         torch.manual_seed((seed * 1_000_003 + u) % 2**63)
@@ -38,6 +39,8 @@ def by_the_rule(task: Task, seed: int) -> dict[str, torch.Tensor]:
                 with torch.no_grad():
                     if task.init_module is not None:
                         task.init_module(model, name, module)
+                    elif hasattr(model, "_init_weights"):
+                        model._init_weights(module)
                     else:
                         module.reset_parameters()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

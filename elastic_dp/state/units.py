@@ -126,6 +126,12 @@ def _unallocated(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=t.dtype, device=device).expand(t.shape)
 
 
+def _own_init(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """The model's own initialisation of one module (a Hugging Face ``PreTrainedModel``'s
+    ``_init_weights``, what its ``post_init`` applies to every module)."""
+    model._init_weights(module)
+
+
 class UnitInit:
     """The initialisation rule (module docstring) for a model ``build_on_meta`` made:
     ``unit(u)`` materialises and initialises unit ``u``."""
@@ -133,6 +139,8 @@ class UnitInit:
     def __init__(self, model: torch.nn.Module, units: list[torch.nn.Module], seed: int,
                  init_module: Callable[[torch.nn.Module, str, torch.nn.Module], None] | None,
                  device: torch.device) -> None:
+        if init_module is None and callable(getattr(model, "_init_weights", None)):
+            init_module = _own_init  # a Hugging Face model: initialised as its from_config would
         self.model, self.seed, self.device, self.init_module = model, seed, device, init_module
         self.root = len(units)
         owner = {id(m): u for u, unit in enumerate(units) for m in unit.modules()}
