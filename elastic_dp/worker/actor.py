@@ -73,13 +73,13 @@ class WorkerActor:
             self.program.leave()
         logger.warning("%s: leaving at the next step boundary", notice.describe(time.time()))
 
-    def setup(self, task: Task, config: TrainConfig, group: dict[str, Any] | None = None) -> WorkerInfo:
+    def setup(self, task: Task, config: TrainConfig, settings: dict[str, Any] | None = None) -> WorkerInfo:
         """Build the model, dataset and optimizer (errors surface as TaskError/the cause).
-        ``group``: a kept worker's collective settings for this run (``backend``,
+        ``settings``: a kept worker's settings for this run (``backend``,
         ``collective_timeout_s``, ``leave_grace_s``; ``elastic_dp.keep_workers``)."""
-        if group is not None:
-            self.group = CollectiveGroup(backend=group["backend"], timeout_s=group["collective_timeout_s"])
-            self.sigterm.grace_s = group["leave_grace_s"]
+        if settings is not None:
+            self.group = CollectiveGroup(backend=settings["backend"], timeout_s=settings["collective_timeout_s"])
+            self.sigterm.grace_s = settings["leave_grace_s"]
         self.replica = Replica(task, config, self.device, self.group, self.faults)
         self.program = make_program(self.replica)
         if self.sigterm.notice is not None:  # signalled while building

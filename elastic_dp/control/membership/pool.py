@@ -88,7 +88,7 @@ class WorkerPool:
         gpu = self.cluster.gpus_per_worker if self.device == "cuda" else 0.0
         return ray.get_runtime_context().get_job_id(), self.device, gpu
 
-    def _group_settings(self) -> dict:
+    def _worker_settings(self) -> dict:
         return {"backend": self.cluster.backend_for(self.device), "leave_grace_s": self.cluster.leave_grace_s,
                 "collective_timeout_s": self.cluster.collective_timeout_s}
 
@@ -105,7 +105,7 @@ class WorkerPool:
                                 group=placement_group([worker_bundle(self.device, self.cluster.gpus_per_worker)]))
             else:  # placed and started: its task is built at once
                 member = Member(id=next(self._ids), group=kept.group, actor=kept.actor, kept=True)
-                member.setup_ref = member.actor.setup.remote(self.task, self.train, self._group_settings())
+                member.setup_ref = member.actor.setup.remote(self.task, self.train, self._worker_settings())
             member.placed_ref = member.group.ready()
             self.pending.append(member)
             self.all.append(member)
