@@ -79,18 +79,21 @@ def test_kill_while_saving_a_checkpoint(ray_cluster, tmp_path):
 def test_a_worker_lost_while_uploading_its_part_abandons_that_checkpoint_only(ray_cluster, tmp_path):
     """Rank 1 dies while writing its part of the checkpoint of step 4 in the background, and
     rank 0 while writing its part of the last one (step 6): neither gets a manifest. The run
-    re-forms; the step that failed beside the upload is re-run, so step 4 is saved again,
-    as is the final checkpoint; the run ends on the replay."""
+    re-forms; where the loss was found before the next step committed, that step is re-run
+    and step 4 is saved again (once in about ten runs the survivors had committed step 5
+    first: then the next checkpoint is the first after it); the final checkpoint is saved
+    again; the run ends on the replay."""
     ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=2)
     _, diff, events, _ = run_against_replay(
         tmp_path / "out", 3, ["kill:step=3:rank=1:phase=upload", "kill:step=5:rank=0:phase=upload"],
         min_workers=1, checkpoint=ckpt)
     assert diff < TOL
     saves = [(e["kind"], e["step"]) for e in events if e["kind"].startswith("checkpoint_")]
-    assert saves == [("checkpoint_saved", 2), ("checkpoint_abandoned", 4), ("checkpoint_saved", 4),
-                     ("checkpoint_abandoned", 6), ("checkpoint_saved", 6)]
+    again = ("checkpoint_saved", 4) in saves
+    assert saves == [("checkpoint_saved", 2), ("checkpoint_abandoned", 4), *([("checkpoint_saved", 4)] * again),
+                     ("checkpoint_abandoned", 6), ("checkpoint_saved", 6)], saves
     committed = sorted(p.parent.name[:13] for p in (tmp_path / "ckpt").glob("*/manifest.json"))
-    assert committed == ["step-00000002", "step-00000004", "step-00000006"]
+    assert committed == ["step-00000002", *(["step-00000004"] * again), "step-00000006"]
     assert not [p for p in (tmp_path / "ckpt").iterdir() if not (p / "manifest.json").exists()]  # pruned
     assert sum(e["kind"] == "membership_changed" and e["lost"] for e in events) == 2
 
