@@ -124,6 +124,24 @@ def test_sigterm_asks_to_leave_and_exits_after_the_grace_period():
     assert exits == [0] and leave.notice.deadline <= time.time() + 0.05
 
 
+def test_a_sigterm_once_the_driver_is_stopping_the_worker_ends_it_without_a_notice():
+    """The end of a run: the driver says it is stopping the worker (``WorkerActor.end``), and
+    the SIGTERM that comes with the stop is no leave notice: nothing is announced or logged,
+    the process just ends."""
+    exits, notices = [], []
+    previous = signal.getsignal(signal.SIGTERM)
+    leave = SigtermLeave(5.0, notices.append, exit=exits.append)
+    try:
+        leave.ending = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exits == [0] and notices == [] and leave.notice is None
+
+
 def test_off_the_main_thread_sigterm_is_left_alone():
     previous = signal.getsignal(signal.SIGTERM)
     made = []

@@ -88,6 +88,11 @@ class WorkerActor:
         return dataclasses.replace(self.replica.info(), node_id=ray.get_runtime_context().get_node_id(),
                                    node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), device_name=name)
 
+    def end(self) -> None:
+        """Control thread: the driver is about to stop this worker (its run ended): the
+        SIGTERM Ray may send first is not a leave notice, and says nothing."""
+        self.sigterm.ending = True
+
     def reset(self) -> int:
         """Drop everything of the run, for the next one (``elastic_dp.keep_workers``): the
         collective group, the model, optimizer, program and their threads, staged checkpoint

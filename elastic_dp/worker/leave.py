@@ -84,6 +84,9 @@ class SigtermLeave:
                  exit: Callable[[int], None] = os._exit) -> None:
         self.grace_s, self.on_notice, self._exit = grace_s, on_notice, exit
         self.notice: LeaveNotice | None = None
+        self.ending = False
+        """The driver is stopping this worker (its run ended): a SIGTERM now is that, not a
+        notice to leave, and ends the process without a word."""
         self.installed = threading.current_thread() is threading.main_thread()
         if self.installed:
             signal.signal(signal.SIGTERM, self._handle)
@@ -91,6 +94,9 @@ class SigtermLeave:
             logger.warning("SIGTERM is not handled as a leave: the worker was built off the main thread")
 
     def _handle(self, signum: int, frame: object) -> None:
+        if self.ending:
+            self._exit(0)
+            return  # (an exit that returns: the tests')
         if self.notice is not None:
             return
         self.notice = LeaveNotice("signal", f"SIGTERM to worker process {os.getpid()}", time.time() + self.grace_s)

@@ -71,21 +71,24 @@ class KeptWorkers:
         self.kept.append(kept)
 
     def stop_all(self) -> None:
+        """End every kept worker's process and release its slot (each told first, so that the
+        SIGTERM of its stop is not taken for a leave notice)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
         kept, self.kept = self.kept, []
+        try:
+            ending = [k.actor.end.remote() for k in kept]
+            if ending:
+                ray.wait(ending, num_returns=len(ending), timeout=2.0)
+        except Exception as exc:  # its Ray session ended: nothing is left to stop
+            logger.debug("telling the kept workers: %s", exc)
         for k in kept:
-            stop(k)
-
-
-def stop(kept: Kept) -> None:
-    """End a kept worker's process and release its slot."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    try:
-        ray.kill(kept.actor, no_restart=True)
-        remove_placement_group(kept.group)
-    except Exception as exc:  # its Ray session ended, or the actor is gone already
-        logger.debug("stopping a kept worker: %s", exc)
+            try:
+                ray.kill(k.actor, no_restart=True)
+                remove_placement_group(k.group)
+            except Exception as exc:  # its Ray session ended, or the actor is gone already
+                logger.debug("stopping a kept worker: %s", exc)
 
 
 KEPT = KeptWorkers()

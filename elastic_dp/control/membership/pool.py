@@ -229,6 +229,9 @@ class WorkerPool:
         for member in self._keep() if KEPT.active else ():
             member.stopped = True
             KEPT.put(Kept(self._kind, member.actor, member.group))
+        ending = [m.actor.end.remote() for m in self.all if not m.stopped and m.actor is not None]
+        if ending:  # told first, so that the SIGTERM of their stop is not taken for a leave notice
+            ray.wait(ending, num_returns=len(ending), timeout=2.0)
         for member in self.all:
             try:
                 self.stop(member)
