@@ -77,6 +77,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """A suite started in the background (``&`` without job control) runs with SIGINT
+    ignored, which its children inherit, and Python then never raises KeyboardInterrupt;
+    the command under test gets SIGINT as it does in a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("after", ["starting an embedded local Ray", "workers; model has", "event checkpoint_saved"],
                          ids=["in-ray-init", "formed", "mid-run"])
 def test_ctrl_c_ends_the_run_in_one_line_with_exit_130_and_leaves_nothing_behind(tmp_path, after):
@@ -91,7 +98,8 @@ def test_ctrl_c_ends_the_run_in_one_line_with_exit_130_and_leaves_nothing_behind
     proc = subprocess.Popen([sys.executable, "-m", "elastic_dp.cli", "train", "jobs.gpt", "--steps", "400",
                              "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--out", str(out),
                              "--no-progress"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=_sigint_as_in_a_terminal)
     seen = []
     for line in proc.stderr:  # its log, until the moment to interrupt it
         seen.append(line)

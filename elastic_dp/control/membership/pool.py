@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 STANDBY_PING_S = 1.0
 """How often a ready worker outside the group (a spare) is asked whether it is alive."""
 
+SETTLE_SETUPS_S = 5.0
+"""How long a task error waits for the other workers' builds, which fail alike, before it is raised."""
+
 
 @dataclass(eq=False)
 class Member:
@@ -138,9 +141,24 @@ class WorkerPool:
                     self.stop(member)
                     if member.kept:  # it died while kept: one started in its place
                         self.start(1)
-                    continue  # task errors (TaskError) propagate
+                    continue
+                except Exception:  # a task error (TaskError): the run ends with it
+                    self._settle_setups()
+                    raise
                 ready.append(member)
         return ready
+
+    def _settle_setups(self) -> None:
+        """Take the outcome of every build still under way, up to ``SETTLE_SETUPS_S``: the
+        other workers build the same task and fail alike, and an error nobody took would be
+        printed by Ray at the end ("Unhandled error ...") beside the run's own one line."""
+        refs = [m.setup_ref for m in self.pending if m.setup_ref is not None]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=SETTLE_SETUPS_S) if refs else ([], [])
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception:
+                pass  # the same error as the one raised, or a worker that died
 
     def progress_refs(self) -> list:
         """One object ref per pending worker, done when it has moved on (placed, or built):
