@@ -61,6 +61,23 @@ def test_the_rank_order_keeps_each_host_contiguous_and_a_joiner_beside_its_host(
     assert rank_order(["b1", "a0", "b0"], host.__getitem__) == ["b1", "b0", "a0"]
 
 
+def test_across_a_re_formation_a_joiner_takes_the_place_its_host_left_and_the_others_keep_theirs():
+    host = {"a0": "A", "a1": "A", "a2": "A", "b0": "B", "b1": "B", "s": "A", "t": "B", "c0": "C"}.__getitem__
+    was = ["a0", "a1", "b0", "b1"]
+    # a1 lost, the spare s (host A) promoted: s is rank 1, every other rank keeps its own
+    assert rank_order(["a0", "b0", "b1", "s"], host, was) == ["a0", "s", "b0", "b1"]
+    # b0 lost, s on host A: B's ranks stay together, so b1 moves up and s goes beside A's
+    assert rank_order(["a0", "a1", "b1", "s"], host, was) == ["a0", "a1", "s", "b1"]
+    # the policy listing B first does not reorder the hosts that were there; a new host goes last
+    assert rank_order(["b1", "c0", "b0", "a0", "a1"], host, was) == ["a0", "a1", "b0", "b1", "c0"]
+    # two places left on A, one joiner: it takes the first, the survivors keep their order
+    assert rank_order(["a2", "b0", "b1", "s"], host, ["a0", "a1", "a2", "b0", "b1"]) == ["s", "a2", "b0", "b1"]
+    # more joiners than places: the rest after their host's ranks
+    assert rank_order(["a0", "b0", "t", "s", "b1"], host, ["a0", "a1", "b0"]) == ["a0", "s", "b0", "t", "b1"]
+    # without the last order: the policy's, by host
+    assert rank_order(["a0", "b0", "b1", "s"], host) == ["a0", "s", "b0", "b1"]
+
+
 @pytest.mark.parametrize("hosts", [("A", "A", "B", "B"), ("A", "A", "A", "B", "B"), ("A", "A", "B"),
                                    ("A", "B", "C", "C"), ("A",) * 3])
 def test_the_snapshot_ring_puts_each_ranks_keeper_on_another_host_wherever_it_can(hosts):

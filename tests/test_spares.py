@@ -28,3 +28,18 @@ def test_a_spare_takes_a_killed_members_place_and_the_group_never_shrinks(ray_cl
     metrics = run.lines("metrics")
     assert [m["step"] for m in metrics] == list(range(6))
     assert {m["world_size"] for m in metrics} == {2}  # no step trained one short
+
+
+def test_a_promoted_spare_takes_the_lost_ranks_index_and_only_the_lost_chunk_moves(ray_cluster, tmp_path):
+    # ZeRO-2 over 3 ranks: rank 1 killed, the spare becomes rank 1; ranks 0 and 2 keep their
+    # places, their chunks and their left neighbours' snapshots, and fetch nothing; the
+    # spare fetches its chunk (rank 2's snapshot of it) and its left neighbour's (rank 0's)
+    run = fit(TINY_GPT_TASK, tmp_path, workers=3, cluster={"spares": 1}, inject=["kill:step=3:rank=1"], steps=6,
+              zero=2)
+    expected = replay(TINY_GPT_TASK, run.config, str(tmp_path / "initial.safetensors"))
+    assert max_abs_diff(run.weights(), expected) < TOL
+    before, after = [e["pids"] for e in run.events if e["kind"] == "mesh"]
+    assert after[0] == before[0] and after[2] == before[2] and after[1] not in before
+    change, = run.changes()
+    assert (change["lost_ranks"], change["promoted"], change["world_size"]) == ([1], 1, 3)
+    assert change["chunks_fetched"] == 2

@@ -19,7 +19,9 @@ generation's rendezvous store; it is aborted and destroyed with the generation.
 The rank order of a generation is decided here, once (``rank_order``): the ranks of one host
 are contiguous, the hosts in the order the membership policy lists their first member, and
 a host's ranks in the policy's order; a joiner takes its place beside its host's ranks, not
-at the end. A ring over the ranks then crosses each host boundary once.
+at the end. A ring over the ranks then crosses each host boundary once. Across a
+re-formation of the synchronous mode a joiner takes the rank of one of its host's ranks
+that left, and the others keep theirs.
 
 Where a rank copies its ZeRO chunk to a peer (peer snapshots), the peer is its right
 neighbour in the snapshot ring (``right``, ``left``), which is not the rank order: the ring
@@ -160,10 +162,35 @@ class Mesh:
         return ring[(ring.index(rank) - 1) % len(ring)]
 
 
-def rank_order(members: Sequence[Any], host_of: Callable[[Any], str]) -> list[Any]:
+def rank_order(members: Sequence[Any], host_of: Callable[[Any], str], previous: Sequence[Any] = ()) -> list[Any]:
     """A generation's rank order over ``members`` (given in the membership policy's order):
-    each host's members contiguous, the hosts in the order of their first member."""
-    return [m for group in _by_host(members, host_of).values() for m in group]
+    each host's members contiguous, the hosts in the order of their first member.
+
+    With ``previous``, the last generation's rank order, the hosts that were in it keep
+    their order there (new hosts after them), a host's members who were in it keep their
+    order, and a joiner takes the place of one of its host's ranks that left, where one
+    did (the first such place first), else its place after its host's ranks. A worker that
+    replaces a lost or leaving one on the same host (a promoted spare) then takes its rank,
+    and every other rank keeps its own: under ZeRO each keeps the chunk it holds, and only
+    the lost chunk moves."""
+    by_host = _by_host(members, host_of)
+    if not previous:
+        return [m for group in by_host.values() for m in group]
+    was, kept = set(previous), {}
+    for host in [*_by_host(previous, host_of), *by_host]:
+        if host not in by_host or host in kept:
+            continue
+        group = by_host[host]
+        joiners, present, order = [m for m in group if m not in was], set(group), []
+        for m in previous:
+            if host_of(m) != host:
+                continue
+            if m in present:
+                order.append(m)
+            elif joiners:  # a rank of this host that left: a joiner takes its place
+                order.append(joiners.pop(0))
+        kept[host] = order + joiners
+    return [m for group in kept.values() for m in group]
 
 
 def _by_host(items: Sequence[Any], host_of: Callable[[Any], str]) -> dict[str, list[Any]]:

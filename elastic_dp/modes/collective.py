@@ -77,10 +77,12 @@ class CollectiveRun:
             self.recorder.event("mesh", **self._mesh)
 
     # -- start and end -------------------------------------------------------------------
-    def rank_order(self, members: list[Any]) -> list[Any]:
+    def rank_order(self, members: list[Any], keep_places: bool = False) -> list[Any]:
         """The rank order of a generation over ``members`` (in the membership policy's
-        order): each host's members contiguous (``comm.mesh.rank_order``)."""
-        return rank_order(members, lambda m: m.info.node_id)
+        order): each host's members contiguous (``comm.mesh.rank_order``); with
+        ``keep_places`` the current generation's members keep their ranks where they can,
+        a joiner taking the place of one of its host's ranks that left."""
+        return rank_order(members, lambda m: m.info.node_id, self.members if keep_places else ())
 
     def start(self, members: list[Any], resume: Checkpoint | None) -> int:
         """Form the first generation over ``members`` and give it one state: the checkpoint

@@ -146,9 +146,10 @@ class Resharding(Protocol):
     def export(self, kind: str, step: int) -> Any:
         """A chunk: ``live``, or the ``own`` / ``peer`` snapshot of ``step``."""
 
-    def import_chunks(self, fetch: Callable[[list[int]], list[Any]], old_world_size: int, step: int) -> None:
+    def import_chunks(self, fetch: Callable[[list[int]], list[Any]], old_world_size: int, step: int) -> int:
         """A collective over the new generation: become its rank from the old ranks'
-        chunks at ``step`` (``fetch(old_ranks)``: only the ones needed are asked)."""
+        chunks at ``step`` (``fetch(old_ranks)``: only the ones needed and not held here
+        are asked); returns how many were fetched."""
 
 
 class WholeModel:

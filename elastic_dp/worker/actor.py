@@ -274,11 +274,12 @@ class WorkerActor:
         """A chunk (``share_state``'s two objects): the coordinator waits for the first."""
         return step, self._resharding("export_chunk").export(kind, step)
 
-    def import_chunks(self, refs: list, old_world_size: int, step: int) -> None:
+    def import_chunks(self, refs: list, old_world_size: int, step: int) -> int:
         """Collective over the new generation: take this rank's chunk (and a snapshot of its
-        left neighbour's) out of the old generation's chunks ``refs`` (in old chunk order)."""
-        self._resharding("import_chunks").import_chunks(lambda needed: ray.get([refs[i] for i in needed]),
-                                                        old_world_size, step)  # fetched in parallel
+        left neighbour's) out of the old generation's chunks ``refs`` (in old chunk order),
+        those it does not hold itself; returns how many it fetched."""
+        return self._resharding("import_chunks").import_chunks(lambda needed: ray.get([refs[i] for i in needed]),
+                                                               old_world_size, step)  # fetched in parallel
 
     def sample(self) -> str | None:
         """The task's sample of what the model does now (None when the task has none)."""

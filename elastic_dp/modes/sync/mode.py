@@ -85,11 +85,13 @@ class SyncMode(OnCollectiveRun):
         return sizes
 
     # -- membership changes ----------------------------------------------------------------
+    # a joiner takes a place that was left (a promoted spare, the lost rank's): the state
+    # comes from any holder (ZeRO's survivors keep their chunks and their snapshots' ring)
     def resize(self, members: list[Any]) -> None:
-        self.layout.resize(self.run.rank_order(members))
+        self.layout.resize(self.run.rank_order(members, keep_places=True))
 
     def reform(self, members: list[Any], failure: Failure) -> RecoveryResult:
-        members = self.run.rank_order(members)
+        members = self.run.rank_order(members, keep_places=True)
         faults = self.faults.take_reform(failure.step, len(members)) if failure.in_flight else {}
         try:
             result = self.layout.reform(members, failure, faults)

@@ -113,8 +113,8 @@ class ShardedLayout:
                 return RecoveryResult(Recovery.STATE_LOST,
                                       reason=f"ranks {lost} of {len(old)} were lost together, and with them {missing}")
         step = self.exported.step
-        self._import(members, faults)
-        return RecoveryResult(classify(failure, step), step, details={"restored_step": step})
+        fetched = self._import(members, faults)
+        return RecoveryResult(classify(failure, step), step, details={"restored_step": step, "chunks_fetched": fetched})
 
     def resize(self, members: list[Any]) -> None:
         self._export(self.gens.members)  # every chunk is live at this step
@@ -141,11 +141,15 @@ class ShardedLayout:
         self.exported = _Exported(plan.step, len(refs), refs)
         return None
 
-    def _import(self, members: list[Any], faults: dict[int, Fault]) -> None:
+    def _import(self, members: list[Any], faults: dict[int, Fault]) -> int:
+        """Form the generation over ``members`` and cut its chunks out of the exported ones;
+        returns how many of those the ranks fetched from the object store (a rank takes the
+        ones it holds from itself: its own chunk and its left neighbour's snapshot)."""
         self.gens.form(members, faults)
         src = self.exported
-        self.gens.call_all("import_chunks", src.refs, src.world_size, src.step)
+        fetched = self.gens.call_all("import_chunks", src.refs, src.world_size, src.step)
         self.exported = None
+        return sum(fetched.values())
 
     def load(self, checkpoint: Checkpoint) -> None:
         self.exported, self.restoring = None, True

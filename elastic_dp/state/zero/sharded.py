@@ -128,6 +128,8 @@ class Sharded(BucketedGradients):
         self.shard_group = group if self.replicas == 1 else group.subgroup("shard")
         self.first_copy = self.replicas == 1 or self.rank == group.mesh.group("replica", self.rank)[0]
         """This rank's chunk is the first copy of it: what a checkpoint holds of it, this rank writes."""
+        self.left_chunk = self._left()
+        """The chunk whose peer snapshots this rank keeps in this generation (None: none)."""
 
     def _index_buckets(self, group_of: dict[int, int]) -> None:
         """Per bucket of ``buckets``: its chunk, its elements, its param group; each
@@ -147,6 +149,8 @@ class Sharded(BucketedGradients):
         accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold more (AdamW)
         self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
         self.live_step = 0
+        self.holds_state = False
+        """The live chunk holds the run's state (of ``live_step``), given since the cut was built."""
 
     def _gradients(self) -> dict:
         """How the reducer reduces this stage's gradients (``GradientReducer``'s scatter
@@ -364,7 +368,7 @@ class Sharded(BucketedGradients):
                               master=[m.detach().to("cpu", torch.float32) for m in self.masters], state=state,
                               buffers=self.history.of(step, self.live_step))
         snap = self.snapshots.find(kind, step)
-        rank = self.shard if kind == "own" else self.group.mesh.left(self.rank)  # peers: one copy, shard = rank
+        rank = self.shard if kind == "own" else self.left_chunk  # peers: one copy, shard = rank
         shard = unpack(snap, self.chunks, self.shards, rank)
         shard.buffers = self.history.of(step, self.live_step)
         return shard
@@ -386,14 +390,35 @@ class Sharded(BucketedGradients):
         left = self._left()
         return needed_sources(self.shard, self.shard if left is None else left, self.numels, self.shards, old_chunks)
 
-    def import_chunks(self, fetch: Callable[[list[int]], list[ChunkState]], old_world_size: int, step: int) -> None:
+    def import_chunks(self, fetch: Callable[[list[int]], list[ChunkState]], old_world_size: int, step: int) -> int:
         """Become this generation's rank from the old generation's chunks at ``step``
         (``old_world_size`` of them: one a rank, or a block's under ``--shard-scope host``);
-        ``fetch(old_chunks)`` returns those chunks (only the ones needed are asked)."""
+        ``fetch(old_chunks)`` returns those chunks: only the ones needed that this rank
+        does not hold (``_held``). Returns how many it fetched."""
+        held = self._held(old_world_size, step)  # the last generation's, before the re-cut
         self._current()
         needed = self.needed_sources(old_world_size)
-        fetched = dict(zip(needed, fetch(needed)))
-        self.load_chunks(fetched.__getitem__, old_world_size, step)
+        asked = [i for i in needed if i not in held]
+        chunks = {**{i: held[i] for i in needed if i in held}, **dict(zip(asked, fetch(asked)))}
+        self.load_chunks(chunks.__getitem__, old_world_size, step)
+        return len(asked)
+
+    def _held(self, old_world_size: int, step: int) -> dict[int, ChunkState]:
+        """The old chunks at ``step`` this rank holds from the last generation, which a
+        re-cut takes from here and not from the object store: its own (live, or its own
+        snapshot) and its left neighbour's peer snapshot. None before the first generation,
+        or where the old cut is not the one the chunks are of (``old_world_size``); the live
+        chunk only once it was given the state (an import cut short leaves a cut without it)."""
+        if self.generation in (None, self.group.generation) or self.shards != old_world_size:
+            return {}
+        held: dict[int, ChunkState] = {}
+        if self.holds_state and self.live_step == step:
+            held[self.shard] = self.export("live", step)
+        elif any(s.step == step for s in self.snapshots.own):
+            held[self.shard] = self.export("own", step)
+        if self.left_chunk is not None and any(s.step == step for s in self.snapshots.peer):
+            held[self.left_chunk] = self.export("peer", step)
+        return held
 
     @torch.no_grad()
     def load_chunks(self, fetch: Callable[[int], ChunkState], old_world_size: int, step: int) -> None:
@@ -426,7 +451,7 @@ class Sharded(BucketedGradients):
                 self.optimizer.state[master] = state
             else:
                 self.optimizer.state.pop(master, None)
-        self.live_step = shard.step
+        self.live_step, self.holds_state = shard.step, True
         self.history.reset(shard.step, shard.buffers)
 
     @torch.no_grad()
