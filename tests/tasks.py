@@ -321,3 +321,48 @@ def plain_sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 NO_OPTIMIZER_TASK = dataclasses.replace(MLP_TASK, optimizer=no_optimizer)
 NO_PARAMETERS_TASK = dataclasses.replace(MLP_TASK, model=NoParameters, optimizer=plain_sgd)
+
+
+class MoEBlock(nn.Module):
+    """A Mixture-of-Experts layer as a research user writes one: a router, one module per
+    expert in a ``ModuleList``, top-1 routing. An expert that no sample of a step chooses
+    takes no part in the forward, and in a plain loop its gradient stays ``None``."""
+
+    def __init__(self, dim: int = 8, experts: int = 16, hidden: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(nn.Linear(dim, hidden) for _ in range(experts))
+        self.hidden = hidden
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).softmax(-1)
+        top = probs.argmax(-1)
+        out = x.new_zeros(x.shape[0], self.hidden)
+        for e, expert in enumerate(self.experts):
+            chosen = top == e
+            if chosen.any():
+                out[chosen] = torch.tanh(expert(x[chosen])) * probs[chosen, e:e + 1]
+        return out
+
+
+class MoENet(nn.Module):
+    """One MoE block (in a ``ModuleList``, as a transformer's blocks: ZeRO-3's unit, which
+    every sample passes through) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([MoEBlock()])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def moe_adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+
+
+MOE_TASK = Task(model=MoENet, dataset=Regression, loss=mse, optimizer=moe_adamw,
+                defaults=TrainConfig(steps=12, global_batch=8, seed=11))

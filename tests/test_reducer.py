@@ -28,6 +28,50 @@ class PartlyUsed(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+class Branches(nn.Module):
+    """Rank 0's samples go through ``a`` only, rank 1's through ``a`` and ``b``; ``c`` is never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 1), nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, x, rank):
+        return self.a(x) + (self.b(x) if rank == 1 else 0)
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_the_vote_says_which_parameters_some_rank_used_and_a_partly_used_one_gets_the_users_sum(scatter):
+    torch.manual_seed(0)
+    initial = Branches().state_dict()
+
+    def rank_fn(group):
+        model = Branches()
+        model.load_state_dict(initial)
+        reducer = GradientReducer(list(model.parameters()), group, bucket_bytes=10**6, reduce_fp32=True,
+                                  scatter_in_place=scatter, pad_to=group.world_size if scatter else 1)
+        reducer.zero_grad()
+        x = torch.full((2, 4), float(group.rank + 1))
+        reducer.counting = False  # a pass that adds nothing (ZeRO-3's equal passes) marks nothing used
+        (model(x, 1).sum() * 0).backward()
+        reducer.counting = True
+        reducer.arm()
+        model(x, group.rank).sum().backward()
+        vote = reducer.finish()
+        names = {id(p): n for n, p in model.named_parameters()}
+        full = None if scatter else {n: p.grad.clone() for n, p in model.named_parameters()}
+        return vote.uses, [names[id(p)] for p in reducer.unused(vote)], [names[id(p)] for p in reducer.params], full
+
+    results = run_ranks(2, rank_fn)
+    uses, unused, order, full = results[0]
+    assert all(r[:3] == (uses, unused, order) for r in results)  # every rank knows the same
+    counts = dict(zip(order, uses))
+    assert counts == {"a.weight": 2, "a.bias": 2, "b.weight": 1, "b.bias": 1, "c.weight": 0, "c.bias": 0}
+    assert sorted(unused) == ["c.bias", "c.weight"]
+    if not scatter:  # b's gradient is rank 1's alone: x = 2, two samples
+        assert torch.equal(full["b.weight"], torch.full((1, 4), 4.0))
+        assert torch.equal(full["b.bias"], torch.full((1,), 2.0))
+
+
 @pytest.mark.parametrize("grads_as_views", [True, False])
 @pytest.mark.parametrize("bucket_bytes", [1, 100, 10**6])
 def test_bucketed_gradients_equal_the_sum_over_ranks(bucket_bytes, grads_as_views):

@@ -86,6 +86,7 @@ def test_each_bucket_goes_through_the_reduction_and_the_vote_rides_only_a_plain_
             flat[o:o + p.numel()] = p.grad.reshape(-1)
         expected.append(flat)
     last = len(buckets) - 1
+    params = list(model.parameters())
     for rank, (errors, sent, padded, grads) in enumerate(results):
         assert errors == 1  # rank 1's error reached every rank
         assert sorted(sent) == list(range(len(buckets)))  # every bucket through the reduction, once
@@ -93,7 +94,8 @@ def test_each_bucket_goes_through_the_reduction_and_the_vote_rides_only_a_plain_
         if kind == "notasum":
             assert tail == 0  # the vote went on its own channel
         else:
-            assert tail == (3 * world if kind == "reducescatter" else 3)  # the ballot's 3 elements rode along
+            ballot = 3 + len(params)  # the 3 counts and one use flag per parameter rode along
+            assert tail == (ballot * world if kind == "reducescatter" else ballot)
         for b, got in enumerate(grads):
             want = expected[b].view(world, -1)[rank] if kind == "reducescatter" else expected[b]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # measured 0 (3 runs)

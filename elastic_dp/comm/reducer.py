@@ -4,11 +4,14 @@ Parameters are packed, last first, into buckets (``make_buckets``); in the last
 micro-batch's backward each parameter's post-accumulate-grad hook marks it ready, and a
 complete bucket starts an asynchronous SUM reduction while backward goes on. Buckets are
 launched strictly in index order on every rank, since collectives match by order;
-``finish()`` launches the rest (a parameter without a gradient counts as zeros) and waits.
+``finish()`` launches the rest (a parameter without a gradient adds zeros) and waits. Each
+parameter's hook also marks it used, in every micro-batch's backward (``counting``), and
+the ballot says which were (``Ballot.used``): a parameter no rank used gets no update
+(``unused``; docs/sync.md, parameters without a gradient).
 
 Three modes, one per ZeRO stage: all-reduce, with each ``param.grad`` a view into its
-bucket's buffer where the dtypes allow (no copies; that is why gradients are zeroed here,
-never set to None); in-place reduce-scatter (stage 1: the buffers stay, and the rank's
+bucket's buffer where the dtypes allow (no copies; that is why gradients are zeroed here
+between steps, not set to None); in-place reduce-scatter (stage 1: the buffers stay, and the rank's
 own chunk of each receives the global gradient); and reduce-scatter into the caller's
 chunks (stage 2: a bucket's full buffer lives from its launch to its reduction, and the
 full gradients are released). Under ZeRO buckets never mix param groups and are padded
@@ -89,6 +92,11 @@ class GradientReducer:
         if scatters and pad_to != self.reduction.parts:
             raise ValueError(f"a reduce-scatter into {self.reduction.parts} chunks needs buckets padded to that, "
                              f"not {pad_to}")
+        device = self.buckets[-1].params[0].device if self.buckets else torch.device("cpu")
+        self.params = [p for bucket in self.buckets for p in bucket.params]
+        """The reduced parameters, in the order the ballot says which were used."""
+        self.ballot = Ballot(device, len(self.params))
+        """This rank's vote, filled in during the step."""
         self.chunks: list[torch.Tensor] | None = scatter_into
         """Scatter modes: per bucket, the chunk this rank receives (None: all-reduce mode)."""
         if scatter_into is not None:
@@ -98,19 +106,21 @@ class GradientReducer:
         else:
             for bucket in self.buckets:
                 _attach(bucket, torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.params[0].device),
-                        carry_vote=bucket is self.buckets[-1] and not scatter_in_place and carries)
+                        carry_vote=self.ballot.size if bucket is self.buckets[-1] and not scatter_in_place and carries
+                        else 0)
             if scatter_in_place:
                 self.chunks = [b.buffer.view(pad_to, -1)[self.reduction.part] for b in self.buckets]
-        device = self.buckets[-1].params[0].device if self.buckets else torch.device("cpu")
-        self.ballot = Ballot(device)
-        """This rank's vote, filled in during the step."""
         self._sums = torch.zeros(len(self.buckets), dtype=torch.float32, device=device)
         """Per bucket, the sum of this rank's gradients (checked for NaN and infinity)."""
-        self._tally = torch.zeros(Ballot.SIZE)
+        self._tally = torch.zeros(self.ballot.size)
+        self._used = [0] * len(self.params)  # per parameter: this step's backwards gave it a gradient
+        self.counting = True
+        """The backward under way counts in ``_used`` (not a pass that adds nothing: ``Replica.forward_backward``)."""
         self._payload: tuple[object, torch.Tensor] | None = None  # (work, summed payload) of this step
         self._vote: tuple[object, torch.Tensor] | None = None  # (work, summed ballot): the vote's own channel
         self._scatter_out: torch.Tensor | None = None  # scatter mode: the last chunk and the tally
         self._bucket_of: dict[int, int] = {}
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self._hooks = []
         for b, bucket in enumerate(self.buckets):
             for p in bucket.params:
@@ -132,6 +142,8 @@ class GradientReducer:
     def zero_grad(self) -> None:
         """Zero every gradient (the views stay attached as ``param.grad``) and the vote."""
         self.ballot.clear()
+        self._used = [0] * len(self.params)
+        self.counting = True
         for bucket in self.buckets:
             if self.scatter_into is not None:
                 bucket.buffer, bucket.views = None, []
@@ -158,6 +170,8 @@ class GradientReducer:
             bucket.seen.clear()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if self.counting:  # in every micro-batch's backward: a gradient in any makes it used
+            self._used[self._index[id(param)]] = 1
         if not self._armed:
             return
         bucket = self.buckets[self._bucket_of[id(param)]]
@@ -190,6 +204,7 @@ class GradientReducer:
             if self.before_vote is not None:
                 self.before_vote()
             self.ballot.nonfinite((~torch.isfinite(self._sums)).any())
+            self.ballot.used(self._used)
         if self.scatter_into is not None:
             for p in bucket.params:
                 p.grad = None  # the full gradient is in the buffer now; release it
@@ -198,7 +213,7 @@ class GradientReducer:
             if carry:  # every rank's chunk followed by the vote: each rank receives the tally
                 world = bucket.padded // self.chunks[index].numel()
                 source = torch.cat([bucket.buffer.view(world, -1),
-                                    self.ballot.tensor.to(bucket.dtype).expand(world, Ballot.SIZE)], dim=1)
+                                    self.ballot.tensor.to(bucket.dtype).expand(world, self.ballot.size)], dim=1)
                 self._scatter_out = torch.empty(source.shape[1], dtype=bucket.dtype, device=source.device)
                 bucket.work = self.reduction.launch(index, source.view(-1), self._scatter_out)
             else:  # in place: the chunk may be the rank's own part of the buffer
@@ -257,6 +272,10 @@ class GradientReducer:
             work.wait()
         return Vote.of(self._tally, payload)
 
+    def unused(self, vote: Vote) -> list[torch.nn.Parameter]:
+        """The parameters no rank's step gave a gradient (``vote``: the step's, from ``finish``)."""
+        return [p for i, p in enumerate(self.params) if vote.unused(i)]
+
     def disarm(self) -> None:
         """Forget a step that failed part-way; the next ``arm()`` starts clean."""
         self._armed = False
@@ -268,9 +287,9 @@ class GradientReducer:
                 bucket.buffer, bucket.views = None, []
 
 
-def _attach(bucket: Bucket, buffer: torch.Tensor, carry_vote: bool = False) -> None:
-    if carry_vote:  # the buffer is followed by the vote, reduced with it
-        bucket.carrier = torch.zeros(buffer.numel() + Ballot.SIZE, dtype=buffer.dtype, device=buffer.device)
+def _attach(bucket: Bucket, buffer: torch.Tensor, carry_vote: int = 0) -> None:
+    if carry_vote:  # the buffer is followed by the vote (``carry_vote`` elements), reduced with it
+        bucket.carrier = torch.zeros(buffer.numel() + carry_vote, dtype=buffer.dtype, device=buffer.device)
         buffer = bucket.carrier[:buffer.numel()]
     bucket.buffer = buffer
     bucket.views = [buffer[o:o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)]

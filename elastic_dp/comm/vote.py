@@ -10,6 +10,11 @@ no collective is spent on it; under a reduction that is not (a compressor) it go
 channel of its own beside the last bucket (``Ballot.send``), and a step that makes no
 gradient reduction casts it on its own (``Ballot.cast``).
 
+A ballot also says which of the reduced parameters this rank's step gave a gradient
+(``Ballot.used``: one element each after the three counts, a SUM like them), so that every
+rank knows the parameters no rank used, which get no update as plain PyTorch leaves a
+``None`` gradient (docs/sync.md, parameters without a gradient).
+
 A ballot may carry a payload: a float64 tensor summed over the ranks with it (launched
 right after the vote's own collective and waited for with it), so that what the ranks must
 agree on after a committed step (the model's buffers, ``elastic_dp.state.buffers``) is
@@ -38,6 +43,9 @@ class Vote:
     """Ranks asked to end their window after this step: every rank ends it here."""
     payload: torch.Tensor | None = field(default=None, compare=False)
     """The ballots' payloads summed over the ranks (None: the ballots carried none)."""
+    uses: tuple[int, ...] = field(default=(), compare=False)
+    """Per parameter of the ballots' (``Ballot.used``), how many ranks gave it a gradient;
+    empty: the ballots said nothing of it (every parameter counts as used)."""
 
     @property
     def commits(self) -> bool:
@@ -52,21 +60,27 @@ class Vote:
     def stop(self) -> bool:
         return self.stops > 0
 
+    def unused(self, index: int) -> bool:
+        """No rank gave parameter ``index`` (of ``Ballot.used``'s) a gradient."""
+        return bool(self.uses) and self.uses[index] == 0
+
     @classmethod
     def of(cls, summed: torch.Tensor, payload: torch.Tensor | None = None) -> "Vote":
-        """The tally from a summed ballot tensor (``Ballot.SIZE`` elements)."""
-        errors, nonfinite, stops = (int(round(v)) for v in summed.float().tolist())
-        return cls(errors=errors, nonfinite=nonfinite, stops=stops, payload=payload)
+        """The tally from a summed ballot tensor (``Ballot.COUNTS`` counts, then the uses)."""
+        errors, nonfinite, stops, *uses = (int(round(v)) for v in summed.float().tolist())
+        return cls(errors=errors, nonfinite=nonfinite, stops=stops, payload=payload, uses=tuple(uses))
 
 
 class Ballot:
-    """This rank's vote on the step, a tensor of ``SIZE`` elements on the step's device:
-    [error, non-finite, stop], in the order ``Vote`` reads them back."""
+    """This rank's vote on the step, a tensor of ``size`` elements on the step's device:
+    [error, non-finite, stop] (``COUNTS``), in the order ``Vote`` reads them back, then one
+    element per parameter of ``params`` (1: this rank's step gave it a gradient)."""
 
-    SIZE = 3
+    COUNTS = 3
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.tensor = torch.zeros(self.SIZE, dtype=torch.float32, device=device)
+    def __init__(self, device: torch.device | str = "cpu", params: int = 0) -> None:
+        self.size = self.COUNTS + params
+        self.tensor = torch.zeros(self.size, dtype=torch.float32, device=device)
         self.payload: torch.Tensor | None = None
         """A float64 tensor (the same length on every rank) summed over the ranks with the
         vote; set before the ballot leaves, cleared with it."""
@@ -87,6 +101,11 @@ class Ballot:
     def stop(self) -> None:
         """This rank was asked to end its window after this step."""
         self.tensor[2] = 1.0
+
+    def used(self, flags: list[int]) -> None:
+        """Which parameters this rank's step gave a gradient (one flag each, 0 or 1)."""
+        if flags:
+            self.tensor[self.COUNTS:] = torch.tensor(flags, dtype=torch.float32)
 
     def alone(self) -> Vote:
         """The tally of a step with no other rank, or no collective to carry the ballot."""

@@ -3,6 +3,7 @@ whose state is cut over the ranks), and the pieces the strategies share."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
 import torch
@@ -40,6 +41,11 @@ class Strategy(Protocol):
 
     def before_backward(self) -> None:
         """Called before the backward of each micro-batch but the last."""
+
+    def counts_use(self, counts: bool) -> None:
+        """Whether the next backward's gradients mark their parameters used (False: a pass
+        that adds nothing, ``equal_passes``). A parameter no backward of the step on any
+        rank gave a gradient gets no update, as plain PyTorch leaves a ``None`` gradient."""
 
     def after_backward(self) -> None:
         """Called after the backward of each micro-batch but the last."""
@@ -229,8 +235,15 @@ class BucketedGradients:
     generation's reducer)."""
     equal_passes = False
 
+    unused: Sequence[torch.nn.Parameter] = ()
+    """The parameters the last reduced step gave no gradient on any rank (``reduce_gradients``)."""
+
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
+        self.unused = ()
+
+    def counts_use(self, counts: bool) -> None:
+        self.reducer.counting = counts
 
     def before_backward(self) -> None:
         pass  # the gradients of the micro-batches before the last accumulate where they are
@@ -249,7 +262,9 @@ class BucketedGradients:
         self.reducer.before_vote = call
 
     def reduce_gradients(self) -> Vote:
-        return self.reducer.finish()
+        vote = self.reducer.finish()
+        self.unused = self.reducer.unused(vote)
+        return vote
 
     def abandon(self) -> None:
         self.reducer.disarm()
@@ -291,6 +306,9 @@ class LocalGradients:
 
     def before_last_backward(self) -> None:
         pass  # nothing is reduced: the gradients are complete when the backward is
+
+    def counts_use(self, counts: bool) -> None:
+        pass  # the mode's program steps the gradients as they are
 
     @property
     def ballot(self) -> Ballot:

@@ -5,6 +5,8 @@ diloco``: each member steps alone) and so builds no reducer."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from elastic_dp.comm.group import CollectiveGroup
@@ -22,6 +24,9 @@ class ReplicatedState(WholeModel):
     gradients (``Replicated``, ``Unreduced``)."""
 
     params: list[torch.nn.Parameter]
+    unused: Sequence[torch.nn.Parameter] = ()
+    """Parameters the step's gradient reduction found no rank gave a gradient (none where
+    the gradients are not reduced: the mode steps them as they are)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  group: CollectiveGroup, device: torch.device) -> None:
@@ -41,6 +46,8 @@ class ReplicatedState(WholeModel):
         return self.optimizer.param_groups
 
     def optimizer_step(self, step: int) -> None:
+        for p in self.unused:  # no rank gave it a gradient: torch's optimizers skip it
+            p.grad = None
         self.optimizer.step()
 
     def skip_update(self, step: int) -> None:

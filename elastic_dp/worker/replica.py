@@ -246,6 +246,7 @@ class Replica:
                 if last and self.faults.straggle(time.perf_counter() - start + 2 * forward):
                     self.progress.tick()
             if vote:
+                self.strategy.counts_use(not padding)  # a pass that adds nothing uses no parameter
                 (self.strategy.before_last_backward if last else self.strategy.before_backward)()
             (loss.reshape(()) * (0.0 if padding else samples / (per or self.config.global_batch))).backward()
             if vote and not last:

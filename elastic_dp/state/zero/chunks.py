@@ -34,6 +34,9 @@ class ChunkState:
     buffers: dict[str, torch.Tensor] | None = None
     """The model's buffers at ``step`` (equal on every rank: ``state.buffers``); None when
     the model has none."""
+    steps: dict[str, int] | None = None
+    """Each stepped parameter's own count of updates at ``step`` (equal on every rank:
+    ``unused.OwnSteps``); None: none updated yet."""
 
 
 @dataclass(slots=True)
@@ -128,7 +131,8 @@ def cut(rank: int, numels: list[int], world_size: int, fetch: Callable[[int], Ch
     """New rank ``rank``'s chunk at ``world_size``, cut out of the old generation's chunks
     (``fetch(old_rank)``, all at ``step``)."""
     template = fetch(sources(rank, numels, world_size, old_world_size)[0])
-    out = ChunkState(step=step, world_size=world_size, rank=rank, master=[], buffers=template.buffers)
+    out = ChunkState(step=step, world_size=world_size, rank=rank, master=[], buffers=template.buffers,
+                     steps=template.steps)
     for key, values in template.state.items():  # 0-dim state (a step count) is the same everywhere
         out.state[key] = [v.clone() if v.dim() == 0 else None for v in values]
     chunks = zip(chunk_sizes(numels, world_size), chunk_sizes(numels, old_world_size))

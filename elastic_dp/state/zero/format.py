@@ -11,7 +11,7 @@ These functions map between the two; ``zero.Sharded`` calls them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -46,27 +46,53 @@ def wanted(buckets: list[Bucket], chunks: list[int], names: dict[int, str], rank
     return wanted
 
 
-def named_state(buckets: list[Bucket], chunks: list[int], names: dict[int, str], rank: int,
-                live: ChunkState) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+def named_state(buckets: list[Bucket], chunks: list[int], names: dict[int, str], rank: int, live: ChunkState,
+                scalars: Callable[[str], dict[str, torch.Tensor] | None]) -> tuple[dict[str, torch.Tensor],
+                                                                                  dict[str, list]]:
     """Rank ``rank``'s chunk state ``live`` keyed ``<param name>/<key>``: slices of
     parameters, placed by ``slices[key] = [start, shape]`` (``checkpoint.merge_parts``
-    joins the ranks' parts). bf16/fp16 parameters also get their fp32 master values, under
-    the key ``master``."""
+    joins the ranks' parts), and each parameter's own 0-dim state (``scalars(name)``: its
+    step count; None: the parameter was never updated, and has no state, as in a plain
+    torch optimizer's). bf16/fp16 parameters also get their fp32 master values, under the
+    key ``master``."""
     tensors: dict[str, torch.Tensor] = {}
     slices: dict[str, list] = {}
     for b, bucket in enumerate(buckets):
         lo = rank * chunks[b]
-        entries = {key: values[b] for key, values in live.state.items()}
+        entries = {key: values[b] for key, values in live.state.items() if values[b].dim() > 0}
         for p, offset, a, e in _pieces(bucket, lo, lo + chunks[b]):
             name = names[id(p)]
+            own = scalars(name)
+            if own is None:
+                continue
             fields = dict(entries, master=live.master[b]) if p.dtype != torch.float32 else entries
+            for key, value in own.items():
+                tensors[f"{name}/{key}"] = value
             for key, value in fields.items():
-                if value.dim() == 0:
-                    tensors[f"{name}/{key}"] = value
-                else:
-                    tensors[f"{name}/{key}"] = value[a - lo:e - lo].clone()
-                    slices[f"{name}/{key}"] = [a - offset, list(p.shape)]
+                tensors[f"{name}/{key}"] = value[a - lo:e - lo].clone()
+                slices[f"{name}/{key}"] = [a - offset, list(p.shape)]
     return tensors, slices
+
+
+def saved_counts(names: Iterable[str], scalars: dict[str, torch.Tensor], with_state: set[str]) -> dict[str, int]:
+    """Each parameter's own count of updates in a checkpoint (``zero.unused``): its saved
+    ``step`` (``scalars``: ``<name>/<key>``), or, for an optimizer that keeps no step count
+    (SGD), 1 where it has state (``with_state``) and 0 where it has none."""
+    counts = {}
+    for name in names:
+        step = scalars.get(f"{name}/step")
+        counts[name] = round(float(step)) if step is not None else int(name in with_state)
+    return counts
+
+
+def _bucket_scalars(bucket: Bucket, names: dict[int, str], counts: dict[str, int],
+                    scalars: dict[str, torch.Tensor], fields: set[str]) -> dict[str, torch.Tensor]:
+    """A bucket's 0-dim state: that of its parameter with the highest count (``zero.unused``);
+    zeros in its place where none was updated (the chunk then has no state)."""
+    top = max((names[id(p)] for p in bucket.params), key=lambda n: counts[n])
+    if counts[top] == 0:
+        return {f: torch.zeros(()) for f in fields}
+    return {f: scalars[f"{top}/{f}"].clone() for f in fields}
 
 
 def whole_state(buckets: list[Bucket], names: dict[int, str], masters: list[torch.Tensor],
@@ -74,28 +100,39 @@ def whole_state(buckets: list[Bucket], names: dict[int, str], masters: list[torc
     """Whole-parameter optimizer state keyed ``<param name>/<key>`` (a checkpoint's, saved
     at any world size and stage) as one rank's state of whole buckets (world size 1).
     ``masters`` are the buckets' fp32 values from the loaded parameters; a saved
-    ``master`` replaces its parameter's part."""
+    ``master`` replaces its parameter's part. A parameter without state (never updated)
+    gets zeros and the count 0."""
+    stepped = [names[id(p)] for bucket in buckets for p in bucket.params]
+    tensors = {k: v for k, v in tensors.items() if k.rpartition("/")[0] in set(stepped)}  # not the reduction's
     by_param: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         name, _, field = key.rpartition("/")
         by_param.setdefault(name, {})[field] = value
-    full = ChunkState(step=step, world_size=1, rank=0, master=[])
+    scalars = {k: v for k, v in tensors.items() if v.dim() == 0}
+    fields = {k.rpartition("/")[2] for k, v in tensors.items() if v.dim() > 0} - {"master"}
+    zero_dim = {k.rpartition("/")[2] for k in scalars}
+    counts = saved_counts(stepped, scalars, {n for n, f in by_param.items() if set(f) - {"master"}})
+    full = ChunkState(step=step, world_size=1, rank=0, master=[], steps=counts)
     for bucket, master in zip(buckets, masters):
-        values: dict[str, torch.Tensor] = {}
+        values = {f: None for f in fields}
         for p, offset in zip(bucket.params, bucket.offsets):
-            for field, value in by_param.get(names[id(p)], {}).items():
-                if field == "master":
-                    master[offset:offset + p.numel()] = value.reshape(-1)
-                elif value.dim() == 0:
-                    values[field] = value.clone()
-                else:
-                    values.setdefault(field, torch.zeros(bucket.numel, dtype=value.dtype))
-                    values[field][offset:offset + p.numel()] = value.reshape(-1)
+            saved = by_param.get(names[id(p)], {})
+            if "master" in saved:
+                master[offset:offset + p.numel()] = saved["master"].reshape(-1)
+            for field in fields:
+                value = saved.get(field)
+                if value is None:
+                    if counts[names[id(p)]]:
+                        raise ValueError(f"optimizer state {field!r} is missing for {names[id(p)]}")
+                    continue
+                if values[field] is None:
+                    values[field] = torch.zeros(bucket.numel, dtype=value.dtype)
+                values[field][offset:offset + p.numel()] = value.reshape(-1)
         full.master.append(master)
         for field, value in values.items():
+            full.state.setdefault(field, []).append(torch.zeros(bucket.numel) if value is None else value)
+        for field, value in _bucket_scalars(bucket, names, counts, scalars, zero_dim).items():
             full.state.setdefault(field, []).append(value)
-    if any(len(v) != len(buckets) for v in full.state.values()):
-        raise ValueError("optimizer state is missing for some parameters")
     return full
 
 
@@ -116,13 +153,14 @@ def chunk_ranges(buckets: list[Bucket], chunks: list[int], names: dict[int, str]
 
 def chunk_from_ranges(buckets: list[Bucket], chunks: list[int], names: dict[int, str], rank: int, world_size: int,
                       step: int, got: dict[tuple[str, int, int], torch.Tensor], fields: Iterable[str],
-                      scalars: dict[str, torch.Tensor]) -> ChunkState:
-    """Rank ``rank``'s chunk state out of the ranges ``chunk_ranges`` read (``got``) and the
-    optimizer's saved scalars (``<name>/<key>``, e.g. Adam's step): the fp32 masters from a
-    saved ``master`` where there is one, else from the parameters' values."""
+                      scalars: dict[str, torch.Tensor], counts: dict[str, int]) -> ChunkState:
+    """Rank ``rank``'s chunk state out of the ranges ``chunk_ranges`` read (``got``), the
+    optimizer's saved scalars (``<name>/<key>``, e.g. Adam's step) and each parameter's
+    count of updates (``saved_counts``): the fp32 masters from a saved ``master`` where
+    there is one, else from the parameters' values; zeros for a parameter never updated."""
     fields = [f for f in fields if f != "master"]
-    per_step = {key.rpartition("/")[2]: value for key, value in scalars.items()}  # the same for every parameter
-    state = ChunkState(step=step, world_size=world_size, rank=rank, master=[])
+    zero_dim = {key.rpartition("/")[2] for key in scalars if key.rpartition("/")[0] in counts}
+    state = ChunkState(step=step, world_size=world_size, rank=rank, master=[], steps=counts)
     for b, bucket in enumerate(buckets):
         lo, c = rank * chunks[b], chunks[b]
         master = torch.zeros(c, dtype=torch.float32)
@@ -134,9 +172,11 @@ def chunk_from_ranges(buckets: list[Bucket], chunks: list[int], names: dict[int,
             for f in fields:
                 value = got.get((f"optim/{name}/{f}", *span))
                 if value is None:
-                    raise ValueError(f"optimizer state {f!r} is missing for {name}")
+                    if counts[name]:
+                        raise ValueError(f"optimizer state {f!r} is missing for {name}")
+                    continue
                 values[f][a - lo:e - lo] = value
         state.master.append(master)
-        for f, value in [*values.items(), *((f, v.clone()) for f, v in per_step.items())]:
+        for f, value in [*values.items(), *_bucket_scalars(bucket, names, counts, scalars, zero_dim).items()]:
             state.state.setdefault(f, []).append(value)
     return state

@@ -19,7 +19,6 @@ snapshot (docs/hosts.md). docs/zero.md walks through all of it, with the figures
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from elastic_dp.state.buffers import BufferHistory, ModelBuffers
 from elastic_dp.state.zero import format as zero_format
 from elastic_dp.state.zero.chunks import ChunkState, check_elementwise, cut, needed_sources, unpack
 from elastic_dp.state.zero.snapshots import SNAPSHOT_WAIT_S, Exchange, PeerSnapshots
+from elastic_dp.state.zero.unused import Clock, OwnSteps, bucket_step, make_optimizer, step_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,10 @@ class Sharded(BucketedGradients):
         """Each bucket's collective, kept across the generations' reducers (``comm.reductions``)."""
         self.buffers = ModelBuffers(model)
         self.history = BufferHistory(self.buffers)
+        stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self.own = OwnSteps([self.names[id(p)] for p in model.parameters() if p.requires_grad and id(p) in stepped])
+        """Each stepped parameter's own count of updates (``zero.unused``), in ``params`` order."""
+        self._clocks: dict[int, Clock] = {}  # param group -> its 0-dim state by count (``zero.unused``)
         self._gathers: dict[int, Any] = {}  # bucket -> its parameter all-gather, in flight
         self.defer_gather: bool | None = None
         """Whether a step leaves its all-gather to the next forward (None: not learnt yet)."""
@@ -138,6 +142,9 @@ class Sharded(BucketedGradients):
         self.numels = [b.numel for b in self.buckets]
         self.bucket_group = [group_of[id(b.params[0])] for b in self.buckets]
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.members = [[self.index[id(p)] for p in bucket.params] for bucket in self.buckets]
+        """Per bucket, its parameters' indices in ``params`` (and ``own.counts``)."""
 
     def _make_optimizer(self) -> None:
         """The task's optimizer class over the master chunks, in the task's param groups;
@@ -146,8 +153,7 @@ class Sharded(BucketedGradients):
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [m for m, gi in zip(self.masters, self.bucket_group) if gi == i]}
                   for i, g in enumerate(optimizer.param_groups)]
-        accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold more (AdamW)
-        self.optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        self.optimizer = make_optimizer(optimizer, groups)
         self.live_step = 0
         self.holds_state = False
         """The live chunk holds the run's state (of ``live_step``), given since the cut was built."""
@@ -206,16 +212,15 @@ class Sharded(BucketedGradients):
             unseen = [self.names[id(p)] for p in self.params if id(p) not in self._seen]
             self.defer_gather, self._seen = not unseen, set()
             if unseen:
-                logger.warning("ZeRO: parameters %s are not used by the forward of the module that holds them; "
-                               "the parameter all-gather is waited for at the end of each step",
+                logger.warning("ZeRO: the first step ran no forward of the module that holds parameters %s (read "
+                               "outside that module's forward, or a module the step skipped, such as an expert "
+                               "no sample chose); the parameter all-gather is waited for at the end of each step",
                                ", ".join(unseen[:5]) + (" ..." if len(unseen) > 5 else ""))
         failed = None
+        before, after = self._counts_after()
         for b in self.forward_order:  # what the forward needs first is updated and sent first
-            master, grad = self.masters[b], self._grad_chunk(b)
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-            self.optimizer.step()  # this bucket's master alone: the others have no gradient
-            master.grad = None
-            own = self._own_params(b)
+            self._update(b, self._grad_chunk(b), before, after)
+            master, own = self.masters[b], self._own_params(b)
             if own.data_ptr() != master.data_ptr():
                 own.copy_(master)
             if failed is None:  # its all-gather runs while the next bucket is updated
@@ -223,11 +228,45 @@ class Sharded(BucketedGradients):
                     self._start_gather(b)
                 except Exception as exc:  # the chunk is still updated whole before this is raised
                     failed = exc
-        self.live_step = step + 1
+        self.live_step, self.own.counts = step + 1, after
         if failed is not None:
             raise self._collective_error("parameter all-gather", failed)
         if not self.defer_gather:
             self._wait_gathers()
+
+    def _counts_after(self) -> tuple[list[int], list[int]]:
+        """Each parameter's own count of updates before this update and after it (the ones
+        no rank used, ``unused``, stay)."""
+        unused = {id(p) for p in self.unused}
+        before = self.own.counts
+        return before, [c + (id(p) not in unused) for c, p in zip(before, self.params)]
+
+    def _update(self, b: int, grad: torch.Tensor, before: list[int], after: list[int]) -> None:
+        """Update bucket ``b``'s master chunk by its reduced gradient chunk ``grad``: as one
+        tensor where every parameter in it is used and in step with its bucket, else piece
+        by piece (``zero.unused``: a parameter no rank used is left as it is)."""
+        master = self.masters[b]
+        grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        low, high = bucket_step(before, self.members[b]), bucket_step(after, self.members[b])
+        lo = self.shard * self.chunks[b]
+        pieces = [(self.index[id(p)], a - lo, e - lo)
+                  for p, _, a, e in zero_format._pieces(self.buckets[b], lo, lo + self.chunks[b])]
+        if high == low + 1 and all(before[i] == low and after[i] == high for i, _, _ in pieces):
+            master.grad = grad
+            self.optimizer.step()  # this bucket's master alone: the others have no gradient
+            master.grad = None
+            return
+        g = self.bucket_group[b]
+        state = self.optimizer.state[master]
+        step_pieces(self.base_optimizer, self.optimizer.param_groups[g], self._clock(g), state, master, grad,
+                    [(before[i], a, e) for i, a, e in pieces if after[i] > before[i]], high)
+        if not state:
+            self.optimizer.state.pop(master, None)
+
+    def _clock(self, g: int) -> Clock:
+        if g not in self._clocks:
+            self._clocks[g] = Clock(self.base_optimizer, self.optimizer.param_groups[g], self.masters[0].device)
+        return self._clocks[g]
 
     def _copy_left_masters(self, pending: Exchange) -> None:
         """Complete the left neighbour's snapshot in flight with its master chunks, out of this rank's
@@ -311,6 +350,7 @@ class Sharded(BucketedGradients):
         """At state step ``step`` (committed steps), when a snapshot is due: wait for the
         last one to arrive, copy the chunk and start sending it to the right neighbour."""
         self.history.keep(step, self._steps_held())  # the live step is ``step`` now
+        self.own.keep(step, self._steps_held())
         if self.world_size == 1 or step % self.config.mode.zero.snapshot_every:
             return
         self._receive_snapshot()
@@ -358,19 +398,28 @@ class Sharded(BucketedGradients):
             # no copies of CPU tensors: a snapshot packs them into a new vector at once, and
             # Ray serialises an export when the call returns (step counts, changed in place
             # by the optimizer, are cloned)
+            # a bucket no parameter of which was updated yet has no state: zeros in its place
+            # (``_set_live`` leaves them out again)
+            examples = {k: v for m in self.masters for k, v in self.optimizer.state.get(m, {}).items()
+                        if isinstance(v, torch.Tensor)}
             state: dict[str, list[torch.Tensor]] = {}
             for b, master in enumerate(self.masters):
-                for key, value in self.optimizer.state.get(master, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        value = value.detach()
-                        state.setdefault(key, []).append(value.clone() if value.dim() == 0 else value.to("cpu"))
+                held = self.optimizer.state.get(master, {})
+                for key, example in examples.items():
+                    value = held.get(key)
+                    if value is None:
+                        value = torch.zeros_like(example, device="cpu") if example.dim() == 0 else torch.zeros(
+                            master.numel(), dtype=example.dtype)
+                    value = value.detach()
+                    state.setdefault(key, []).append(value.clone() if value.dim() == 0 else value.to("cpu"))
             return ChunkState(step=step, world_size=self.shards, rank=self.shard,
                               master=[m.detach().to("cpu", torch.float32) for m in self.masters], state=state,
-                              buffers=self.history.of(step, self.live_step))
+                              buffers=self.history.of(step, self.live_step), steps=self.own.of(step, self.live_step))
         snap = self.snapshots.find(kind, step)
         rank = self.shard if kind == "own" else self.left_chunk  # peers: one copy, shard = rank
         shard = unpack(snap, self.chunks, self.shards, rank)
         shard.buffers = self.history.of(step, self.live_step)
+        shard.steps = self.own.of(step, self.live_step)
         return shard
 
     # -- resharding ----------------------------------------------------------------------
@@ -438,6 +487,7 @@ class Sharded(BucketedGradients):
     @torch.no_grad()
     def _set_live(self, shard: ChunkState) -> None:
         self.settle()
+        self.own.reset(shard.step, shard.steps)
         for b, master in enumerate(self.masters):
             master.copy_(shard.master[b])
             own = self._own_params(b)
@@ -447,7 +497,7 @@ class Sharded(BucketedGradients):
             for key, values in shard.state.items():
                 value = values[b]
                 state[key] = value.clone() if value.dim() == 0 else value.to(master.device, copy=True)
-            if state:
+            if state and bucket_step(self.own.counts, self.members[b]):
                 self.optimizer.state[master] = state
             else:
                 self.optimizer.state.pop(master, None)
@@ -494,12 +544,22 @@ class Sharded(BucketedGradients):
         (``zero_format.named_state``): none where another rank holds the first copy of its
         chunk (``--shard-scope host``)."""
         live = self.export("live", self.live_step)
-        tensors, slices = (zero_format.named_state(self.buckets, self.chunks, self.names, self.shard, live)
+        tensors, slices = (zero_format.named_state(self.buckets, self.chunks, self.names, self.shard, live,
+                                                   self._own_scalars(live.steps or {}))
                            if self.first_copy else ({}, {}))
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [self.names[id(p)] for p in base["params"]]}
                   for g, base in zip(self.optimizer.param_groups, self.base_groups)]
         return tensors, {"param_groups": groups, "scalars": {}, "slices": slices}
+
+    def _own_scalars(self, counts: dict[str, int]) -> Callable[[str], dict[str, torch.Tensor] | None]:
+        """Each parameter's own 0-dim state by name, at its count in ``counts`` (None: never updated)."""
+        group = {self.names[id(p)]: self.bucket_group[self.bucket_of[id(p)]] for p in self.params}
+
+        def scalars(name: str) -> dict[str, torch.Tensor] | None:
+            count = counts.get(name, 0)
+            return {k: v.cpu() for k, v in self._clock(group[name]).at(count).items()} if count else None
+        return scalars
 
     def load_named(self, tensors: dict[str, torch.Tensor], step: int) -> None:
         """Load whole-parameter optimizer state keyed ``<param name>/<key>`` (a checkpoint's,

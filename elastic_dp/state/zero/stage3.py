@@ -312,14 +312,13 @@ class FullySharded(UnitChunks, Sharded):
     @torch.no_grad()
     def optimizer_step(self, step: int) -> None:
         """Update the chunks; nothing is gathered: the next forward gathers each unit."""
+        before, after = self._counts_after()
         for b in self.forward_order:
-            master, grad = self.masters[b], self.grad_chunks[b]
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-            self.optimizer.step()
-            master.grad = None
+            self._update(b, self.grad_chunks[b], before, after)
+            master = self.masters[b]
             if self.param_chunks[b].data_ptr() != master.data_ptr():
                 self.param_chunks[b].copy_(master)
-        self.live_step = step + 1
+        self.live_step, self.own.counts = step + 1, after
 
     def _gather_params(self) -> None:
         pass  # after a re-cut or a load: gathered on demand

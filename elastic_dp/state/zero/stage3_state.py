@@ -131,8 +131,13 @@ class UnitChunks:
         got, state = checkpoint.read_ranges(ranges, whole=lambda k: k == "rng" or (k.startswith("model/")
                                                                                   and k not in params))
         self._load_buffers(state.model)
+        stepped = {n: p for n, p in ((self.names[id(p)], p) for p in self.params)}
+        with_state = {k.removeprefix("optim/").rpartition("/")[0] for k in tensors if k.startswith("optim/")
+                      and not k.endswith("/master")}
+        counts = zero_format.saved_counts(stepped, state.optimizer_tensors, with_state)
         chunk = [zero_format.chunk_from_ranges(self.buckets, self.chunks, self.names, r, self.shards,
-                                               state.step, got, fields, state.optimizer_tensors) for r in ranks]
+                                               state.step, got, fields, state.optimizer_tensors, counts)
+                 for r in ranks]
         for c in chunk:
             c.buffers = self.history.current()
         self._set_live(chunk[0])
