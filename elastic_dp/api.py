@@ -33,6 +33,7 @@ from elastic_dp.config import (
 from elastic_dp.control.coordinator import Coordinator
 from elastic_dp.control.membership import Membership
 from elastic_dp.control.membership.pool import WorkerPool
+from elastic_dp.data import ElasticSampler
 from elastic_dp.durable.checkpoint import CheckpointStore
 from elastic_dp.durable.storage import Storage
 from elastic_dp.errors import ClusterError, ConfigError, ElasticDPError
@@ -83,6 +84,9 @@ class Trainer:
     def fit(self) -> RunSummary:
         """Train to ``train.steps``; attaches to Ray, or starts an embedded local Ray."""
         check_before_ray(self.checkpoint, self.name)
+        probe = DatasetProbe(self.task) if _starts_local_ray(self.cluster) else None
+        if probe is not None:
+            probe.check(self.train, wait_s=DatasetProbe.WAIT_S)
         recorder = RunRecorder(self.out_dir, total_steps=self.train.steps, progress=self.progress,
                                tensorboard=self.metrics.tensorboard)  # refuses an unwritable one now
         peak = self.metrics.peak_tflops
@@ -96,6 +100,8 @@ class Trainer:
         if self.metrics.ray_metrics:
             recorder.exporters.append(RayMetrics(self.name))
         try:
+            if probe is not None:
+                probe.check(self.train, wait_s=0.0)  # a dataset that was built while Ray started
             return build_coordinator(self.task, self.train, self.cluster, self.checkpoint, recorder,
                                      self.faults, name=self.name, settings=self.settings).run()
         except ray.exceptions.RayTaskError as exc:
@@ -158,6 +164,41 @@ def check_before_ray(checkpoint: CheckpointConfig, name: str) -> None:
     store.storage.check_path()
     if checkpoint.resume == "latest":
         store.load()  # a clear error, naming the location, when it holds no checkpoint
+
+
+class DatasetProbe:
+    """The task's dataset built once on the driver, beside Ray's start, for its length: a
+    dataset smaller than one global batch is refused before Ray starts where it builds
+    within ``WAIT_S`` (else as soon as it is built, before any worker is placed), not after
+    the workers are set up. Only with an embedded local Ray (``_starts_local_ray``): the
+    data is on this machine, which builds it for every worker anyway; a cluster's driver
+    may not reach the workers' data, and the workers check it there as before. A factory
+    that fails here is left to the workers, which report what fails."""
+
+    WAIT_S = 1.0
+
+    def __init__(self, task: Task) -> None:
+        self.length: int | None = None
+        self._thread = threading.Thread(target=self._measure, args=(task,), name="edp-dataset-probe", daemon=True)
+        self._thread.start()
+
+    def _measure(self, task: Task) -> None:
+        try:
+            self.length = len(task.dataset())
+        except Exception:  # noqa: BLE001 — the workers build it too, and say what fails
+            logger.debug("the dataset could not be built on the driver", exc_info=True)
+
+    def check(self, train: TrainConfig, wait_s: float) -> None:
+        """Raise ConfigError (``ElasticSampler``'s) if the length, once known within
+        ``wait_s``, is under one global batch."""
+        self._thread.join(wait_s)
+        if self.length is not None:
+            ElasticSampler(self.length, global_batch=train.global_batch, seed=train.seed)
+
+
+def _starts_local_ray(cluster: ClusterConfig) -> bool:
+    """``_ensure_ray`` will start an embedded local Ray."""
+    return not ray.is_initialized() and not (cluster.address or os.environ.get("RAY_ADDRESS"))
 
 
 def _ensure_ray(cluster: ClusterConfig) -> bool:
