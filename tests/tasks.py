@@ -345,6 +345,21 @@ class MoEBlock(nn.Module):
         return out
 
 
+class MoEModel(nn.Module):
+    """The MoE layer as the model itself, its experts a ``ModuleList`` of the model: at
+    ZeRO-3 each expert is a unit of its own (the default units), which the samples of a
+    step choose differently on each rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = MoEBlock()
+        self.router, self.experts, self.hidden = layer.router, layer.experts, layer.hidden
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(MoEBlock.forward(self, x))
+
+
 class MoENet(nn.Module):
     """One MoE block (in a ``ModuleList``, as a transformer's blocks: ZeRO-3's unit, which
     every sample passes through) and a linear head."""
@@ -364,5 +379,6 @@ def moe_adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
 
 
-MOE_TASK = Task(model=MoENet, dataset=Regression, loss=mse, optimizer=moe_adamw,
+MOE_TASK = Task(model=MoEModel, dataset=Regression, loss=mse, optimizer=moe_adamw, eval_dataset=Regression,
                 defaults=TrainConfig(steps=12, global_batch=8, seed=11))
+MOE_BLOCK_TASK = dataclasses.replace(MOE_TASK, model=MoENet)

@@ -3,8 +3,10 @@ any worker, is left as plain PyTorch leaves a ``None`` gradient (no update, no m
 weight decay, its own step count not advanced), at ZeRO stages 0, 2 and 3, through a kill,
 a join and a resume at another stage and world size; one that some workers used gets the
 sum of their gradients. The model is a hand-written Mixture-of-Experts (one module per
-expert, top-1 of 16, AdamW with weight decay, slices of 2-4 samples): each step leaves
-about half of its experts unused, a different half on each worker."""
+expert in a ``ModuleList``, top-1 of 16, AdamW with weight decay, slices of 2-4 samples):
+each step leaves about half of its experts unused, a different half on each worker. At
+ZeRO-3 each expert is a unit of its own, which the ranks' samples skip differently: the
+units still take their turns in the same order on every rank (docs/zero.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from elastic_dp import CheckpointConfig
 from tests.reference import max_abs_diff, replay
 from tests.runs import fit
-from tests.tasks import MOE_TASK, mse
+from tests.tasks import MOE_BLOCK_TASK, MOE_TASK, Regression, mse
 
 TOL = 2e-5
 # N=1 and N=2 against the plain loop: 0 and 1.2e-7 at 12 steps (2026-12-04); a zero-filled
@@ -84,3 +86,35 @@ def test_each_optimizer_skips_a_parameter_without_a_gradient_as_torch_does(tmp_p
     save_file(initial, tmp_path / "initial.safetensors")
     trained, _, _ = train(task, config, 2, range(8), initial)
     assert max_abs_diff(trained, replay(task, config, str(tmp_path / "initial.safetensors"))) < TOL
+
+
+@pytest.mark.parametrize("task", [MOE_TASK, MOE_BLOCK_TASK], ids=["experts-as-units", "in-a-block"])
+@pytest.mark.parametrize("world, settings", [(2, {}), (3, {}), (2, {"reshard_after_forward": False}),
+                                             (3, {"micro_batch": 2})], ids=["2", "3", "2-keep", "3-micro"])
+def test_zero_3_takes_the_units_every_rank_s_samples_skipped_in_the_same_order(tmp_path, task, world, settings):
+    # each expert a unit (16 units and the root), or the layer one unit: the gathers and
+    # reduce-scatters of every rank match, and training and a held-out pass over each
+    # rank's own samples (choosing other experts) equal the plain loop's
+    from safetensors.torch import save_file
+
+    from tests.zero_runs import initial_weights, train
+
+    config = dataclasses.replace(task.defaults, steps=6, zero=3, eval_every=100, **settings)  # the held-out set built
+    initial = initial_weights(task, config.seed)
+    save_file(initial, tmp_path / "initial.safetensors")
+    held_out = {}
+
+    def evaluate(replica):
+        rank, ranks = replica.group.rank, replica.group.world_size
+        held_out[rank] = replica.evaluate(rank * 96 // ranks, (rank + 1) * 96 // ranks)
+
+    trained, _, replicas = train(task, config, world, range(6), initial, before_exit=evaluate)
+    assert replicas[0].strategy.root == (16 if task is MOE_TASK else 1)
+    assert max_abs_diff(trained, replay(task, config, str(tmp_path / "initial.safetensors"))) < TOL
+    model = task.model()
+    model.load_state_dict(trained)
+    data = Regression()
+    with torch.no_grad():
+        expected = float(mse(model, (data.x, data.y))) * len(data)
+    assert sum(n for _, n in held_out.values()) == len(data)
+    assert abs(sum(total for total, _ in held_out.values()) - expected) < 1e-5 * expected

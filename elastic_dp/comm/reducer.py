@@ -183,6 +183,20 @@ class GradientReducer:
             bucket.ready = True
             self._launch_ready()
 
+    def settle(self, params: list[torch.nn.Parameter]) -> None:
+        """``params`` will get no more gradient in this backward: those still pending count
+        as ready (adding zeros), and their buckets launch in order once complete (ZeRO-3:
+        at the same point on every rank, whichever parameters a rank's samples used)."""
+        if not self._armed:
+            return
+        for param in params:
+            bucket = self.buckets[self._bucket_of[id(param)]]
+            if id(param) not in bucket.seen:
+                bucket.seen.add(id(param))
+                bucket.pending -= 1
+                bucket.ready = bucket.pending == 0
+        self._launch_ready()
+
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].ready:
             self._launch(self._next)

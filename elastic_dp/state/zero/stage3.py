@@ -22,8 +22,12 @@ backward completes them, into the rank's gradient chunks (``GradientReducer``'s 
 mode, the pieces in backward order as its buckets: the last unit first, the root last,
 carrying the vote), and the full gradients are released.
 
-Collectives match by the order each rank issues them, which is the forward's and the
-backward's order of the units, the same on every rank. A rank whose forward or backward
+Collectives match by the order each rank issues them, which is the units' order: in the
+forward from the first to the last, in the backward the reverse, and every unit takes its
+turn on every rank, even where this rank's samples skip it (an MoE's experts as units of
+their own): a skipped unit is gathered and freed in its turn, and its gradient pieces,
+zeros, reduce-scattered in its turn of the backward (``_skip_forward``,
+``_enter_backward``, ``_finish_backward``). A rank whose forward or backward
 raises cannot follow that order any more: it aborts the generation's group (its peers'
 collectives fail at once) and its error, which the step reports, ends the run as a task
 error does at the other stages.
@@ -77,6 +81,9 @@ class FullySharded(UnitChunks, Sharded):
         """With micro-batches, during a step: the reduced gradient chunks of its micro-batches before the last."""
         self._gathered: set[int] = set()  # units whose full parameters are here (or on their way)
         self._backward_started: set[int] = set()
+        self._forward_next = 0  # the next unit whose turn it is in this forward (the units go in order)
+        self._backward_next = -1  # the next unit whose turn it is in this backward (the units in reverse)
+        self._backward_last: int | None = None  # the last unit whose turn it was in this backward
 
     # -- the cut ------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -207,22 +214,40 @@ class FullySharded(UnitChunks, Sharded):
         if self.generation != self.group.generation:
             return  # a forward outside training before any state (an evaluation is after one)
         self._backward_started = set()
+        self._forward_next, self._backward_next, self._backward_last = 0, self.root - 1, None
         self._gather(self.root, wait=False)
         if self.root:
             self._gather(0, wait=False)  # prefetched: it arrives while the root's first modules compute
         self._gather(self.root, wait=True)
 
     def _after_model(self) -> None:
+        if self.generation != self.group.generation:
+            return
+        for v in range(self._forward_next, self.root):  # the units this rank's samples skipped at the end
+            self._skip_forward(v)
+        self._forward_next = self.root
         if not torch.is_grad_enabled():  # no backward follows (an evaluation): free everything now
             self._free_all()
 
     def _before_unit(self, u: int) -> None:
         if self.generation != self.group.generation or u in self._backward_started:
             return  # (a recomputation in the backward runs the unit's forward again)
+        for v in range(self._forward_next, u):  # units this rank's samples skipped (an expert no sample chose)
+            self._skip_forward(v)
+        self._forward_next = max(self._forward_next, u + 1)
         self.faults.at("gather_forward")
         self._gather(u, wait=True)
         if u + 1 < self.root:
             self._gather(u + 1, wait=False)
+
+    def _skip_forward(self, v: int) -> None:
+        """Unit ``v``'s forward did not run on this rank: its gathers are issued as if it had
+        (the collectives of every rank must match), and it is freed as after a forward."""
+        self._gather(v, wait=False)
+        if v + 1 < self.root:
+            self._gather(v + 1, wait=False)
+        if not torch.is_grad_enabled() or (self.reshard_after_forward and v + 1 < self.root):
+            self._free([v])
 
     def _after_unit(self, u: int, out) -> None:
         if self.generation != self.group.generation or u in self._backward_started:
@@ -240,12 +265,38 @@ class FullySharded(UnitChunks, Sharded):
         """The gradient of unit ``u``'s output has arrived: its backward comes next."""
         if u in self._backward_started:
             return
-        self._backward_started.add(u)
-        self.faults.at("gather_backward")
-        self._gather(u, wait=True)
+        for v in range(self._backward_next, u, -1):  # units whose backward this rank skips
+            self._enter_backward(v, skipped=True)
+        self._enter_backward(u, skipped=False)
+
+    def _enter_backward(self, u: int, skipped: bool) -> None:
+        """Unit ``u``'s turn in the backward, in the same order on every rank (the units from
+        the last to the first, whether this rank's samples used them or not): the unit
+        before it is done (its parameters without a gradient settled, so that its pieces'
+        reduce-scatters start here on every rank), ``u`` gathered again if freed and
+        ``u - 1``'s gather started; a skipped unit is freed at once (no gradient comes)."""
+        if self._backward_last is not None:
+            self.reducer.settle(self.unit_params[self._backward_last])
+        self._backward_last, self._backward_next = u, u - 1
+        if not skipped:
+            self._backward_started.add(u)
+            self.faults.at("gather_backward")
+        self._gather(u, wait=not skipped)
         if u >= 1:
             self._gather(u - 1, wait=False)
-        self._grads_pending[u] = {id(p) for p in self.unit_params[u]}
+        if skipped:
+            self._free([u])
+        else:
+            self._grads_pending[u] = {id(p) for p in self.unit_params[u]}
+
+    def _finish_backward(self) -> None:
+        """The backward has ended: the units below the last one this rank's backward reached
+        take their turns, so every rank has issued the same gathers and reduce-scatters."""
+        for v in range(self._backward_next, -1, -1):
+            self._enter_backward(v, skipped=True)
+        if self._backward_last is not None:
+            self.reducer.settle(self.unit_params[self._backward_last])
+            self._backward_last = None
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is complete: a unit whose every parameter has one is freed."""
@@ -272,6 +323,7 @@ class FullySharded(UnitChunks, Sharded):
 
     def after_backward(self) -> None:
         try:
+            self._finish_backward()
             self.reducer.finish()  # its vote is not the step's: that travels with the last micro-batch
         except Exception as exc:
             raise self._collective_error("gradient reduce-scatter", exc) from None
@@ -284,6 +336,7 @@ class FullySharded(UnitChunks, Sharded):
 
     def reduce_gradients(self):
         try:
+            self._finish_backward()
             vote = super().reduce_gradients()
         finally:
             self._free_all()  # the root, and a unit whose backward some parameter skipped
