@@ -24,9 +24,12 @@ Warm spares (``--only spares``): the GPT job on 2 workers at ZeRO stages 0, 2 an
 driver, by the pid the ``mesh`` event gives) once step ``--crash-step`` - 1 has committed.
 Measured: from the kill to the first commit at full size (2 workers) and to the first
 commit at all, steps lost beyond the interrupted one, and what the spare cost while it
-stood by (its process's CPU seconds per step, from /proc; it takes part in no collective,
-so it receives nothing). Ray Train v2 in the same run, as in the crash part: its group
-restarts at full size from its checkpoint (``--every``).
+stood by (its process's CPU seconds per step, from /proc; it takes part in no collective).
+At stage 0 the spare is also run with a copy of the state every step and never
+(``--spare-copy-every 1`` and ``0``; the default run copies every 10): the members' median
+step time before the kill and the spare's CPU say what keeping it in step costs. Ray Train
+v2 in the same run, as in the crash part: its group restarts at full size from its
+checkpoint (``--every``).
 
     .venv/bin/python -m benchmarks.bench_recovery --steps 30 --every 8 --crash-step 20 [--only crash|hang|spares]
 """
@@ -120,11 +123,14 @@ def _worker_pids() -> set[int]:
     return set(worker_pids())
 
 
-def bench_spare(args: argparse.Namespace, work: Path, zero: int, spares: int) -> dict:
-    """One run: the GPT job at ``zero`` on 2 workers with ``spares``; rank 1 SIGKILLed by pid
-    once step ``crash_step`` - 1 committed."""
-    out = work / f"spares-{zero}-{spares}"
-    config = dataclasses.replace(TASK.defaults, steps=args.steps, micro_batch=None, warmup_steps=0, zero=zero)
+def bench_spare(args: argparse.Namespace, work: Path, zero: int, spares: int, copy_every: int | None = None) -> dict:
+    """One run: the GPT job at ``zero`` on 2 workers with ``spares`` (at stage 0, a copy of
+    the state to them every ``copy_every`` steps: ``--spare-copy-every``, None its default);
+    rank 1 SIGKILLed by pid once step ``crash_step`` - 1 committed."""
+    out = work / f"spares-{zero}-{spares}-{copy_every}"
+    copies = {} if copy_every is None else {"spare_copy_every": copy_every}
+    config = dataclasses.replace(TASK.defaults, steps=args.steps, micro_batch=None, warmup_steps=0, zero=zero,
+                                 **copies)
     trainer = Trainer(TASK, train=config, cluster=ClusterConfig(workers=2, min_workers=1, spares=spares),
                       out_dir=str(out), progress=False)
     failed: list[BaseException] = []
@@ -167,7 +173,11 @@ def bench_spare(args: argparse.Namespace, work: Path, zero: int, spares: int) ->
                "steps_trained_short": sum(m["world_size"] < 2 for m in after),
                "steps_lost": max(0, change["steps_rerun"] - 1),  # committed steps trained again
                "steps_rerun": change["steps_rerun"], "promoted": change.get("promoted", 0),
-               "detect_s": change["detect_s"], "reform_s": change["reform_s"]}
+               "detect_s": change["detect_s"], "reform_s": change["reform_s"],
+               "median_step_s_before_kill": round(statistics.median(
+                   m["step_s"] for m in before if m["step"] >= args.crash_step // 2), 5)}
+    if "state_sent" in change:  # stage 0: how many members were sent the state (a spare holding it: none)
+        figures["state_sent"] = change["state_sent"]
     assert steps == list(range(args.steps)), steps  # each step committed once
     if standing_by:  # the spare's CPU while it stood by, between the two reads
         spent = sum(cpu_before[p] - cpu_half[p] for p in standing_by)
@@ -178,7 +188,12 @@ def bench_spare(args: argparse.Namespace, work: Path, zero: int, spares: int) ->
 
 
 def bench_spares(args: argparse.Namespace, work: Path) -> dict:
-    return {f"zero{zero}": {f"spares{k}": bench_spare(args, work, zero, k) for k in (1, 0)} for zero in (0, 2, 3)}
+    """Each stage with a spare and without; at stage 0 also a copy of the state to the spare
+    every step and never (``--spare-copy-every 1`` and ``0``): what keeping it in step costs."""
+    result = {f"zero{zero}": {f"spares{k}": bench_spare(args, work, zero, k) for k in (1, 0)} for zero in (0, 2, 3)}
+    for every in (1, 0):
+        result["zero0"][f"spares1_copy_every{every}"] = bench_spare(args, work, 0, 1, every)
+    return result
 
 
 def bench_ray_train(args: argparse.Namespace, work: Path) -> dict:

@@ -35,7 +35,8 @@ def test_standard_output_is_the_summary_alone_through_a_kill(tmp_path):
     assert proc.stdout.startswith("elastic_dp run summary\n"), proc.stdout[:2000]
     assert "raylet" not in proc.stdout and "A worker died" not in proc.stdout, proc.stdout
     assert "SIGTERM" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    assert "the injected fault kill:step=3:rank=1" in proc.stdout  # the summary's event names it
+    events = (tmp_path / "out" / "events.jsonl").read_text()  # what the run saw, where the summary misses it
+    assert "the injected fault kill:step=3:rank=1" in proc.stdout, (proc.stdout, events)  # the summary names it
 
 
 def test_gpt_job_writes_weights_metrics_events_and_summary(tmp_path):

@@ -100,6 +100,9 @@ class FakeMode:
     def standby(self, workers) -> None:
         self.calls.append(("standby", [w.id for w in workers]))
 
+    def state_copies(self) -> dict:
+        return {}
+
 
 @dataclasses.dataclass
 class FakeState:
@@ -350,3 +353,47 @@ def test_a_leave_notice_promotes_a_spare_at_the_next_boundary():
     change, *_ = _changes(coordinator)
     assert (change["world_size"], change["left"], change["joined"], change["promoted"]) == (3, 1, 1, 1)
     assert change["steps_rerun"] == 0 and "RECOVERING" not in _states(coordinator)
+
+
+class CopyingMode(FakeMode):
+    """A mode that copies the state to its spares at every step (``--spare-copy-every 1``,
+    stage 0), as ``ReplicatedLayout`` does: ``state_copies`` names the spares and their step."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.spares, self.copied = [], 0
+
+    def standby(self, workers) -> None:
+        super().standby(workers)
+        self.spares = list(workers)
+
+    def advance(self, step: int, limit: int | None = None, keep_going=lambda: True, wake=list) -> int:
+        self.copied = step  # the copy at the start of the window (one step a window here)
+        return super().advance(step, step + 1, keep_going, wake)
+
+    def state_copies(self) -> dict:
+        return {spare: self.copied for spare in self.spares}
+
+    def reform(self, members, failure) -> RecoveryResult:
+        self.calls.append(("reform", [m.id for m in members]))
+        self._form(members)
+        return RecoveryResult(classify(failure, self.copied), self.copied)
+
+
+def test_where_every_member_is_lost_the_spares_copy_is_kept_as_a_survivor_and_the_run_goes_back_to_it():
+    mode = CopyingMode(losses={4: [0, 1]})
+    coordinator, _, _ = _run(mode, workers=2, min_workers=1, spares=1, steps=8)
+    coordinator.run()
+    assert ("reform", [2]) in mode.calls  # the spare alone (the two replacements are not built yet)
+    assert _reason(coordinator, RunState.REFORMING) == "1 survivor(s), 0 joiner(s)"
+    change = _changes(coordinator)[0]
+    assert (change["lost"], change["promoted"], change["world_size"]) == (2, 1, 1)
+    assert coordinator.step == 8 and ("finish", 2) in mode.calls  # the replacements joined later
+
+
+def test_where_every_member_is_lost_a_newer_checkpoint_wins_over_a_spares_copy():
+    mode = CopyingMode(losses={4: [0, 1]})
+    mode.state_copies = lambda: {spare: 2 for spare in mode.spares}  # a copy older than the checkpoint
+    coordinator, _, _ = _run(mode, workers=2, min_workers=1, spares=1, steps=8, store=FakeStore(), every=3)
+    coordinator.run()
+    assert ("restore", 3) in mode.calls and not [c for c in mode.calls if c[0] == "reform"]

@@ -80,7 +80,7 @@ def _a_value_other_than_the_default(name: str):
               "shard_scope": "host", "reshard_after_forward": False, "balance": True, "prefetch": True, "batch_stats": "local",
               "max_staleness": 2, "staleness_lr": "inverse", "ps_shards": 2, "ps_device": "cpu", "sync_every": 10,
               "outer_lr": 1.0, "outer_momentum": 0.5, "outer_nesterov": False, "outer_reduce": "bf16",
-              "fragments": 2, "fragment_delay": 1, "zero": 1}
+              "fragments": 2, "fragment_delay": 1, "zero": 1, "spare_copy_every": 3}
     return values[name]  # a KeyError: a new part's setting needs a value here
 
 
@@ -93,7 +93,9 @@ def test_the_three_holes_of_the_old_checks_are_closed_from_the_command_line(caps
                        (["--snapshot-every", "3"], "--snapshot-every"),
                        (["--zero", "0", "--snapshot-every", "3"], "--snapshot-every"),
                        (["--shard-scope", "host"], "--shard-scope"),
-                       (["--zero", "2", "--no-reshard-after-forward"], "--no-reshard-after-forward")):
+                       (["--zero", "2", "--no-reshard-after-forward"], "--no-reshard-after-forward"),
+                       (["--zero", "2", "--spare-copy-every", "3"], "--spare-copy-every"),
+                       (["--mode", "diloco", "--spare-copy-every", "3"], "--spare-copy-every")):
         assert cli.main(["train", "jobs.gpt", "--no-progress", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert f"elastic-dp: error: {flag} is read only with" in err and "TrainConfig" not in err, err
@@ -141,6 +143,7 @@ def test_a_part_can_be_given_whole_and_is_then_changed_by_name():
      r"must be under the inner steps between two fragments' syncs, TrainConfig\.sync_every=6 // "
      r"TrainConfig\.fragments=2 = 3"),
     ({"zero": 1, "snapshot_every": 0}, r"snapshot_every must be >= 1, got 0 \(TrainConfig\.snapshot_every\)"),
+    ({"spare_copy_every": -1}, r"spare_copy_every must be >= 0, got -1 \(TrainConfig\.spare_copy_every\)"),
     ({"bucket_mb": 0}, r"\(TrainConfig\.bucket_mb\)"),
 ])
 def test_each_part_checks_its_own_settings_naming_them(settings, says):

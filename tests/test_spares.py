@@ -43,3 +43,30 @@ def test_a_promoted_spare_takes_the_lost_ranks_index_and_only_the_lost_chunk_mov
     change, = run.changes()
     assert (change["lost_ranks"], change["promoted"], change["world_size"]) == ([1], 1, 3)
     assert change["chunks_fetched"] == 2
+
+
+def test_a_spare_promoted_at_the_step_of_its_copy_is_sent_nothing(ray_cluster, tmp_path):
+    # a copy every 3 steps, at the start of the window from step 3: the kill in step 3 finds
+    # the spare holding the state after 3 steps, which is what the survivor holds
+    run = fit(TINY_GPT_TASK, tmp_path, workers=2, cluster={"spares": 1}, inject=["kill:step=3:rank=1"], steps=6,
+              spare_copy_every=3)
+    expected = replay(TINY_GPT_TASK, run.config, str(tmp_path / "initial.safetensors"))
+    assert max_abs_diff(run.weights(), expected) < TOL
+    change, = run.changes()
+    assert (change["promoted"], change["world_size"], change["steps_rerun"]) == (1, 2, 1)
+    assert change["state_sent"] == 0
+
+
+def test_every_member_lost_at_once_goes_back_to_the_spares_copy_and_ends_on_the_replay(ray_cluster, tmp_path):
+    # copies at steps 0, 2 and 4; both members killed in step 5: the spare's copy (the state
+    # after 4 steps) is all that survived, so the run goes back to it and re-runs steps 4 and 5
+    run = fit(TINY_GPT_TASK, tmp_path, workers=2, min_workers=1, cluster={"spares": 1}, steps=8,
+              inject=["kill:step=5:rank=0", "kill:step=5:rank=1"], spare_copy_every=2)
+    expected = replay(TINY_GPT_TASK, run.config, str(tmp_path / "initial.safetensors"))
+    assert max_abs_diff(run.weights(), expected) < TOL  # measured 1.2e-6 (8 steps, one run): 17x margin
+    change = run.changes()[0]
+    assert (change["lost"], change["promoted"], change["state_from"], change["restored_step"]) == (2, 1, "spare", 4)
+    assert change["steps_rerun"] == 2
+    # metrics.jsonl keeps both lines of a step trained again; the summary counts each step once
+    assert [m["step"] for m in run.lines("metrics")] == [0, 1, 2, 3, 4, 4, 5, 6, 7]
+    assert run.summary.steps == 8

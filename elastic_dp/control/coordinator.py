@@ -337,7 +337,8 @@ class Coordinator:
         return Transition(RunState.RUNNING, f"generation {self.mode.generation} formed over {len(members)}")
 
     def _recovering(self) -> Transition:
-        decision = self.membership.after_failure(self.failure.survivors, has_checkpoint=self._checkpoint_exists)
+        survivors = self.failure.survivors or self._copy_holders()
+        decision = self.membership.after_failure(survivors, has_checkpoint=self._checkpoint_exists)
         if decision.action is Action.FAIL:
             raise MembershipError(decision.reason)
         if decision.action is Action.WAIT:
@@ -349,6 +350,18 @@ class Coordinator:
         if decision.action is Action.RESTORE:
             return Transition(RunState.RESTORING, decision.reason)
         return Transition(RunState.REFORMING, decision.reason)
+
+    def _copy_holders(self) -> list:
+        """Where every member was lost: the spares that hold a copy of the state
+        (``TrainingMode.state_copies``), newest first, unless the checkpoint is newer. The
+        policy keeps them as it keeps survivors, and the mode goes back to their state."""
+        copies = {w: step for w, step in self.mode.state_copies().items() if w in self.membership.joiners}
+        if not copies:
+            return []
+        latest = self.store.latest() if self.store is not None else None
+        if latest is not None and latest.step > max(copies.values()):
+            return []
+        return sorted(copies, key=lambda w: -copies[w])
 
     def _waiting(self) -> Transition:
         self.sleep(self.poll_s)

@@ -172,5 +172,10 @@ class TrainingMode(Protocol):
 
     def standby(self, workers: Sequence[Any]) -> None:
         """Between steps: ``workers`` are ready beside the group, not members (the membership
-        policy keeps them), as of now; a mode may keep them in step with the state. Told
-        whenever the set changes; the modes today do nothing with them."""
+        policy keeps them), as of now; a mode may keep them in step with the state (the
+        synchronous mode at stage 0 copies it to them, ``--spare-copy-every``). Told
+        whenever the set changes."""
+
+    def state_copies(self) -> dict[Any, int]:
+        """Workers standing by that hold a whole copy of the state, and the step of each: where
+        every member is lost, the state that survived (none: the checkpoint's)."""

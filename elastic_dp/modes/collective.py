@@ -270,4 +270,7 @@ class OnCollectiveRun:
         pass  # the workers are all it has
 
     def standby(self, workers: list[Any]) -> None:
-        pass  # standby workers are not kept in step (TrainingMode.standby)
+        pass  # DiLoCo keeps no spare in step (the sync mode at stage 0 does: SyncMode.standby)
+
+    def state_copies(self) -> dict[Any, int]:
+        return self.run.layout.copies()

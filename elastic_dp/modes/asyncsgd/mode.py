@@ -169,6 +169,9 @@ class AsyncMode:
     def standby(self, workers: list[Any]) -> None:
         pass  # a ready worker is leased a step as soon as it joins: none waits beside the run
 
+    def state_copies(self) -> dict[Any, int]:
+        return {}  # the state is the parameter servers'
+
     def close(self) -> None:
         for actor in [*self.shards, *self._spawned, *([self.keeper] if self.keeper is not None else [])]:
             ray.kill(actor)

@@ -11,7 +11,10 @@ here; ``ShardedLayout`` (stages 1 to 3, whose state is cut into chunks alike) is
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Protocol
+
+import ray
 
 from elastic_dp.durable.checkpoint import Checkpoint
 from elastic_dp.faults import Fault
@@ -20,7 +23,9 @@ from elastic_dp.modes.base import Failure, Recovery, RecoveryResult, classify
 from elastic_dp.modes.calls import raise_for
 from elastic_dp.modes.sync.generations import Generations
 from elastic_dp.settings import implementation
-from elastic_dp.state.zero.settings import Stage
+from elastic_dp.state.zero.settings import Stage, Stage0
+
+logger = logging.getLogger(__name__)
 
 
 class StateLayout(Protocol):
@@ -44,6 +49,14 @@ class StateLayout(Protocol):
     def restore(self, members: list[Any], checkpoint: Checkpoint) -> None:
         """Form the next generation over ``members`` and load ``checkpoint`` into it."""
 
+    def before_window(self, step: int, limit: int, standby: list[Any]) -> int:
+        """Before a window from ``step`` (every member holds the state after ``step`` steps),
+        with ``standby`` the workers ready beside the group (spares): a layout may copy the
+        state to them. Returns where the window must end at the latest (``limit`` or sooner)."""
+
+    def copies(self) -> dict[Any, int]:
+        """Workers outside the group that hold a whole copy of the state: the step of each."""
+
 
 class ReplicatedLayout:
     """ZeRO stage 0: every member holds the whole state.
@@ -54,13 +67,24 @@ class ReplicatedLayout:
     state to receive a broadcast into); the group is formed after the copy. A failure in
     the middle leaves each member with a state this layout knows, so the next attempt
     starts from what is then the newest.
+
+    The spares standing by beside the group (``--spares``) are sent a copy of the state
+    every ``--spare-copy-every`` steps, at the start of a window: rank 0 puts its state in
+    the object store (the members wait for that alone) and each spare loads it while the
+    window trains. A spare promoted at the step its copy holds is sent nothing; and where
+    every member is lost at once, the spares' copies are the state that survived: the
+    newest is spread from its spare and the steps since are re-run (``ROLLED_BACK``).
     """
 
-    def __init__(self, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, generations: Generations, sampler_state: Callable[[], dict[str, int]],
+                 stage: Stage0 | None = None) -> None:
         self.gens = generations
         self.sampler_state = sampler_state
+        self.copy_every = stage.spare_copy_every if stage is not None else 0
         self.at: dict[Any, int] = {}
         """The state step each member holds (members without state are absent)."""
+        self._copies: dict[Any, int] = {}  # spare -> the step of the copy it loaded
+        self._loading: dict[Any, tuple[Any, int]] = {}  # spare -> (its load_state ref, the copy's step)
 
     def started(self, step: int) -> None:
         self.at = {m: step for m in self.gens.members}
@@ -71,19 +95,83 @@ class ReplicatedLayout:
 
     def reform(self, members: list[Any], failure: Failure, faults: dict[int, Fault]) -> RecoveryResult:
         holders = [m for m in failure.survivors if m in self.at]
-        if not holders:
-            return RecoveryResult(Recovery.STATE_LOST, reason="no surviving worker holds the training state")
+        details: dict[str, Any] = {}
+        if not holders:  # every member lost: a spare's copy is what survived, if any
+            self._settle(wait=True)
+            holders = [m for m in members if m in self._copies]
+            if not holders:
+                return RecoveryResult(Recovery.STATE_LOST, reason="no surviving worker holds the training state")
+            self.at.update({m: self._copies[m] for m in holders})
+            details["state_from"] = "spare"
         source = max(holders, key=self.at.__getitem__)  # the first of the newest, in rank order
         step = self.at[source]
-        self._spread(members, source, faults)
-        return RecoveryResult(classify(failure, step), step)
+        sent = self._spread(members, source, faults)
+        if details:
+            details["restored_step"] = step
+        return RecoveryResult(classify(failure, step), step, details={**details, "state_sent": sent})
 
     def resize(self, members: list[Any]) -> None:
         self._spread(members, self.gens.members[0], {})
 
-    def _spread(self, members: list[Any], source: Any, faults: dict[int, Fault]) -> None:
+    def before_window(self, step: int, limit: int, standby: list[Any]) -> int:
+        if not self.copy_every or not standby:
+            return limit
+        self._settle()
+        self._copies = {s: at for s, at in self._copies.items() if s in standby}  # a lost spare's went with it
+        if step % self.copy_every == 0:  # a spare still loading an earlier copy skips this one
+            behind = [s for s in standby if self._copies.get(s) != step and s not in self._loading]
+            if behind:
+                self._copy(step, behind)
+        return min(limit, (step // self.copy_every + 1) * self.copy_every)
+
+    def copies(self) -> dict[Any, int]:
+        self._settle()
+        return dict(self._copies)
+
+    def _copy(self, step: int, spares: list[Any]) -> None:
+        """Rank 0's state after ``step`` steps to ``spares``: the members wait until it is in
+        the object store; the spares load it in the background (``_settle``)."""
+        source = self.gens.members[0]
+        meta, state = source.actor.share_state.remote(step, self.sampler_state())
+        self.gens.run(self.gens.members, {meta: source})
+        for spare in spares:
+            self._copies.pop(spare, None)  # its copy is being replaced
+            self._loading[spare] = (spare.actor.load_state.remote(state), step)
+
+    def _settle(self, wait: bool = False) -> None:
+        """Take the spares' loads that finished (``wait``: wait for all, a hung spare found as
+        a hung member is); a spare whose load failed holds no copy (its loss is the
+        membership's to find)."""
+        if not self._loading:
+            return
+        refs = {ref: spare for spare, (ref, _) in self._loading.items()}
+        if wait:
+            outcome = self.gens.calls.gather(refs, self.gens.generation, what="a copy of the state to a spare")
+            loaded, ended = set(outcome.results), list(refs)
+        else:
+            ended, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            loaded = set()
+            for ref in ended:
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - any failure of the spare: no copy
+                    logger.info("%r: a copy of the state did not load (%s)", refs[ref], exc)
+                else:
+                    loaded.add(refs[ref])
+        for ref in ended:
+            spare = refs[ref]
+            _, step = self._loading.pop(spare)
+            if spare in loaded:
+                self._copies[spare] = step
+
+    def _spread(self, members: list[Any], source: Any, faults: dict[int, Fault]) -> int:
+        """The state of ``source`` to every member of ``members`` that does not hold it (a
+        spare holding a copy of that step is sent nothing), then the next generation formed
+        over them. Returns how many were sent it."""
         step = self.at[source]
-        needs = [m for m in members if self.at.get(m) != step]
+        if any(spare in members for spare in self._loading):
+            self._settle(wait=True)  # a spare promoted while loading a copy: its copy may be this step's
+        needs = [m for m in members if self.at.get(m, self._copies.get(m)) != step]
         if needs:
             meta, state = source.actor.share_state.remote(step, self.sampler_state())
             group = members if source in members else [source, *members]  # who survives if it dies
@@ -94,6 +182,9 @@ class ReplicatedLayout:
             raise_for(members, loaded)
         self.gens.form(members, faults)
         self.at = {m: step for m in members}
+        for member in members:  # promoted: a member now, its copy is the state
+            self._copies.pop(member, None)
+        return len(needs)
 
     def load(self, checkpoint: Checkpoint) -> None:
         self.at = {}  # members that loaded the checkpoint hold its state; the others, no known one
@@ -110,4 +201,4 @@ class ReplicatedLayout:
 
 def make_layout(stage: Stage, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> StateLayout:
     """The layout ``stage``'s part names (``Stage.layout``)."""
-    return implementation(stage.layout)(generations, sampler_state)
+    return implementation(stage.layout)(generations, sampler_state, stage)

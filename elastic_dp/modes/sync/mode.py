@@ -35,6 +35,7 @@ class SyncMode(OnCollectiveRun):
         self.balancer = Balancer(self.train.global_batch) if self.train.mode.balance else None
         self._sizes: tuple[int, ...] | None = None  # the last slicing recorded ...
         self._sized: list[Any] = []  # ... and the members it was for
+        self._standby: list[Any] = []  # the spares ready beside the group, to copy the state to
 
     # -- the step --------------------------------------------------------------------------
     def advance(self, step: int, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True,
@@ -45,8 +46,9 @@ class SyncMode(OnCollectiveRun):
         Returns the committed steps afterwards; a failure raises ``MembersLost`` naming
         the step it interrupted."""
         self._windows += 1
-        window = Window(self.gens, self.faults, self.run.sampler_state(), self._windows, step,
-                        step + 1 if limit is None else limit, keep_going, wake, self.slice_sizes)
+        limit = self.layout.before_window(step, step + 1 if limit is None else limit, self._standby)
+        window = Window(self.gens, self.faults, self.run.sampler_state(), self._windows, step, limit, keep_going,
+                        wake, self.slice_sizes)
         steps = window.run()
         try:
             while True:
@@ -85,6 +87,9 @@ class SyncMode(OnCollectiveRun):
         return sizes
 
     # -- membership changes ----------------------------------------------------------------
+    def standby(self, workers: list[Any]) -> None:
+        self._standby = list(workers)  # kept in step by the layout (stage 0: --spare-copy-every)
+
     # a joiner takes a place that was left (a promoted spare, the lost rank's): the state
     # comes from any holder (ZeRO's survivors keep their chunks and their snapshots' ring)
     def resize(self, members: list[Any]) -> None:

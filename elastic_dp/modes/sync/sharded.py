@@ -25,6 +25,7 @@ from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
 from elastic_dp.modes.base import Failure, Recovery, RecoveryResult, classify
 from elastic_dp.modes.sync.generations import Generations
+from elastic_dp.state.zero.settings import Stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +88,8 @@ class _Exported:
 class ShardedLayout:
     """ZeRO stages 1 and 2: every member holds one chunk; re-formation re-cuts them."""
 
-    def __init__(self, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, generations: Generations, sampler_state: Callable[[], dict[str, int]],
+                 stage: Stage | None = None) -> None:
         self.gens = generations
         self.exported: _Exported | None = None
         """Chunks exported for a re-formation that has not completed yet."""
@@ -119,6 +121,12 @@ class ShardedLayout:
     def resize(self, members: list[Any]) -> None:
         self._export(self.gens.members)  # every chunk is live at this step
         self._import(members, {})
+
+    def before_window(self, step: int, limit: int, standby: list[Any]) -> int:
+        return limit  # a spare holds no chunk before it is promoted (docs/elastic.md)
+
+    def copies(self) -> dict[Any, int]:
+        return {}
 
     def _export(self, holders: list[Any]) -> str | None:
         """Export the newest complete set of the current generation's chunks that

@@ -7,11 +7,12 @@ worker's state strategy (``strategy``) and the sync mode's driver half of its st
 know of a stage it asks of the part (``partitioned``, ``sharded``, ``shards_parameters``), never
 its number.
 
-Stage 0 (replicated state) reads no setting; stages 1-3 keep a copy of each worker's chunk
-on a peer (``--snapshot-every``); stage 3 alone gathers parameters, and may keep them from
-the forward to the backward (``--no-reshard-after-forward``). A setting of a stage the run
-does not use is refused (``elastic_dp.settings``). Stages 1-3 shard over every worker or,
-with ``--shard-scope host``, inside each host with replicas across hosts (HSDP).
+Stage 0 (replicated state) copies its state to the spares (``--spare-copy-every``);
+stages 1-3 keep a copy of each worker's chunk on a peer (``--snapshot-every``); stage 3
+alone gathers parameters, and may keep them from the forward to the backward
+(``--no-reshard-after-forward``). A setting of a stage the run does not use is refused
+(``elastic_dp.settings``). Stages 1-3 shard over every worker or, with ``--shard-scope
+host``, inside each host with replicas across hosts (HSDP).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from typing import Any, ClassVar, Literal
 
 from elastic_dp.errors import ConfigError
 from elastic_dp.settings import setting
+
+SPARE_COPY_EVERY = 10
+"""``--spare-copy-every``'s default (docs/elastic.md: what a copy costs, measured)."""
 
 
 def _snapshot_every() -> Any:
@@ -79,6 +83,16 @@ class Stage0(Stage):
     partitioned = frozenset()
     strategy = "elastic_dp.state.replicated:Replicated"
     layout = "elastic_dp.modes.sync.layouts:ReplicatedLayout"
+    spare_copy_every: int = setting(
+        SPARE_COPY_EVERY, "--spare-copy-every", metavar="K", help=(
+            f"with --spares, the replicated state is copied to each spare every K committed steps (default "
+            f"{SPARE_COPY_EVERY}; 0: never), in the background of the spare: a spare promoted at a step it holds "
+            "receives nothing, and where every member is lost at once the run goes back to the newest spare's copy "
+            "and re-runs the steps since, instead of the checkpoint (docs/elastic.md)"))
+
+    def __post_init__(self) -> None:
+        if self.spare_copy_every < 0:
+            raise ConfigError(f"spare_copy_every must be >= 0, got {self.spare_copy_every} (--spare-copy-every)")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
