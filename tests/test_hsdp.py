@@ -2,8 +2,8 @@
 host it runs on (no Ray): the state cut inside each block of a host and replicated across
 hosts, against a one-process replay of the same batches, on hosts of equal and unequal
 sizes; a checkpoint written by one copy of each chunk, resumed at another world size and
-scope; every parameter all-gather inside a block. Over real Ray nodes and links:
-tests/test_zero_elastic.py and benchmarks/scenarios/test_hosts.py."""
+scope; every parameter all-gather inside a block. Over real Ray nodes and links, through
+kills, joins and lost hosts: benchmarks/scenarios/test_hosts.py."""
 
 from __future__ import annotations
 

@@ -140,10 +140,11 @@ def test_the_gpt_job_across_two_hosts_ends_on_the_replay_and_sends_the_plans_byt
           f"per step (plan {expected:.3f}x)")
 
 
-@pytest.mark.parametrize("options", [("all_reduce=hierarchical",), ("zero=3", "shard_scope=host", "task=gpt")],
-                         ids=["hierarchical", "zero3-host-gpt"])
+@pytest.mark.parametrize("options", [("all_reduce=hierarchical",), ("zero=2", "shard_scope=host", "task=gpt"),
+                                     ("zero=3", "shard_scope=host", "task=gpt")],
+                         ids=["hierarchical", "zero2-host-gpt", "zero3-host-gpt"])
 def test_a_kill_and_a_join_across_hosts_end_on_the_replay(bed, tmp_path, options):
-    """The tiny GPT with the hierarchical all-reduce; jobs.gpt at ZeRO-3 under
+    """The tiny GPT with the hierarchical all-reduce; jobs.gpt at ZeRO-2 and ZeRO-3 under
     ``--shard-scope host``, where the kill leaves hosts of 1 and 2 workers (blocks of one:
     every worker a whole copy of the state) and the join 2 and 2 again (each host a copy):
     each re-cut from the replicas, no checkpoint (none is configured)."""
