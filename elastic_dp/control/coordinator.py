@@ -423,8 +423,8 @@ class Coordinator:
                 self.step = lost.step
             cause, leave = lost.cause, None
             injected = self.faults.explain(self.step, lost.lost_ranks)
-            if injected is not None:  # the loss was asked for: say so, beside the signal that found it
-                cause = f"{cause} (the injected fault {injected}, --inject)"
+            if injected is not None:  # the loss was asked for: say so first (the summary's line is cut short)
+                cause = f"the injected fault {injected} (--inject), found by: {cause}"
             forced = [self._forced[m] for m in lost.lost if m in self._forced]
             if forced:
                 notice, at = forced[0]
