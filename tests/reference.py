@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -44,6 +45,7 @@ def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None =
     schedule = scheduler(optimizer) if scheduler is not None else None
     lr_factor = lr_factor or config.lr_factor
     autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
+    compressor = PowerSGDContract(model, config) if config.buckets.compressor is not None else None
     for step in range(config.steps if steps is None else steps):
         batch = _to(task.collate([dataset[int(i)] for i in sampler.batch(step)]), torch.device(device))
         optimizer.zero_grad()
@@ -53,6 +55,8 @@ def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None =
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         finite = torch.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)
         if finite:  # a step with a non-finite loss or gradient is a no-op (docs/sync.md)
+            if compressor is not None:
+                compressor.apply()
             if config.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
             if schedule is None:
@@ -62,6 +66,76 @@ def replay(task: Task, config: TrainConfig, initial: str, *, steps: int | None =
         if schedule is not None:
             schedule.step()  # a skipped step is still a step of the run
     return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+class PowerSGDContract:
+    """The replay contract of ``--compress powersgd`` (docs/compression.md), written from
+    the documentation: PowerSGD applied to the global gradient with one error buffer, a
+    bucket at a time. The buckets are the run's partition of the parameters
+    (``make_buckets``: the model's parameters last first, by size; it does not depend on
+    the world size). In a bucket, each tensor of two or more dimensions viewed as
+    ``(shape[0], -1)`` whose elements are more than ``min_ratio`` times its rank-``r``
+    factors' is compressed: ``M = G + E``, ``P = M Q``, ``P`` orthonormalised, ``Q = Mᵀ P``,
+    the gradient becomes ``P Qᵀ`` and ``E = M - P Qᵀ``; the other tensors keep their
+    gradient. ``Q`` is drawn at the bucket's first compressed step (a ``RandomState(seed)``
+    draw a bucket seeds ``torch.randn`` for each matrix, grouped by shape in order of
+    appearance) and warm-started after; every ``Q`` is orthonormalised before use
+    (Gram-Schmidt up to rank 2, QR above). The first ``start`` applied steps are not
+    compressed."""
+
+    def __init__(self, model: torch.nn.Module, config: TrainConfig) -> None:
+        from elastic_dp.comm.reducer import make_buckets  # the documented partition, as the sampler's rule
+
+        self.spec, buckets = config.buckets.compressor, config.buckets
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = [b.params for b in make_buckets(params, buckets.bucket_bytes, buckets.reduce_fp32,
+                                                         first_bucket_bytes=buckets.first_bucket_bytes("cpu"))]
+        self.rng = np.random.RandomState(config.seed)
+        self.applied = 0
+        self.errors: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, tensor) -> E
+        self.qs: dict[tuple[int, int], torch.Tensor] = {}
+        self.drawn: set[int] = set()
+
+    def apply(self) -> None:
+        """Replace the gradients (after a backward of the whole global batch) by the contract's."""
+        if self.applied >= self.spec.start:
+            for b, params in enumerate(self.buckets):
+                self._bucket(b, params)
+        self.applied += 1
+
+    def _bucket(self, b: int, params: list[torch.nn.Parameter]) -> None:
+        first = b not in self.drawn  # every bucket draws once, with or without a matrix to compress
+        generator = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000))) if first else None
+        self.drawn.add(b)
+        compressed: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            n = p.shape[0] if p.dim() else 1
+            m, r = p.numel() // n, min(p.shape[0] if p.dim() else 1, p.numel() // n, self.spec.rank)
+            if p.dim() >= 2 and (n + m) * r * self.spec.min_ratio < n * m:
+                compressed.setdefault((n, m, r), []).append(i)
+        for (n, m, r), members in compressed.items():
+            for i in members:
+                p = params[i]
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                matrix = grad.detach().float().reshape(n, m) + self.errors.get((b, i), torch.zeros(n, m))
+                q = self.qs[b, i] if not first else torch.randn(m, r, generator=generator)
+                q = _orthonormal(q.clone())
+                pm = _orthonormal(matrix @ q)
+                q = matrix.t() @ pm
+                approx = pm @ q.t()
+                self.errors[b, i], self.qs[b, i] = matrix - approx, q
+                if p.grad is not None:
+                    p.grad.copy_(approx.reshape(p.shape))
+
+
+def _orthonormal(matrix: torch.Tensor) -> torch.Tensor:
+    if matrix.shape[1] > 2:
+        return torch.linalg.qr(matrix)[0]
+    for i in range(matrix.shape[1]):
+        matrix[:, i] /= matrix[:, i].norm()
+        for j in range(i + 1, matrix.shape[1]):
+            matrix[:, j] -= (matrix[:, i] * matrix[:, j]).sum() * matrix[:, i]
+    return matrix
 
 
 RECORD_DIFFS = "EDP_RECORD_DIFFS"

@@ -24,12 +24,14 @@ def initial_weights(task: Task, seed: int) -> dict[str, torch.Tensor]:
 
 
 def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *, start=None, before_exit=None,
-          after_build=None, sizes=None, hosts=None):
+          after_build=None, sizes=None, hosts=None, parts=None):
     """Run ``steps`` on ``world`` thread ranks from ``initial`` weights (or a whole
     TrainingState ``start``, or a Checkpoint ``start`` each rank reads); return rank 0's final weights and every rank's training state.
     ``before_exit(replica)`` runs on each rank after its steps, while its group still exists;
     ``after_build(replica)`` before them; ``sizes``: the ranks' slice sizes (``--balance``'s),
-    instead of the equal split; ``hosts``: the host each rank is told it runs on. From ``initial`` weights each rank builds the model whole
+    instead of the equal split; ``hosts``: the host each rank is told it runs on; ``parts``: a dict that
+    gets each rank's checkpoint part after the steps, as the sync program writes it (with its
+    reduction's row). From ``initial`` weights each rank builds the model whole
     (``--init auto`` is ``whole`` then) and loads them."""
     if start is None and initial is not None and config.init == "auto":
         config = dataclasses.replace(config, init="whole")
@@ -42,7 +44,7 @@ def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *,
         if after_build is not None:
             after_build(replica)
         if isinstance(start, Checkpoint):
-            replica.load_checkpoint(start)
+            program.load_checkpoint(start)
         elif start is not None:
             replica.load_state(start)
         else:
@@ -54,6 +56,8 @@ def train(task: Task, config: TrainConfig, world: int, steps: range, initial, *,
             result = program.step(step, indices, sizes=sizes)
             assert result.committed, result.error
         state = replica.training_state(steps.stop, {"seed": config.seed})
+        if parts is not None:
+            parts[group.rank] = program.checkpoint_part(steps.stop, {"seed": config.seed})
         if before_exit is not None:
             before_exit(replica)
         return replica.model_state(), state, replica

@@ -86,6 +86,7 @@ class GradientReducer:
             [p for p in params if p.requires_grad], bucket_bytes, reduce_fp32, first_bucket_bytes=first_bucket_bytes,
             group_of=group_of, pad_to=pad_to)
         """The buckets, in launch order (``buckets``: the caller's, such as ZeRO-3's units)."""
+        self.reduction.bind(self.buckets)
         self.scatter_into = scatter_into
         if scatter_into is not None and scatter_in_place:
             raise ValueError("scatter_into and scatter_in_place exclude each other")

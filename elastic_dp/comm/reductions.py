@@ -4,7 +4,7 @@ The bucketed reducer (``elastic_dp.comm.reducer``) owns the buckets, the backwar
 and the order of launches; what each bucket's collective is, it asks of its
 ``Reduction`` (the shape of DDP's communication hooks: a bucket in, a handle out). A mode
 that reduces a tensor of its own goes through the same interface (DiLoCo's pseudo-gradient,
-``modes.diloco.program``). Two are built in:
+``modes.diloco.program``). These are built in:
 
 - ``AllReduce``: every rank receives the SUM of the tensor (ZeRO stage 0, DiLoCo's outer
   step); with ``wire_dtype`` the tensor crosses in that dtype (DiLoCo's ``--outer-reduce
@@ -12,6 +12,8 @@ that reduces a tensor of its own goes through the same interface (DiLoCo's pseud
 - ``ReduceScatter``: each rank receives its chunk of the SUM (ZeRO stages 1 to 3); with
   ``--shard-scope host`` (HSDP) its block's chunk, reduce-scattered inside the block and
   all-reduced among the chunk's replicas on the other hosts.
+- ``PowerSGD`` (``elastic_dp.comm.compression``, ``--compress powersgd``): every rank receives
+  a low-rank approximation of the SUM of each gradient matrix, with error feedback.
 - ``Hierarchical``: every rank receives the SUM, in three steps that keep most bytes inside
   the hosts (``--all-reduce hierarchical``, docs/hosts.md): a reduce-scatter among the ranks
   of each host, an all-reduce of each piece among its owners on the other hosts, an
@@ -66,6 +68,11 @@ class Reduction:
         if self._generation != self.group.generation:
             self._generation = self.group.generation
             self.resize(self.group.world_size)
+
+    def bind(self, buckets: list[Any]) -> None:
+        """The buckets this reduction will be launched on (``comm.reducer.Bucket``: their
+        parameters and where each starts), for one that reduces each parameter by its shape
+        (``comm.compression.PowerSGD``); the built-in ones reduce a bucket as a flat tensor."""
 
     def launch(self, index: int, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Any:
         """Start reducing bucket ``index``'s flat ``tensor`` (``out``: where this rank's

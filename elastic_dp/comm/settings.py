@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from elastic_dp.comm.compression import PowerSGDSpec, parse_compress
 from elastic_dp.errors import ConfigError
-from elastic_dp.settings import setting
+from elastic_dp.settings import OMIT, setting
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -30,12 +31,26 @@ class Buckets:
             "more than one of them, else flat; docs/hosts.md)"))
     reduce_fp32: bool = setting(True, off="--no-reduce-fp32",
                                 help="reduce bf16 gradients in bf16 (default: in fp32, even when parameters are bf16)")
+    compress: str | None = setting(
+        None, "--compress", kind=str, metavar="powersgd:rank=R[:start=S][:min-ratio=X]",
+        identity=lambda value, train: OMIT if value is None else value, help=(
+            "compress each gradient bucket's all-reduce (ZeRO stage 0): powersgd reduces each gradient matrix to a "
+            "rank-R approximation of the sum over the workers with error feedback, as torch's PowerSGD hook does, "
+            "after S steps uncompressed (default 10), the matrices whose elements are more than X times the "
+            "factors' (default 2); the run follows the contract of PowerSGD applied to the global gradient with one "
+            "error buffer at any worker count (docs/compression.md)"))
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb} (--bucket-mb)")
         if self.first_bucket_mb is not None and self.first_bucket_mb <= 0:
             raise ConfigError(f"first_bucket_mb must be positive, got {self.first_bucket_mb} (--first-bucket-mb)")
+        parse_compress(self.compress)
+
+    @property
+    def compressor(self) -> PowerSGDSpec | None:
+        """``--compress``, parsed (None: the buckets are all-reduced as they are)."""
+        return parse_compress(self.compress)
 
     @property
     def bucket_bytes(self) -> int:

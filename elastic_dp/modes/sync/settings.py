@@ -45,6 +45,13 @@ class SyncSettings(ModeSettings):
         if self.buckets.all_reduce is not None and self.zero.number != 0:
             raise ConfigError(f"--all-reduce {self.buckets.all_reduce} chooses ZeRO stage 0's all-reduce; stage "
                               f"{self.zero.number} reduce-scatters its gradients: drop --all-reduce")
+        if self.buckets.compress is not None and self.zero.number != 0:
+            raise ConfigError(f"--compress {self.buckets.compress} compresses ZeRO stage 0's all-reduce; the "
+                              f"compressed reduce-scatter of stage {self.zero.number} is not built yet: drop --compress, "
+                              "or train at --zero 0")
+        if self.buckets.compress is not None and self.buckets.all_reduce == "hierarchical":
+            raise ConfigError(f"--compress {self.buckets.compress} replaces the all-reduce with its own flat "
+                              "collectives, and --all-reduce hierarchical asks for the hosts' one: drop one of them")
 
     def check_run(self, train: Any, cluster: Any, checkpoint: Any) -> None:
         """``--batch-stats global`` makes one forward per worker and step: a ``--micro-batch``

@@ -1,0 +1,334 @@
+"""Compressed gradient reductions (``--compress``): fewer bytes on the wire than the sum.
+
+``PowerSGD`` (arXiv 1905.13727, as torch's ``powerSGD_hook`` does it for DDP) reduces each
+gradient matrix of a bucket to a low-rank approximation of the sum over the ranks, with
+error feedback; the other tensors of the bucket (vectors, and matrices too small for the
+rank to pay: ``min_ratio``) are all-reduced as they are. Its state (each rank's error, the
+warm-started factors ``Q``, the count of steps) is the reduction's, declared as
+``comm.reductions.Reduction`` says: saved and restored with the step, in checkpoints as
+one row a rank, agreed on by a new generation.
+
+The replay contract (docs/compression.md), which ``tests/reference.py`` follows: PowerSGD
+applied to the global gradient ``G`` (the sum over the ranks) with one error buffer ``E``:
+for each matrix ``M = G + E`` of a bucket (viewed as ``(shape[0], -1)``), ``P = M Q``, ``P``
+orthonormalised, ``Q = Mᵀ P``, the update ``P Qᵀ`` and ``E = M - P Qᵀ``. Each rank ``k``
+computes ``P`` and ``Q`` of its own ``M_k = G_k + E_k`` and the all-reduces sum them, which is
+exact because both are linear in ``M``; it keeps ``E_k = M_k - P Qᵀ / N``, so that the
+ranks' errors sum to the contract's ``E`` at any world size ``N``, whatever it was before:
+only that sum matters. A joiner starts with no error; a checkpoint's rows are summed into
+one rank's at a resume.
+
+The factors follow torch's hook, so that the same run under DDP with its hook reaches the
+same parameters up to float order: a bucket's ``Q`` is drawn the first time the bucket is
+compressed (``numpy.random.RandomState(seed).randint`` once a bucket, in launch order, seeds
+``torch.randn`` for each matrix, the bucket's tensors in its order, the model's last first
+as DDP's buckets hold them, grouped by shape in the order their shapes first appear) and
+orthonormalised; afterwards each step
+starts from the last step's ``Q``, orthonormalised again (warm start). For the first
+``start`` steps the buckets are all-reduced uncompressed and no error is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.comm.reductions import Reduction, _Thread
+from elastic_dp.errors import CollectiveError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PowerSGDSpec:
+    """``--compress powersgd:rank=R[:start=S][:min-ratio=X]``."""
+
+    rank: int
+    """The rank of each matrix's approximation."""
+    start: int = 10
+    """Steps all-reduced uncompressed before compression starts (torch's
+    ``start_powerSGD_iter``; its default is 1,000)."""
+    min_ratio: float = 2.0
+    """A matrix is compressed only where its elements are more than this many times the
+    factors' (torch's ``min_compression_rate``)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"--compress powersgd: rank must be >= 1, got {self.rank}")
+        if self.start < 0:
+            raise ConfigError(f"--compress powersgd: start must be >= 0, got {self.start}")
+        if self.min_ratio < 1:
+            raise ConfigError(f"--compress powersgd: min-ratio must be >= 1, got {self.min_ratio}")
+
+    def describe(self) -> str:
+        return f"powersgd:rank={self.rank}:start={self.start}:min-ratio={self.min_ratio:g}"
+
+
+COMPRESSORS = ("powersgd",)
+"""What ``--compress`` takes."""
+
+
+def parse_compress(text: str | PowerSGDSpec | None) -> PowerSGDSpec | None:
+    """``--compress``'s value: None, or ``powersgd:rank=R[:start=S][:min-ratio=X]``."""
+    if text is None or isinstance(text, PowerSGDSpec):
+        return text
+    name, *options = str(text).split(":")
+    if name not in COMPRESSORS:
+        raise ConfigError(f"--compress must be one of {', '.join(COMPRESSORS)} (powersgd:rank=R[:start=S]"
+                          f"[:min-ratio=X]), got {text!r}")
+    fields: dict[str, Any] = {}
+    kinds = {"rank": ("rank", int), "start": ("start", int), "min-ratio": ("min_ratio", float)}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in kinds or not value:
+            raise ConfigError(f"--compress powersgd takes rank=R, start=S and min-ratio=X, got {option!r} in {text!r}")
+        field, kind = kinds[key]
+        try:
+            fields[field] = kind(value)
+        except ValueError:
+            raise ConfigError(f"--compress powersgd: {key} must be a number, got {value!r} in {text!r}") from None
+    if "rank" not in fields:
+        raise ConfigError(f"--compress powersgd needs rank=R (powersgd:rank=2), got {text!r}")
+    return PowerSGDSpec(**fields)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What one bucket's reduction does with its tensors (``PowerSGD.bind``)."""
+
+    matrices: list[tuple[int, int, int, int]]
+    """Each compressed tensor, in the order its factors are drawn: (offset in the bucket,
+    rows, columns, rank)."""
+    plain: list[tuple[int, int]]
+    """Each tensor all-reduced as it is: (offset, elements)."""
+    dtype: torch.dtype
+    """The bucket's (its factors' too)."""
+
+    @property
+    def p_numel(self) -> int:
+        return sum(n * r for _, n, _, r in self.matrices)
+
+    @property
+    def q_numel(self) -> int:
+        return sum(m * r for _, _, m, r in self.matrices)
+
+
+class PowerSGD(Reduction):
+    """Low-rank compression of each gradient matrix with error feedback (module docstring)."""
+
+    name = "powersgd"
+    sums = False  # an approximation of the sum: the vote is cast on a channel of its own
+
+    def __init__(self, group: CollectiveGroup, spec: PowerSGDSpec, seed: int) -> None:
+        super().__init__(group)
+        self.spec, self.seed = spec, seed
+        self.plans: list[_Plan] = []
+        self.iter = 0
+        """Steps reduced so far (compression starts at ``spec.start``)."""
+        self.errors: dict[int, torch.Tensor] = {}
+        """This rank's error, by bucket (the bucket's length; zero outside its matrices)."""
+        self.qs: dict[int, torch.Tensor] = {}
+        """The last step's ``Q`` factors, by bucket (one flat tensor of each bucket's)."""
+        self._rng = np.random.RandomState(seed)
+        self._seeds: dict[int, int] = {}  # bucket -> the seed of its first factors, drawn at its launch
+        self._saved: tuple | None = None
+        self._thread = _Thread("edp-powersgd")
+        self._token = int.from_bytes(os.urandom(7), "little")  # this worker's, among a generation's
+        self._members: set[int] = set()  # the tokens of the generation the errors were last cut for
+        self.errors_lost = 0
+        """Workers whose error left the run with them (a failure or a leave: not handed over yet)."""
+
+    def bind(self, buckets: list[Any]) -> None:
+        plans = []
+        for bucket in buckets:
+            order = sorted(range(len(bucket.params)), key=lambda i: bucket.offsets[i])  # the bucket's: last first
+            by_shape: dict[tuple, list[tuple[int, int, int, int]]] = defaultdict(list)
+            plain = []
+            for i in order:
+                param, offset = bucket.params[i], bucket.offsets[i]
+                n = param.shape[0] if param.dim() > 0 else 1
+                m = param.numel() // max(n, 1)
+                rank = min(n, m, self.spec.rank)
+                if param.dim() >= 2 and (n + m) * rank * self.spec.min_ratio < n * m:
+                    by_shape[(n, m)].append((offset, n, m, rank))
+                else:
+                    plain.append((offset, param.numel()))
+            plans.append(_Plan([t for group in by_shape.values() for t in group], plain, bucket.dtype))
+        self.plans = plans
+
+    # -- the reduction ------------------------------------------------------------------------
+    def launch(self, index: int, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Any:
+        if out is not None:
+            raise ValueError("PowerSGD leaves its result in place: it takes no out")
+        compress = self.iter >= self.spec.start
+        if compress and index not in self.qs:  # the bucket's first compressed step: its draw, as torch's hook
+            self._seeds[index] = int(self._rng.randint(1_000_000_000))  # draws one for every bucket
+        if index == len(self.plans) - 1:
+            self.iter += 1  # the step's last bucket
+        if not compress or not self.plans[index].matrices:
+            return self.group.all_reduce_async(tensor)
+        return self._thread.submit(self._reduce, index, tensor, self.group.generation)
+
+    def _reduce(self, index: int, tensor: torch.Tensor, generation: int) -> None:
+        if self.group.generation != generation:
+            raise CollectiveError(f"a bucket launched in generation {generation} met generation "
+                                  f"{self.group.generation}", rank=self.group.rank)
+        # a group of its own over every rank: the training thread's collectives on the
+        # generation's group (the plain buckets, the vote) go on in their own order meanwhile
+        group = self.group.subgroup("world", generation=generation)
+        world_size = group.world_size
+        plan, flat = self.plans[index], tensor.view(-1)
+        error = self.errors.get(index)
+        if error is not None:
+            flat.add_(error)
+        kept = flat.clone()  # M_k = G_k + E_k, whose residual is this rank's next error
+        plain = torch.cat([flat[o:o + n] for o, n in plan.plain]) if plan.plain else None
+        works = [group.all_reduce_async(plain)] if plain is not None else []
+        matrices = [flat[o:o + n * m].view(n, m) for o, n, m, _ in plan.matrices]
+        qs = self._factors(index, plan, flat.dtype, flat.device)
+        p_flat = torch.empty(plan.p_numel, dtype=flat.dtype, device=flat.device)
+        ps = _split(p_flat, [(n, r) for _, n, _, r in plan.matrices])
+        for matrix, q, p in zip(matrices, qs, ps):
+            torch.matmul(matrix, q, out=p)
+        works.append(group.all_reduce_async(p_flat))
+        for work in works:
+            work.wait()
+        if plain is not None:  # the plain tensors' sum, into the bucket
+            at = 0
+            for o, n in plan.plain:
+                flat[o:o + n].copy_(plain[at:at + n])
+                at += n
+        for p in ps:
+            _orthonormalise(p)
+        q_flat = torch.empty(plan.q_numel, dtype=flat.dtype, device=flat.device)
+        qs = _split(q_flat, [(m, r) for _, _, m, r in plan.matrices])
+        for matrix, p, q in zip(matrices, ps, qs):
+            torch.matmul(matrix.t(), p, out=q)
+        group.all_reduce_async(q_flat).wait()
+        for matrix, p, q in zip(matrices, ps, qs):
+            torch.matmul(p, q.t(), out=matrix)  # the sum's approximation, in place of M_k
+        error = torch.zeros_like(flat)
+        share = 1.0 / world_size  # this rank's part of the approximation: the errors sum to the contract's
+        for o, n, m, _ in plan.matrices:
+            error[o:o + n * m] = kept[o:o + n * m] - flat[o:o + n * m] * share
+        self.errors[index] = error
+        self.qs[index] = q_flat
+
+    def _factors(self, index: int, plan: _Plan, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """This step's ``Q`` of each matrix of bucket ``index``: the last step's, orthonormalised
+        again, or (the bucket's first compressed step) drawn as torch's hook draws them."""
+        last = self.qs.get(index)
+        q_flat = torch.empty(plan.q_numel, dtype=dtype, device=device)
+        qs = _split(q_flat, [(m, r) for _, _, m, r in plan.matrices])
+        if last is not None:
+            q_flat.copy_(last)
+        else:  # a generator of its own: the training thread's draws are not touched
+            generator = torch.Generator().manual_seed(self._seeds.pop(index))
+            for q in qs:
+                q.copy_(torch.randn(*q.shape, generator=generator, dtype=dtype))
+        for q in qs:
+            _orthonormalise(q)
+        return qs
+
+    # -- its state ------------------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        state = {f"error/{b}": e for b, e in self.errors.items()}
+        state.update({f"q/{b}": q for b, q in self.qs.items()})
+        state["iter"] = torch.tensor([self.iter], dtype=torch.int64)
+        return state
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.errors = {int(k[6:]): v for k, v in state.items() if k.startswith("error/")}
+        self.qs = {int(k[2:]): v for k, v in state.items() if k.startswith("q/")}
+        self.iter = int(state["iter"][0]) if "iter" in state else 0
+        self._rng, self._seeds = np.random.RandomState(self.seed), {}
+        if self.iter > self.spec.start:  # every bucket drew at the first compressed step
+            for _ in self.plans:
+                self._rng.randint(1_000_000_000)
+
+    def save(self) -> None:
+        # the step replaces the errors and factors with new tensors: keeping references is a copy
+        self._saved = (dict(self.errors), dict(self.qs), self.iter, self._rng.get_state(), dict(self._seeds))
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            errors, qs, self.iter, rng, seeds = self._saved
+            self.errors, self.qs, self._seeds = dict(errors), dict(qs), dict(seeds)
+            self._rng.set_state(rng)
+
+    def resize(self, world_size: int) -> None:
+        """A new generation: its ranks take the step count and the factors of the first
+        rank that holds them (a joiner holds none); each keeps its own error (a joiner none),
+        so that the errors' sum is the one before."""
+        group = self.group
+        # each rank's token, whether it holds the state, and how many of the last generation's
+        # members that held an error it no longer finds
+        told = torch.zeros(2, world_size, dtype=torch.int64)
+        told[0, group.rank], told[1, group.rank] = self._token, 1 if self.iter else 0
+        group.all_reduce_async(told).wait()
+        members = set(told[0].tolist())
+        gone = len(self._members - members) if self.errors else 0
+        told2 = torch.zeros(world_size, dtype=torch.int64)
+        told2[group.rank] = gone
+        group.all_reduce_async(told2).wait()
+        self._members = members
+        if int(told2.max()):
+            self.errors_lost += int(told2.max())
+            if group.rank == int(torch.nonzero(told2)[0]):
+                logger.warning("gen %d rank %d: --compress powersgd: the error feedback of %d worker(s) that left "
+                               "went with them (handing it over is not built yet): from here the run is off the "
+                               "replay contract by their errors (docs/compression.md)", group.generation, group.rank,
+                               int(told2.max()))
+        if world_size == 1:
+            return
+        source = int(torch.nonzero(told[1])[0]) if bool(told[1].any()) else 0
+        count = torch.tensor([self.iter], dtype=torch.int64)
+        group.broadcast(count, source)
+        qs = {}
+        if int(count[0]) > self.spec.start:  # every bucket with matrices has its factors
+            for b, plan in enumerate(self.plans):
+                if plan.matrices:
+                    q = self.qs[b].clone() if group.rank == source else torch.empty(plan.q_numel, dtype=plan.dtype)
+                    qs[f"q/{b}"] = group.broadcast(q, source)
+        errors = self.errors
+        self.load_state({"iter": count, **qs})
+        self.errors = errors
+
+    def load_rows(self, rows: dict[str, torch.Tensor], rank: int, world_size: int) -> None:
+        """From a checkpoint: rank 0 takes the sum of every saved rank's error (the others
+        none), every rank the factors and the step count (the same on every saved rank): the
+        errors' sum is the saved one at any world size."""
+        state = {k: v[0].clone() for k, v in rows.items() if not k.startswith("error/")}
+        if rank == 0:
+            state.update({k: v.sum(dim=0) for k, v in rows.items() if k.startswith("error/")})
+        self.load_state(state)
+
+
+def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for rows, cols in shapes:
+        out.append(flat[at:at + rows * cols].view(rows, cols))
+        at += rows * cols
+    return out
+
+
+def _orthonormalise(matrix: torch.Tensor) -> None:
+    """Gram-Schmidt on the columns of ``matrix`` in place (torch's hook's, for ranks up to 2;
+    it takes QR above: the same columns up to float order and sign conventions)."""
+    if matrix.shape[1] > 2:
+        q, _ = torch.linalg.qr(matrix)
+        matrix.copy_(q)
+        return
+    for i in range(matrix.shape[1]):
+        col = matrix[:, i:i + 1]
+        col /= torch.norm(col)
+        if i + 1 < matrix.shape[1]:
+            rest = matrix[:, i + 1:]
+            rest -= torch.sum(col * rest, dim=0, keepdim=True) * col

@@ -1,0 +1,196 @@
+"""``--compress powersgd`` against its oracles: torch's own ``powerSGD_hook`` under DDP on the
+same batches, and the replay contract (PowerSGD applied to the global gradient with one
+error buffer, ``tests.reference.PowerSGDContract``) at 1, 2 and 3 workers and through a
+checkpoint saved at 3 and resumed at 2. Each compressed run is far from the uncompressed
+one (it really compresses). The ranks are threads on gloo (no Ray) but for the DDP peer,
+which runs in two processes of its own; a join on a Ray cluster is in test_compression_ray."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from elastic_dp import ElasticSampler, TrainConfig
+from elastic_dp.comm.compression import PowerSGDSpec, parse_compress
+from elastic_dp.durable.checkpoint import CheckpointStore, manifest_of, write_part
+from elastic_dp.errors import ConfigError
+from tests.reference import max_abs_diff, replay
+from tests.tasks import MLP_TASK, TINY_GPT_TASK
+from tests.zero_runs import initial_weights, train
+
+GPT_TOL = 2e-5  # float32 order: 12 AdamW steps of the tiny GPT, N = 1, 2, 3 against the contract
+# measured 2.7e-6 to 4.0e-6 (one run each, 2026-12-06): 5x margin; compression moves it 3.1e-2
+MLP_TOL = 1e-6  # 12 SGD steps of the MLP: measured 1.0e-7 to 1.3e-7 against the contract and 9.7e-8
+# against torch's hook (one run each, 2026-12-06): 7x margin; compression moves it 2.6e-2
+COMPRESSED_APART = 1e-2  # the compressed run differs from the uncompressed one by more than this
+
+
+def _save(weights: dict, path) -> str:
+    save_file(weights, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("task,spec,tol", [(TINY_GPT_TASK, "powersgd:rank=2:start=2", GPT_TOL),
+                                           (MLP_TASK, "powersgd:rank=1:start=2", MLP_TOL)], ids=["gpt", "mlp"])
+def test_powersgd_at_any_worker_count_reaches_the_replay_of_its_contract(tmp_path, task, spec, tol):
+    config = dataclasses.replace(task.defaults, steps=12, compress=spec)
+    initial = initial_weights(task, config.seed)
+    path = _save(initial, tmp_path / "initial.safetensors")
+    contract = replay(task, config, path)
+    assert max_abs_diff(contract, replay(task, dataclasses.replace(config, compress=None), path)) > COMPRESSED_APART
+    for world in (1, 2, 3):
+        weights, _, _ = train(task, config, world, range(12), initial)
+        assert max_abs_diff(weights, contract) < tol, world
+
+
+def test_a_checkpoint_saved_at_3_workers_resumes_at_2_on_the_replay(tmp_path):
+    """Each rank's error is a row of ``reduction/error/<bucket>``; at another world size the
+    rows are summed into one rank's, so that the errors' sum (all the contract keeps) goes on."""
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, steps=12, compress="powersgd:rank=2:start=2")
+    initial = initial_weights(task, config.seed)
+    contract = replay(task, config, _save(initial, tmp_path / "initial.safetensors"))
+    parts: dict = {}
+    train(task, config, 3, range(6), initial, parts=parts)
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    directory = store.begin(6)
+    reports = [write_part(store.storage, directory, parts[r]) for r in range(3)]
+    checkpoint = store.commit(directory, manifest_of(reports, step=6, sampler={"seed": config.seed}, world_size=3))
+    rows = [k for k in checkpoint.manifest["tensors"] if k.startswith("optim/reduction/error/")]
+    assert rows and all(checkpoint.manifest["tensors"][k]["shape"][0] == 3 for k in rows)
+    resumed, _, _ = train(task, config, 2, range(6, 12), None, start=checkpoint)
+    assert max_abs_diff(resumed, contract) < GPT_TOL
+    # the factors and the step count alone, without the errors, would not be
+    def drop_errors(replica) -> None:
+        reduction = replica.strategy.reduction
+        load = reduction.load_rows
+        reduction.load_rows = lambda rows, rank, world: load(
+            {k: v for k, v in rows.items() if not k.startswith("error/")}, rank, world)
+
+    without, _, _ = train(task, config, 2, range(6, 12), None, start=checkpoint, after_build=drop_errors)
+    assert max_abs_diff(without, contract) > 10 * GPT_TOL
+
+
+# -- torch's own hook under DDP -------------------------------------------------------------
+def _ddp_rank(rank: int, store: str, initial: str, out: str, spec: PowerSGDSpec, steps: int) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    task, config = MLP_TASK, MLP_TASK.defaults
+    model = task.model()
+    model.load_state_dict(load_file(initial))
+    ddp = DDP(model)
+    ddp.register_comm_hook(PowerSGDState(process_group=None, matrix_approximation_rank=spec.rank,
+                                         start_powerSGD_iter=spec.start, min_compression_rate=spec.min_ratio,
+                                         random_seed=config.seed), powerSGD_hook)
+    dataset, optimizer = task.dataset(), task.optimizer(model)
+    base = [g["lr"] for g in optimizer.param_groups]
+    sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
+    for step in range(steps):
+        mine = np.array_split(sampler.batch(step), 2)[rank]
+        optimizer.zero_grad()
+        task.loss(ddp, task.collate([dataset[int(i)] for i in mine])).backward()
+        for group, lr in zip(optimizer.param_groups, base):
+            group["lr"] = lr * config.lr_factor(step)
+        optimizer.step()
+    if rank == 0:
+        save_file({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+    dist.destroy_process_group()
+    os._exit(0)  # as tests/test_ddp_reference.py: DDP's reducer may hang in its destructor
+
+
+def test_powersgd_reaches_the_parameters_of_torchs_hook_under_ddp(tmp_path):
+    """torch's ``powerSGD_hook`` (rank 1, warm start, error feedback, uncompressed for the
+    first 2 steps) under DDP in two processes, each on the half of every global batch that
+    elastic_dp gives its rank: the same parameters up to float order. The MLP's matrices sit
+    in DDP's bucket in the order of elastic_dp's, last first; where DDP's rebuilt bucket
+    orders them otherwise (the tiny GPT's positional table before its token table), the
+    first factors are drawn in another order (docs/compression.md)."""
+    spec, steps = PowerSGDSpec(rank=1, start=2), 12
+    config = dataclasses.replace(MLP_TASK.defaults, steps=steps, micro_batch=None, compress=spec.describe())
+    initial = initial_weights(MLP_TASK, config.seed)
+    path = _save(initial, tmp_path / "initial.safetensors")
+    ours, _, _ = train(MLP_TASK, config, 2, range(steps), initial)
+    out = str(tmp_path / "ddp.safetensors")
+    mp.start_processes(_ddp_rank, args=(str(tmp_path / "store"), path, out, spec, steps), nprocs=2,
+                       start_method="spawn")
+    theirs = load_file(out)
+    assert max_abs_diff(ours, theirs) < MLP_TOL
+    assert max_abs_diff(theirs, replay(MLP_TASK, dataclasses.replace(config, compress=None), path)) > COMPRESSED_APART
+
+
+# -- the setting ---------------------------------------------------------------------------------
+def test_the_compress_setting_is_parsed_and_bad_values_are_named():
+    assert parse_compress("powersgd:rank=4") == PowerSGDSpec(rank=4, start=10, min_ratio=2.0)
+    assert parse_compress("powersgd:rank=1:start=0:min-ratio=3.5") == PowerSGDSpec(rank=1, start=0, min_ratio=3.5)
+    for text, says in (("int4", r"TrainConfig\.compress must be one of powersgd"), ("powersgd", "needs rank=R"),
+                       ("powersgd:rank=0", "rank must be >= 1"), ("powersgd:rank=2:start=-1", "start must be >= 0"),
+                       ("powersgd:rank=two", "rank must be a number"), ("powersgd:rank=2:depth=3", "takes rank=R")):
+        with pytest.raises(ConfigError, match=says):
+            TrainConfig(compress=text)
+    with pytest.raises(ConfigError, match=r"compressed reduce-scatter of stage 2 is not built yet"):
+        TrainConfig(zero=2, compress="powersgd:rank=2")
+    with pytest.raises(ConfigError, match=r"TrainConfig\.all_reduce='hierarchical' asks for the hosts' one"):
+        TrainConfig(compress="powersgd:rank=2", all_reduce="hierarchical")
+
+
+# -- a new generation: the factors agreed on, the errors' sum kept, a lost error said --------------
+def _reductions(world: int) -> list:
+    from elastic_dp.comm.compression import PowerSGD
+    from elastic_dp.comm.reducer import make_buckets
+
+    out = []
+    for _ in range(world):
+        params = [torch.nn.Parameter(torch.zeros(12, 10)), torch.nn.Parameter(torch.zeros(12))]
+        reduction = PowerSGD(None, PowerSGDSpec(rank=2, start=1), seed=7)
+        reduction.bind(make_buckets(params, 1 << 20, True))
+        out.append(reduction)
+    return out
+
+
+def _steps(reductions: list, members: list[int], generation: int, steps: int) -> None:
+    """``steps`` reductions of random gradients by ``reductions[m]`` for m in ``members``
+    (ranks in that order), in a generation of their own."""
+    from tests.ranks import run_ranks
+
+    def rank_fn(group):
+        reduction = reductions[members[group.rank]]
+        reduction.group = group
+        generator = torch.Generator().manual_seed(100 * generation + group.rank)
+        reduction.follow()  # a new generation: the reduction agrees on its state for it
+        for _ in range(steps):
+            reduction.follow()
+            reduction.launch(0, torch.randn(132, generator=generator)).wait()
+
+    run_ranks(len(members), rank_fn, generation=generation)
+
+
+def _error_sum(reductions: list, members: list[int]) -> torch.Tensor:
+    return sum(reductions[m].errors[0] for m in members)
+
+
+def test_a_joiner_takes_the_factors_and_the_errors_sum_is_kept_and_a_lost_error_is_counted():
+    reductions = _reductions(4)
+    _steps(reductions, [0, 1, 2], 0, 3)
+    before = _error_sum(reductions, [0, 1, 2])
+    assert float(before.abs().max()) > 0
+    # worker 3 joins as rank 1: it is given the factors and the step count, and no error
+    _steps(reductions, [0, 3, 1, 2], 1, 0)
+    for r in (1, 2, 3):
+        assert reductions[r].iter == reductions[0].iter and torch.equal(reductions[r].qs[0], reductions[0].qs[0])
+    assert 0 not in reductions[3].errors
+    assert torch.equal(_error_sum(reductions, [0, 1, 2]), before)
+    assert [r.errors_lost for r in reductions] == [0, 0, 0, 0]
+    _steps(reductions, [0, 3, 1, 2], 1, 1)  # the four reduce together
+    # worker 1 lost: its error goes with it, and the survivors say so
+    _steps(reductions, [0, 3, 2], 2, 1)
+    assert [reductions[r].errors_lost for r in (0, 2, 3)] == [1, 1, 1]
