@@ -178,19 +178,38 @@ def _error_sum(reductions: list, members: list[int]) -> torch.Tensor:
     return sum(reductions[m].errors[0] for m in members)
 
 
-def test_a_joiner_takes_the_factors_and_the_errors_sum_is_kept_and_a_lost_error_is_counted():
+def test_a_joiner_takes_the_factors_and_a_lost_workers_error_is_taken_over_from_its_copy():
+    """Workers 0-2 reduce as ranks 0-2, worker 3 joins as rank 1 (one host: each rank's error
+    is copied to the next rank, cyclically). A joiner gets the factors and the step count and
+    no error; a lost worker's error is taken over by the rank that held its copy, so the
+    errors' sum (all the contract keeps) is the one before; two neighbours lost together
+    lose the first's error with its copy, which the survivors count and say."""
     reductions = _reductions(4)
     _steps(reductions, [0, 1, 2], 0, 3)
-    before = _error_sum(reductions, [0, 1, 2])
-    assert float(before.abs().max()) > 0
-    # worker 3 joins as rank 1: it is given the factors and the step count, and no error
+    assert float(_error_sum(reductions, [0, 1, 2]).abs().max()) > 0
     _steps(reductions, [0, 3, 1, 2], 1, 0)
     for r in (1, 2, 3):
         assert reductions[r].iter == reductions[0].iter and torch.equal(reductions[r].qs[0], reductions[0].qs[0])
     assert 0 not in reductions[3].errors
-    assert torch.equal(_error_sum(reductions, [0, 1, 2]), before)
-    assert [r.errors_lost for r in reductions] == [0, 0, 0, 0]
-    _steps(reductions, [0, 3, 1, 2], 1, 1)  # the four reduce together
-    # worker 1 lost: its error goes with it, and the survivors say so
+    _steps(reductions, [0, 3, 1, 2], 1, 2)  # the four reduce together
+    before = _error_sum(reductions, [0, 3, 1, 2])
+    assert reductions[2].copy_of == reductions[1]._token  # rank 3 (worker 2) holds rank 2's (worker 1's)
+    _steps(reductions, [0, 3, 2], 2, 0)  # worker 1 lost
+    assert torch.allclose(_error_sum(reductions, [0, 3, 2]), before, atol=1e-6)
+    assert [reductions[r].errors_lost for r in (0, 2, 3)] == [0, 0, 0]
     _steps(reductions, [0, 3, 2], 2, 1)
-    assert [reductions[r].errors_lost for r in (0, 2, 3)] == [1, 1, 1]
+    # workers 3 and 2, ranks 1 and 2 now: worker 3's copy was on worker 2, which goes with it
+    _steps(reductions, [0], 3, 0)
+    assert reductions[0].errors_lost == 1
+
+
+def test_a_worker_lost_in_the_first_generation_has_its_error_taken_over():
+    reductions = _reductions(3)
+    _steps(reductions, [0, 1, 2], 0, 3)
+    before = _error_sum(reductions, [0, 1, 2])
+    _steps(reductions, [0, 2], 1, 0)  # worker 1 lost: worker 2, its right neighbour, held its copy
+    assert torch.allclose(_error_sum(reductions, [0, 2]), before, atol=1e-6)
+    assert [reductions[r].errors_lost for r in (0, 2)] == [0, 0]
+    for r in (0, 2):  # the new generation's first step does not commit: what it took over stays
+        reductions[r].restore()
+    assert torch.allclose(_error_sum(reductions, [0, 2]), before, atol=1e-6)

@@ -190,3 +190,19 @@ def test_a_sub_group_asked_for_by_an_earlier_generation_is_refused_not_built():
         return group.subgroup("host", generation=1).world_size
 
     assert run_ranks(2, rank_fn, generation=1, hosts=("A", "A")) == [2, 2]
+
+
+@pytest.mark.parametrize("hosts", ["AAAA", "AABB", "AAB", "ABC", "AABC", "A"])
+def test_the_near_ring_stays_inside_a_host_and_pairs_every_rank_with_one_keeper(hosts):
+    """A compressor's error copies (``Mesh.near_right``): a rank's keeper is on its host where
+    the host has another rank, else another lone rank's host; left and right are inverse, so
+    that every copy sent is received by exactly one rank."""
+    mesh = Mesh(tuple(hosts))
+    for rank in range(mesh.world_size):
+        right = mesh.near_right(rank)
+        assert mesh.near_left(right) == rank
+        alone = hosts.count(hosts[rank]) == 1
+        assert hosts[right] == hosts[rank] if not alone else hosts.count(hosts[right]) == 1
+    lone = [r for r in range(len(hosts)) if hosts.count(hosts[r]) == 1]
+    if len(lone) == 1:
+        assert mesh.near_right(lone[0]) == lone[0]  # alone among lone ranks: no keeper, no copy

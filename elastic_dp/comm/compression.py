@@ -16,16 +16,19 @@ computes ``P`` and ``Q`` of its own ``M_k = G_k + E_k`` and the all-reduces sum 
 exact because both are linear in ``M``; it keeps ``E_k = M_k - P Qᵀ / N``, so that the
 ranks' errors sum to the contract's ``E`` at any world size ``N``, whatever it was before:
 only that sum matters. A joiner starts with no error; a checkpoint's rows are summed into
-one rank's at a resume.
+one rank's at a resume; a worker that fails or leaves has its error taken over by the rank
+that holds its copy (every step each rank sends its ``M_k`` to its neighbour in the near
+ring, ``Mesh.near_ring``, which keeps ``M_k - P Qᵀ / N``; the vote waits for the copies, so
+a step commits only where every copy arrived).
 
 The factors follow torch's hook, so that the same run under DDP with its hook reaches the
 same parameters up to float order: a bucket's ``Q`` is drawn the first time the bucket is
 compressed (``numpy.random.RandomState(seed).randint`` once a bucket, in launch order, seeds
 ``torch.randn`` for each matrix, the bucket's tensors in its order, the model's last first
 as DDP's buckets hold them, grouped by shape in the order their shapes first appear) and
-orthonormalised; afterwards each step
-starts from the last step's ``Q``, orthonormalised again (warm start). For the first
-``start`` steps the buckets are all-reduced uncompressed and no error is kept.
+orthonormalised; afterwards each step starts from the last step's ``Q``, orthonormalised
+again (warm start). For the first ``start`` steps the buckets are all-reduced uncompressed
+and no error is kept.
 """
 
 from __future__ import annotations
@@ -110,6 +113,8 @@ class _Plan:
     """Each tensor all-reduced as it is: (offset, elements)."""
     dtype: torch.dtype
     """The bucket's (its factors' too)."""
+    numel: int
+    """The bucket's length (its error's)."""
 
     @property
     def p_numel(self) -> int:
@@ -140,10 +145,17 @@ class PowerSGD(Reduction):
         self._seeds: dict[int, int] = {}  # bucket -> the seed of its first factors, drawn at its launch
         self._saved: tuple | None = None
         self._thread = _Thread("edp-powersgd")
+        self.copies: dict[int, torch.Tensor] = {}
+        """The near ring's left neighbour's error, by bucket, as of this rank's own (its copy:
+        it comes back from here if that worker is lost)."""
+        self.copy_of: int | None = None
+        """The token of the worker whose error ``copies`` holds."""
         self._token = int.from_bytes(os.urandom(7), "little")  # this worker's, among a generation's
         self._members: set[int] = set()  # the tokens of the generation the errors were last cut for
+        self._tokens: list[int] = []  # each rank's token in the current generation
+        self._threaded = False  # this step sent a bucket to the thread: the vote goes there too
         self.errors_lost = 0
-        """Workers whose error left the run with them (a failure or a leave: not handed over yet)."""
+        """Workers whose error left the run with them and their copy (a lost host, or two neighbours)."""
 
     def bind(self, buckets: list[Any]) -> None:
         plans = []
@@ -160,7 +172,8 @@ class PowerSGD(Reduction):
                     by_shape[(n, m)].append((offset, n, m, rank))
                 else:
                     plain.append((offset, param.numel()))
-            plans.append(_Plan([t for group in by_shape.values() for t in group], plain, bucket.dtype))
+            plans.append(_Plan([t for group in by_shape.values() for t in group], plain, bucket.dtype,
+                               bucket.padded))
         self.plans = plans
 
     # -- the reduction ------------------------------------------------------------------------
@@ -170,11 +183,33 @@ class PowerSGD(Reduction):
         compress = self.iter >= self.spec.start
         if compress and index not in self.qs:  # the bucket's first compressed step: its draw, as torch's hook
             self._seeds[index] = int(self._rng.randint(1_000_000_000))  # draws one for every bucket
+        if index == 0:
+            self._threaded = False
         if index == len(self.plans) - 1:
             self.iter += 1  # the step's last bucket
         if not compress or not self.plans[index].matrices:
             return self.group.all_reduce_async(tensor)
+        self._threaded = True
         return self._thread.submit(self._reduce, index, tensor, self.group.generation)
+
+    def cast(self, ballot: Any, carried: bool) -> tuple[Any, Any]:
+        """Where buckets were compressed in this step, the vote and the payload go on the
+        reduction's thread and group after them: a rank's vote counts once its copies of the
+        errors have arrived, so that a step commits only where each error has its copy."""
+        if not self._threaded:
+            return super().cast(ballot, carried)
+        vote = ballot.tensor.clone()
+        payload = ballot.payload.clone() if ballot.payload is not None else None
+        generation = self.group.generation
+
+        def send() -> None:
+            group = self.group.subgroup("world", generation=generation)
+            works = [group.all_reduce_async(vote)] + ([group.all_reduce_async(payload)] if payload is not None else [])
+            for work in works:
+                work.wait()
+
+        done = self._thread.submit(send)
+        return (done, vote), ((done, payload) if payload is not None else None)
 
     def _reduce(self, index: int, tensor: torch.Tensor, generation: int) -> None:
         if self.group.generation != generation:
@@ -191,6 +226,10 @@ class PowerSGD(Reduction):
         kept = flat.clone()  # M_k = G_k + E_k, whose residual is this rank's next error
         plain = torch.cat([flat[o:o + n] for o, n in plan.plain]) if plan.plain else None
         works = [group.all_reduce_async(plain)] if plain is not None else []
+        right, left = group.mesh.near_right(group.rank), group.mesh.near_left(group.rank)
+        received = torch.empty_like(kept) if left != group.rank else None  # the left neighbour's M
+        if received is not None:  # its residual, this rank's copy of that error, needs only the result
+            works += group.exchange_async(kept, right, received, left)
         matrices = [flat[o:o + n * m].view(n, m) for o, n, m, _ in plan.matrices]
         qs = self._factors(index, plan, flat.dtype, flat.device)
         p_flat = torch.empty(plan.p_numel, dtype=flat.dtype, device=flat.device)
@@ -214,11 +253,10 @@ class PowerSGD(Reduction):
         group.all_reduce_async(q_flat).wait()
         for matrix, p, q in zip(matrices, ps, qs):
             torch.matmul(p, q.t(), out=matrix)  # the sum's approximation, in place of M_k
-        error = torch.zeros_like(flat)
         share = 1.0 / world_size  # this rank's part of the approximation: the errors sum to the contract's
-        for o, n, m, _ in plan.matrices:
-            error[o:o + n * m] = kept[o:o + n * m] - flat[o:o + n * m] * share
-        self.errors[index] = error
+        self.errors[index] = _residual(kept, flat, plan, share)
+        if received is not None:
+            self.copies[index] = _residual(received, flat, plan, share)
         self.qs[index] = q_flat
 
     def _factors(self, index: int, plan: _Plan, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -254,52 +292,85 @@ class PowerSGD(Reduction):
                 self._rng.randint(1_000_000_000)
 
     def save(self) -> None:
-        # the step replaces the errors and factors with new tensors: keeping references is a copy
-        self._saved = (dict(self.errors), dict(self.qs), self.iter, self._rng.get_state(), dict(self._seeds))
+        # the step replaces the errors, copies and factors with new tensors: keeping references is a copy
+        self._saved = (dict(self.errors), dict(self.copies), dict(self.qs), self.iter, self._rng.get_state(),
+                       dict(self._seeds))
 
     def restore(self) -> None:
         if self._saved is not None:
-            errors, qs, self.iter, rng, seeds = self._saved
-            self.errors, self.qs, self._seeds = dict(errors), dict(qs), dict(seeds)
+            errors, copies, qs, self.iter, rng, seeds = self._saved
+            self.errors, self.copies, self.qs, self._seeds = dict(errors), dict(copies), dict(qs), dict(seeds)
             self._rng.set_state(rng)
 
     def resize(self, world_size: int) -> None:
-        """A new generation: its ranks take the step count and the factors of the first
-        rank that holds them (a joiner holds none); each keeps its own error (a joiner none),
-        so that the errors' sum is the one before."""
+        """A new generation: the errors of the workers that left are taken over by the ranks
+        that held their copies, the step count and the factors are taken from the first rank
+        that holds them (a joiner holds none of it), and each rank's error is copied to its
+        near neighbour again: the errors' sum is the one the last generation left. Nothing
+        changes until every collective of it is done, and then it is what this step's
+        ``restore`` goes back to: a generation that fails here or in its first step leaves
+        the next one the same errors to take over."""
         group = self.group
-        # each rank's token, whether it holds the state, and how many of the last generation's
-        # members that held an error it no longer finds
-        told = torch.zeros(2, world_size, dtype=torch.int64)
+        told = torch.zeros(2, world_size, dtype=torch.int64)  # each rank's token; whether it holds the state
         told[0, group.rank], told[1, group.rank] = self._token, 1 if self.iter else 0
         group.all_reduce_async(told).wait()
-        members = set(told[0].tolist())
-        gone = len(self._members - members) if self.errors else 0
-        told2 = torch.zeros(world_size, dtype=torch.int64)
-        told2[group.rank] = gone
-        group.all_reduce_async(told2).wait()
-        self._members = members
-        if int(told2.max()):
-            self.errors_lost += int(told2.max())
-            if group.rank == int(torch.nonzero(told2)[0]):
+        tokens = told[0].tolist()
+        gone = self._members - set(tokens) if self.errors else set()
+        adopted = self.copy_of in gone and bool(self.copies)
+        errors = dict(self.errors)
+        if adopted:  # the worker this rank held a copy of left: its error goes on here
+            for b, copy in self.copies.items():
+                errors[b] = errors[b] + copy if b in errors else copy
+        counts = torch.zeros(2, world_size, dtype=torch.int64)
+        counts[0, group.rank], counts[1, group.rank] = len(gone), int(adopted)
+        group.all_reduce_async(counts).wait()
+        holders = [r for r in range(world_size) if told[1, r]]
+        agreed = self._agree(holders[0] if holders else 0)
+        right, left = group.mesh.near_right(group.rank), group.mesh.near_left(group.rank)
+        copies = self._copy_errors(errors, right, left) if int(agreed["iter"][0]) > self.spec.start else {}
+        # every collective is done: the new generation's state
+        self._tokens, self._members = tokens, set(tokens)
+        self.load_state(agreed)
+        self.errors, self.copies = errors, copies
+        self.copy_of = None if left == group.rank else tokens[left]
+        self.save()
+        lost = int(counts[0].max()) - int(counts[1].sum())
+        if lost > 0:
+            self.errors_lost += lost
+            if group.rank == int(torch.nonzero(counts[0])[0]):
                 logger.warning("gen %d rank %d: --compress powersgd: the error feedback of %d worker(s) that left "
-                               "went with them (handing it over is not built yet): from here the run is off the "
-                               "replay contract by their errors (docs/compression.md)", group.generation, group.rank,
-                               int(told2.max()))
-        if world_size == 1:
-            return
-        source = int(torch.nonzero(told[1])[0]) if bool(told[1].any()) else 0
-        count = torch.tensor([self.iter], dtype=torch.int64)
-        group.broadcast(count, source)
-        qs = {}
+                               "went with them, and no rank held its copy (a lost host, or two neighbours): from "
+                               "here the run is off the replay contract by their errors (docs/compression.md)",
+                               group.generation, group.rank, lost)
+
+    def _agree(self, source: int) -> dict[str, torch.Tensor]:
+        """Rank ``source``'s step count and factors, on every rank (as ``state`` names them)."""
+        group = self.group
+        count = group.broadcast(torch.tensor([self.iter], dtype=torch.int64), source)
+        agreed = {"iter": count}
         if int(count[0]) > self.spec.start:  # every bucket with matrices has its factors
             for b, plan in enumerate(self.plans):
                 if plan.matrices:
                     q = self.qs[b].clone() if group.rank == source else torch.empty(plan.q_numel, dtype=plan.dtype)
-                    qs[f"q/{b}"] = group.broadcast(q, source)
-        errors = self.errors
-        self.load_state({"iter": count, **qs})
-        self.errors = errors
+                    agreed[f"q/{b}"] = group.broadcast(q, source)
+        return agreed
+
+    def _copy_errors(self, errors: dict[int, torch.Tensor], right: int, left: int) -> dict[int, torch.Tensor]:
+        """Each rank's ``errors`` to its near right neighbour (``Mesh.near_right``), as the
+        steps copy them; the left neighbour's, received (none without a neighbour)."""
+        copies: dict[int, torch.Tensor] = {}
+        if left == self.group.rank:
+            return copies
+        for b, plan in enumerate(self.plans):  # every rank sends every bucket: a joiner's are zeros
+            if not plan.matrices:
+                continue
+            own = errors.get(b)
+            sent = own if own is not None else torch.zeros(plan.numel, dtype=plan.dtype)
+            received = torch.empty(plan.numel, dtype=plan.dtype)
+            for work in self.group.exchange_async(sent, right, received, left):
+                work.wait()
+            copies[b] = received
+        return copies
 
     def load_rows(self, rows: dict[str, torch.Tensor], rank: int, world_size: int) -> None:
         """From a checkpoint: rank 0 takes the sum of every saved rank's error (the others
@@ -309,6 +380,15 @@ class PowerSGD(Reduction):
         if rank == 0:
             state.update({k: v.sum(dim=0) for k, v in rows.items() if k.startswith("error/")})
         self.load_state(state)
+
+
+def _residual(kept: torch.Tensor, approximation: torch.Tensor, plan: _Plan, share: float) -> torch.Tensor:
+    """An error of one bucket: ``kept`` (a rank's M) less ``share`` of the approximation, on
+    the compressed matrices; zero on the tensors all-reduced as they are."""
+    error = torch.zeros_like(kept)
+    for o, n, m, _ in plan.matrices:
+        error[o:o + n * m] = kept[o:o + n * m] - approximation[o:o + n * m] * share
+    return error
 
 
 def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:

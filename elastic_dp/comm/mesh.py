@@ -161,6 +161,25 @@ class Mesh:
         ring = self.ring
         return ring[(ring.index(rank) - 1) % len(ring)]
 
+    def near_ring(self, rank: int) -> tuple[int, ...]:
+        """The ring of copies that stay near ``rank`` (a compressor's errors, which are copied
+        every step: docs/compression.md): the ranks of its host, where it has others; else
+        the ranks that are alone on their hosts, one ring over those hosts (only one: itself)."""
+        host = self.on_host(self.hosts[rank])
+        if len(host) > 1:
+            return host
+        return tuple(r for r in range(self.world_size) if len(self.on_host(self.hosts[r])) == 1)
+
+    def near_right(self, rank: int) -> int:
+        """The rank that keeps ``rank``'s near copy (itself: none does)."""
+        ring = self.near_ring(rank)
+        return ring[(ring.index(rank) + 1) % len(ring)]
+
+    def near_left(self, rank: int) -> int:
+        """The rank whose near copy ``rank`` keeps (itself: none)."""
+        ring = self.near_ring(rank)
+        return ring[(ring.index(rank) - 1) % len(ring)]
+
 
 def rank_order(members: Sequence[Any], host_of: Callable[[Any], str], previous: Sequence[Any] = ()) -> list[Any]:
     """A generation's rank order over ``members`` (given in the membership policy's order):

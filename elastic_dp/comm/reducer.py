@@ -239,9 +239,7 @@ class GradientReducer:
         else:
             bucket.work = self.reduction.launch(index, bucket.buffer)
         if last:  # right behind the vote (or the bucket), on every rank alike
-            if not carry:
-                self._vote = self.ballot.send(self.group)
-            self._payload = self.ballot.send_payload(self.group)
+            self._vote, self._payload = self.reduction.cast(self.ballot, carried=carry)
 
     def finish(self) -> Vote:
         """Launch the buckets backward did not, wait for all; gradients are then global.

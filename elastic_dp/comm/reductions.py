@@ -79,6 +79,14 @@ class Reduction:
         chunk of the result goes, for a scattering reduction); a handle with ``wait()``."""
         raise NotImplementedError
 
+    def cast(self, ballot: Any, carried: bool) -> tuple[Any, Any]:
+        """Right after the last bucket's launch: start the vote on its own channel (unless
+        the last bucket ``carried`` it) and the ballot's payload, each as (the handle, the
+        sum once waited for), or None. A reduction whose collectives run on a thread of its
+        own may start them there, after its own (``compression.PowerSGD``: after the copies
+        of its errors, so that a step counts only where every copy arrived)."""
+        return None if carried else ballot.send(self.group), ballot.send_payload(self.group)
+
     @property
     def parts(self) -> int:
         """How many chunks a scattering reduction cuts a bucket into (its buckets are padded

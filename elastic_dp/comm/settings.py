@@ -38,7 +38,8 @@ class Buckets:
             "rank-R approximation of the sum over the workers with error feedback, as torch's PowerSGD hook does, "
             "after S steps uncompressed (default 10), the matrices whose elements are more than X times the "
             "factors' (default 2); the run follows the contract of PowerSGD applied to the global gradient with one "
-            "error buffer at any worker count (docs/compression.md)"))
+            "error buffer at any worker count, a lost worker's error taken over from its copy on a neighbour "
+            "(docs/compression.md)"))
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
