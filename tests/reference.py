@@ -121,18 +121,22 @@ class PowerSGDContract:
                 q = self.qs[b, i] if not first else torch.randn(m, r, generator=generator)
                 q = _orthonormal(q.clone())
                 pm = _orthonormal(matrix @ q)
-                q = matrix.t() @ pm
-                approx = pm @ q.t()
-                self.errors[b, i], self.qs[b, i] = matrix - approx, q
+                q_next = matrix.t() @ pm
+                approx = pm @ q_next.t()
+                # a zero M (nobody used it, no error) gives a zero update and keeps its Q
+                self.errors[b, i], self.qs[b, i] = matrix - approx, q_next if q_next.abs().sum() > 0 else q
                 if p.grad is not None:
                     p.grad.copy_(approx.reshape(p.shape))
 
 
 def _orthonormal(matrix: torch.Tensor) -> torch.Tensor:
+    """The columns made orthonormal in turn; a column of zeros stays zero."""
     if matrix.shape[1] > 2:
         return torch.linalg.qr(matrix)[0]
     for i in range(matrix.shape[1]):
-        matrix[:, i] /= matrix[:, i].norm()
+        norm = matrix[:, i].norm()
+        if norm > 0:
+            matrix[:, i] /= norm
         for j in range(i + 1, matrix.shape[1]):
             matrix[:, j] -= (matrix[:, i] * matrix[:, j]).sum() * matrix[:, i]
     return matrix
@@ -144,8 +148,11 @@ RECORD_DIFFS = "EDP_RECORD_DIFFS"
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference of two weight sets; NaN where either holds a NaN (a
+    comparison with NaN is always false, so no bound passes it: Python's ``max`` would skip it)."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    diffs = [float((a[k].float() - b[k].float()).abs().max()) for k in a]
+    diff = float("nan") if any(d != d for d in diffs) else max(diffs)
     if os.environ.get(RECORD_DIFFS):  # the test's id reaches the scenario scripts through the environment
         test = os.environ.get("PYTEST_CURRENT_TEST", " ".join(sys.argv)).rsplit(" (", 1)[0]
         caller = sys._getframe(1)

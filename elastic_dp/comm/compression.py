@@ -247,12 +247,16 @@ class PowerSGD(Reduction):
         for p in ps:
             _orthonormalise(p)
         q_flat = torch.empty(plan.q_numel, dtype=flat.dtype, device=flat.device)
+        started = qs  # this step's Q, orthonormalised
         qs = _split(q_flat, [(m, r) for _, _, m, r in plan.matrices])
         for matrix, p, q in zip(matrices, ps, qs):
             torch.matmul(matrix.t(), p, out=q)
         group.all_reduce_async(q_flat).wait()
-        for matrix, p, q in zip(matrices, ps, qs):
+        for matrix, p, q, before in zip(matrices, ps, qs, started):
             torch.matmul(p, q.t(), out=matrix)  # the sum's approximation, in place of M_k
+            # a matrix whose M was zero on every rank (a parameter nobody used, with no error)
+            # keeps its Q: a zero Q would stay zero and never pass its gradient again
+            q.copy_(torch.where(q.abs().sum() > 0, q, before))
         share = 1.0 / world_size  # this rank's part of the approximation: the errors sum to the contract's
         self.errors[index] = _residual(kept, flat, plan, share)
         if received is not None:
@@ -401,14 +405,16 @@ def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tens
 
 def _orthonormalise(matrix: torch.Tensor) -> None:
     """Gram-Schmidt on the columns of ``matrix`` in place (torch's hook's, for ranks up to 2;
-    it takes QR above: the same columns up to float order and sign conventions)."""
+    it takes QR above: the same columns up to float order and sign conventions). A column of
+    zeros stays zero (torch's hook makes it NaN: a parameter nobody used, with no error)."""
     if matrix.shape[1] > 2:
         q, _ = torch.linalg.qr(matrix)
         matrix.copy_(q)
         return
     for i in range(matrix.shape[1]):
         col = matrix[:, i:i + 1]
-        col /= torch.norm(col)
+        norm = torch.norm(col)
+        col /= torch.where(norm > 0, norm, torch.ones_like(norm))
         if i + 1 < matrix.shape[1]:
             rest = matrix[:, i + 1:]
             rest -= torch.sum(col * rest, dim=0, keepdim=True) * col
