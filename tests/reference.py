@@ -9,6 +9,7 @@ elastic_dp.data) and the learning-rate rule of TrainConfig are shared.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -152,7 +153,7 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     comparison with NaN is always false, so no bound passes it: Python's ``max`` would skip it)."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     diffs = [float((a[k].float() - b[k].float()).abs().max()) for k in a]
-    diff = float("nan") if any(d != d for d in diffs) else max(diffs)
+    diff = float("nan") if any(math.isnan(d) for d in diffs) else max(diffs)
     if os.environ.get(RECORD_DIFFS):  # the test's id reaches the scenario scripts through the environment
         test = os.environ.get("PYTEST_CURRENT_TEST", " ".join(sys.argv)).rsplit(" (", 1)[0]
         caller = sys._getframe(1)
