@@ -237,3 +237,21 @@ def test_an_expert_no_worker_chose_gets_no_update_under_compression_and_one_some
         weights, _, _ = train(MOE_TASK, config, world, range(6), initial)
         assert max_abs_diff(weights, contract) < MLP_TOL, world  # measured 1.2e-7 to 2.7e-7
         assert max_abs_diff(weights, zero_filled) > 1e-2, world
+
+
+def test_a_re_formation_finds_an_error_that_left_with_its_copy():
+    """``lost_errors`` over the survivors' holdings: the last generation's workers A, B, C, D,
+    each holding the copy of its left neighbour's error (B holds A's, C holds B's, ...)."""
+    from elastic_dp.comm.compression import lost_errors
+
+    members = [1, 2, 3, 4]
+
+    def held(token, copy_of):
+        return {"token": token, "copy_of": copy_of, "members": members, "errors": True}
+
+    everyone = {1: held(1, 4), 2: held(2, 1), 3: held(3, 2), 4: held(4, 3)}
+    assert lost_errors([everyone[t] for t in (1, 3, 4)]) == 0  # B lost: C holds its copy
+    assert lost_errors([everyone[t] for t in (1, 4)]) == 1  # B and C lost: B's copy went with C
+    assert lost_errors([everyone[t] for t in (1, 3)]) == 0  # B and D: their copies on C and A
+    assert lost_errors([dict(everyone[1], errors=False)]) == 0  # no error yet: nothing to lose
+    assert lost_errors([{}]) == 0  # an uncompressed run

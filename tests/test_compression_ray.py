@@ -35,3 +35,20 @@ def test_kills_before_and_after_the_vote_end_on_the_replay_of_the_contract(ray_c
     assert (lost[0]["step"], lost[0]["steps_rerun"]) == (4, 1)
     assert lost[1]["step"] == 9 and lost[1]["steps_rerun"] in (0, 1)  # 0: the window was ending at 9 anyway
     assert lost[0]["promoted"] == 1
+
+
+def test_an_error_lost_with_its_copy_restarts_from_the_checkpoint(ray_cluster, tmp_path):
+    """Ranks 1 and 2 of 3 killed in one step: rank 1's error was copied to rank 2 (one host:
+    each rank's to the next), so no survivor holds it. The re-formation finds that before
+    any step (the survivors' ``reduction_holdings``), says so, and restarts from the latest
+    checkpoint, whose rows hold every rank's error: the run ends on the contract's replay.
+    Taking over only the copy that survived would leave it off by rank 1's error."""
+    from elastic_dp import CheckpointConfig
+
+    run = fit(TINY_GPT_TASK, tmp_path / "out", workers=3, min_workers=1, steps=10,
+              checkpoint=CheckpointConfig(dir=str(tmp_path / "ckpt"), every=4),
+              inject=["kill:step=6:rank=1", "kill:step=6:rank=2"], compress="powersgd:rank=2:start=2")
+    expected = replay(TINY_GPT_TASK, run.config, str(tmp_path / "out" / "initial.safetensors"))
+    assert max_abs_diff(run.weights(), expected) < TOL
+    restored, = [e for e in run.events if e["kind"] == "restored_from_checkpoint"]
+    assert restored["step"] == 4 and "--compress error feedback of 1 lost worker(s)" in restored["decision"]

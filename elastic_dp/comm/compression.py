@@ -376,6 +376,13 @@ class PowerSGD(Reduction):
             copies[b] = received
         return copies
 
+    def holdings(self) -> dict[str, Any]:
+        """This worker's token, whose error it holds a copy of, the tokens of the generation its
+        errors are cut for, and whether it holds errors: from the survivors' answers a
+        re-formation finds an error that left with its copy (``lost_errors``) before any step."""
+        return {"token": self._token, "copy_of": self.copy_of if self.copies else None,
+                "members": sorted(self._members), "errors": bool(self.errors)}
+
     def load_rows(self, rows: dict[str, torch.Tensor], rank: int, world_size: int) -> None:
         """From a checkpoint: rank 0 takes the sum of every saved rank's error (the others
         none), every rank the factors and the step count (the same on every saved rank): the
@@ -384,6 +391,19 @@ class PowerSGD(Reduction):
         if rank == 0:
             state.update({k: v.sum(dim=0) for k, v in rows.items() if k.startswith("error/")})
         self.load_state(state)
+        # the checkpoint's errors are all there is: no copy held from before it is taken over
+        self.copies, self.copy_of, self._members = {}, None, set()
+        self.save()
+
+
+def lost_errors(holdings: list[dict[str, Any]]) -> int:
+    """How many of the last generation's workers left with their error and no survivor holds
+    its copy, from the survivors' ``PowerSGD.holdings`` (0 where none holds errors)."""
+    held = [h for h in holdings if h]
+    if not any(h["errors"] for h in held):
+        return 0
+    members = set().union(*(h["members"] for h in held))
+    return len(members - {h["token"] for h in held} - {h["copy_of"] for h in held})
 
 
 def _residual(kept: torch.Tensor, approximation: torch.Tensor, plan: _Plan, share: float) -> torch.Tensor:

@@ -120,6 +120,12 @@ class Reduction:
     def resize(self, world_size: int) -> None:
         """A new generation of ``world_size`` ranks: re-cut the state for it."""
 
+    def holdings(self) -> dict[str, Any]:
+        """What a re-formation must know of this rank's state of the reduction, beside the
+        model's (a compressor's errors and who holds their copies: ``PowerSGD.holdings``);
+        the built-in ones keep nothing of their own."""
+        return {}
+
     def load_rows(self, rows: dict[str, torch.Tensor], rank: int, world_size: int) -> None:
         """From a checkpoint: ``rows[key]`` holds every saved rank's ``state()[key]``, one
         row a rank (none: the checkpoint has no state of a reduction). At the saved world

@@ -49,7 +49,8 @@ class CollectiveRun:
                             stall_factor=cluster.stall_factor)
         self.gens = Generations(Calls(deadline_s=cluster.step_timeout_s, grace_s=cluster.abort_grace_s,
                                       bounds=bounds), context.faults.link_delay_s, formed=self._formed)
-        self.layout = make_layout(train.stage, self.gens, self.sampler_state)
+        self.layout = make_layout(train.stage, self.gens, self.sampler_state,
+                                  compressed=train.buckets.compress is not None)
         self.guard = context.guard()
         self.sampler: ElasticSampler | None = None
         self._started = False  # the start's checks passed: events may be written

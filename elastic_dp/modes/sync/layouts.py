@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 
 import ray
 
+from elastic_dp.comm.compression import lost_errors
 from elastic_dp.durable.checkpoint import Checkpoint
 from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
@@ -77,10 +78,13 @@ class ReplicatedLayout:
     """
 
     def __init__(self, generations: Generations, sampler_state: Callable[[], dict[str, int]],
-                 stage: Stage0 | None = None) -> None:
+                 stage: Stage0 | None = None, compressed: bool = False) -> None:
         self.gens = generations
         self.sampler_state = sampler_state
         self.copy_every = stage.spare_copy_every if stage is not None else 0
+        self.compressed = compressed
+        """The gradients are compressed with error feedback (``--compress``): a re-formation
+        asks the survivors whether every lost worker's error has its copy among them."""
         self.at: dict[Any, int] = {}
         """The state step each member holds (members without state are absent)."""
         self._copies: dict[Any, int] = {}  # spare -> the step of the copy it loaded
@@ -95,6 +99,13 @@ class ReplicatedLayout:
 
     def reform(self, members: list[Any], failure: Failure, faults: dict[int, Fault]) -> RecoveryResult:
         holders = [m for m in failure.survivors if m in self.at]
+        if self.compressed and holders:
+            asked = self.gens.run(holders, {m.actor.call.remote("reduction_holdings"): m for m in holders})
+            lost = lost_errors(list(asked.values()))
+            if lost:
+                return RecoveryResult(Recovery.STATE_LOST, reason=(
+                    f"the --compress error feedback of {lost} lost worker(s) went with the neighbour that held its "
+                    "copy (a host, or two neighbours, lost together)"))
         details: dict[str, Any] = {}
         if not holders:  # every member lost: a spare's copy is what survived, if any
             self._settle(wait=True)
@@ -199,6 +210,7 @@ class ReplicatedLayout:
         self.load(checkpoint)
 
 
-def make_layout(stage: Stage, generations: Generations, sampler_state: Callable[[], dict[str, int]]) -> StateLayout:
-    """The layout ``stage``'s part names (``Stage.layout``)."""
-    return implementation(stage.layout)(generations, sampler_state, stage)
+def make_layout(stage: Stage, generations: Generations, sampler_state: Callable[[], dict[str, int]],
+                compressed: bool = False) -> StateLayout:
+    """The layout ``stage``'s part names (``Stage.layout``); ``compressed``: with ``--compress``."""
+    return implementation(stage.layout)(generations, sampler_state, stage, compressed=compressed)

@@ -44,7 +44,7 @@ window through the vote (``grants.Grants.stopping``)."""
 class SyncProgram(Program):
     """The synchronous mode's worker side, over a ``Replica``."""
 
-    calls = frozenset({"grant"})
+    calls = frozenset({"grant", "reduction_holdings"})
     streams = frozenset({"run_window"})
 
     def __init__(self, replica: Replica) -> None:
@@ -89,6 +89,11 @@ class SyncProgram(Program):
             rows = {k.removeprefix(REDUCTION): v for k, v in saved.optimizer_tensors.items() if k.startswith(REDUCTION)}
         group = self.replica.group
         self.replica.strategy.reduction.load_rows(rows, group.rank, group.world_size)
+
+    def reduction_holdings(self) -> dict:
+        """Control thread: what a re-formation must know of the reduction's state here
+        (``Reduction.holdings``: a compressor's errors and their copies)."""
+        return self.replica.strategy.reduction.holdings()
 
     def grant(self, window: int, until: int, final: bool, faults: dict[int, Fault],
               sizes: tuple[int, tuple[int, ...] | None] | None = None, stop: bool = False) -> None:

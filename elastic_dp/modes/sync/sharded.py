@@ -89,7 +89,8 @@ class ShardedLayout:
     """ZeRO stages 1 and 2: every member holds one chunk; re-formation re-cuts them."""
 
     def __init__(self, generations: Generations, sampler_state: Callable[[], dict[str, int]],
-                 stage: Stage | None = None) -> None:
+                 stage: Stage | None = None, compressed: bool = False) -> None:
+        # compressed: --compress, which stages 1-3 refuse (SyncSettings.check): no error to keep
         self.gens = generations
         self.exported: _Exported | None = None
         """Chunks exported for a re-formation that has not completed yet."""
