@@ -3,7 +3,8 @@ sends over its link per step, from the kernel's counters, and samples/s, for ela
 flat and hierarchical all-reduce (stage 0) and ZeRO-2 and ZeRO-3 sharded inside each host
 (``--shard-scope host``, HSDP), against torch DDP (a flat gloo ring) and FSDP2's HSDP
 (``fully_shard`` on a 2-D ``DeviceMesh``), each started with torchrun on each host, all
-training jobs.gpt in the same namespaces, next to ``elastic-dp plan``'s figure. As root (the
+training jobs.gpt in the same namespaces, next to ``elastic-dp plan``'s figure; and
+``--compress powersgd:rank=2`` against DDP with torch's ``powerSGD_hook`` at rank 2. As root (the
 namespaces); docs/BENCHMARKS.md has the figures.
 
     python -m benchmarks.bench_hosts [--hosts 2] [--workers-per-host 2] [--rate-mbit 200] [--steps 24] [--rounds 1]
@@ -54,6 +55,8 @@ RUNS = {
     "zero3_host": (["--zero", "3", "--shard-scope", "host"], (3, "host")),
     "ddp": (["benchmarks.ddp_gpt"], (0, "flat")),
     "fsdp2_hsdp": (["benchmarks.fsdp2_gpt", "--hsdp"], (3, "host")),
+    "powersgd2": (["--compress", "powersgd:rank=2:start=2"], None),
+    "ddp_powersgd2": (["benchmarks.ddp_gpt", "--powersgd", "2"], None),
 }
 """What each run is: elastic_dp's, or a peer's (``benchmarks.*``), and which figure of
 ``elastic-dp plan`` it is set against (FSDP2's HSDP moves what ``--shard-scope host`` does)."""
@@ -121,10 +124,13 @@ def main() -> None:
     for name, runs in results.items():
         sent = statistics.median(b for run in runs for b in run["bytes_per_host_per_step"])
         step_s = statistics.median(run["step_s"] for run in runs)
-        zero, key = RUNS[name][1]
-        planned = MemoryPlan(params=params, workers=workers, zero=zero, precision="fp32",
-                             hosts=args.hosts).link_bytes_per_step()[key] / gradient_bytes
-        print(f"{name:14}{sent:18,.0f}{sent / gradient_bytes:13.3f}{planned:8.2f}{step_s:9.3f}{batch / step_s:11.1f}")
+        plan = "—"
+        if RUNS[name][1] is not None:  # the plan has no figure of a compressor yet
+            zero, key = RUNS[name][1]
+            link = MemoryPlan(params=params, workers=workers, zero=zero, precision="fp32",
+                              hosts=args.hosts).link_bytes_per_step()[key]
+            plan = f"{link / gradient_bytes:.2f}"
+        print(f"{name:14}{sent:18,.0f}{sent / gradient_bytes:13.3f}{plan:>8}{step_s:9.3f}{batch / step_s:11.1f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ process group, each rank looping over its own steps with no driver in between. T
 same sampler steps as elastic_dp (``ElasticSampler``, global batch 32).
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr 10.213.57.1 \\
-        --master-port 29500 -m benchmarks.ddp_gpt --steps 24 --progress OUT.jsonl
+        --master-port 29500 -m benchmarks.ddp_gpt --steps 24 --progress OUT.jsonl [--powersgd R]
+
+``--powersgd R``: torch's own ``powerSGD_hook`` registered on the DDP model (the peer of
+``--compress powersgd:rank=R:start=2``).
 
 Rank 0 appends one JSON line per step to ``--progress`` (step, wall time, step seconds)."""
 
@@ -64,10 +67,18 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, 
 
 
 def main() -> None:
-    args = arguments()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--powersgd", type=int, default=None, metavar="R",
+                        help="torch's powerSGD_hook at rank R (after 2 uncompressed steps; as --compress powersgd)")
+    args = arguments(parser)
     start()
     torch.manual_seed(TASK.defaults.seed)
     model = DistributedDataParallel(TASK.model(), bucket_cap_mb=25)
+    if args.powersgd is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+        model.register_comm_hook(PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd,
+                                               start_powerSGD_iter=2, random_seed=TASK.defaults.seed), powerSGD_hook)
     train(model, TASK.optimizer(model.module), args.steps, args.progress)
 
 
