@@ -41,8 +41,8 @@ from safetensors.torch import load_file, save_file
 from benchmarks.bench_diloco import held_out_loss
 from benchmarks.peers import local_ray
 from elastic_dp import ClusterConfig, ElasticSampler, Trainer
-from elastic_dp.comm.compression import PowerSGD, PowerSGDSpec
-from elastic_dp.comm.reducer import make_buckets
+from elastic_dp.comm.compression import PowerSGDSpec
+from elastic_dp.comm.compression import wire_elements as compression_elements
 from jobs.gpt import TASK
 
 
@@ -51,13 +51,7 @@ def wire_elements(spec: PowerSGDSpec | None, config) -> tuple[int, int]:
     params = [p for p in TASK.model().parameters() if p.requires_grad]
     if spec is None:
         return sum(p.numel() for p in params), 0
-    buckets = make_buckets(params, config.buckets.bucket_bytes, config.buckets.reduce_fp32,
-                           first_bucket_bytes=config.buckets.first_bucket_bytes("cpu"))
-    reduction = PowerSGD(None, spec, seed=0)
-    reduction.bind(buckets)
-    reduced = sum(sum(n for _, n in plan.plain) + plan.p_numel + plan.q_numel for plan in reduction.plans)
-    copied = sum(plan.numel for plan in reduction.plans if plan.matrices)
-    return reduced, copied
+    return compression_elements(params, spec, config.buckets)
 
 
 def ours(args: argparse.Namespace, spec: PowerSGDSpec | None) -> dict:

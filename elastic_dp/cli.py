@@ -90,7 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     release.add_argument("--reason", default="maintenance", help="recorded in the run's membership_changed event")
 
     plan = sub.add_parser("plan", help="per-worker memory and communication for a model size and ZeRO stage")
-    plan.add_argument("--params", required=True, help="parameter count, e.g. 7.5e9 or 125M")
+    plan.add_argument("--params", default=None, help="parameter count, e.g. 7.5e9 or 125M (or --job)")
+    plan.add_argument("--job", default=None, help="a job module (as for train): its model, built on the meta "
+                      "device, gives the parameter count and the shapes that --compress needs")
+    plan.add_argument("--compress", default=None, metavar="powersgd:rank=R[:start=S][:min-ratio=X]",
+                      help="as for train (--zero 0, with --job): the bytes of a compressed step")
     plan.add_argument("--workers", type=int, default=None, help="data-parallel workers (or --hosts and "
                       "--workers-per-host)")
     plan.add_argument("--hosts", type=int, default=None, help="hosts the workers are spread over: also say the "
@@ -147,13 +151,37 @@ def _plan(args: argparse.Namespace) -> int:
         workers = args.hosts * args.workers_per_host
     if workers is None:
         raise ConfigError("give --workers, or --hosts and --workers-per-host")
-    plan = MemoryPlan(params=parse_size(args.params, "--params"), workers=workers, zero=args.zero, hosts=args.hosts,
+    params, compressed = _job_shapes(args)
+    if args.params is not None:
+        params = parse_size(args.params, "--params")
+    if params is None:
+        raise ConfigError("give --params (the parameter count) or --job (a job module whose model has them)")
+    plan = MemoryPlan(params=params, workers=workers, zero=args.zero, hosts=args.hosts,
                       precision=args.precision, optimizer=args.optimizer,
                       unit_params=parse_size(args.unit_params, "--unit-params") if args.unit_params else None,
-                      reshard=args.reshard, shard_scope=args.shard_scope, spares=args.spares)
+                      reshard=args.reshard, shard_scope=args.shard_scope, spares=args.spares, compress=args.compress,
+                      compressed=compressed)
     gpu = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
     print(json.dumps(plan.report(gpu), indent=1) if args.json else render(plan, gpu))
     return 0
+
+
+def _job_shapes(args: argparse.Namespace) -> tuple[float | None, tuple[int, int] | None]:
+    """``--job``'s model built on the meta device (no memory): its parameter count, and with
+    ``--compress`` what a compressed step moves (``compression.wire_elements``)."""
+    if args.job is None:
+        return None, None
+    import torch
+
+    from elastic_dp.comm.compression import parse_compress, wire_elements
+    from elastic_dp.comm.settings import Buckets
+
+    task = load_task(args.job)
+    with torch.device("meta"):
+        params = list(task.model().parameters())
+    spec = parse_compress(args.compress)
+    compressed = wire_elements(params, spec, Buckets()) if spec is not None else None
+    return float(sum(p.numel() for p in params)), compressed
 
 
 def _tokenize(args: argparse.Namespace) -> int:

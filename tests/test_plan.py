@@ -174,3 +174,36 @@ def test_spares_are_devices_of_their_own_that_must_hold_a_workers_state_once_pro
     report = json.loads(capsys.readouterr().out)
     assert report["spares"] == {"workers": 2, "devices": 66, "bytes_each_once_promoted": pytest.approx(31.40625e9)}
     assert "spares" not in MemoryPlan(params=7.5e9, workers=64, zero=1).report()
+
+
+def test_plan_gives_the_bytes_of_a_compressed_step_from_the_jobs_shapes(capsys):
+    """``--job jobs.gpt --compress powersgd:rank=2``: each matrix of n x m (a tensor of two or
+    more dimensions as (shape[0], -1)) whose n·m is more than twice (n + m)·r sends (n + m)·r
+    elements, every other tensor its own; a ring all-reduce of those at 2 workers is 1x them,
+    and at 2 hosts of 2 workers each link carries 2(N-1)/N = 1.5x; the copy of each worker's
+    error is the whole model's gradient here (one 25 MiB bucket)."""
+    import json
+
+    from jobs.gpt import TASK
+
+    elements = 0
+    for p in TASK.model().parameters():
+        n = p.shape[0]
+        m, r = p.numel() // n, min(p.shape[0], p.numel() // n, 2)
+        elements += (n + m) * r if p.dim() >= 2 and (n + m) * r * 2 < n * m else p.numel()
+    total = sum(p.numel() for p in TASK.model().parameters())
+    assert cli.main(["plan", "--job", "jobs.gpt", "--workers", "2", "--compress", "powersgd:rank=2", "--precision",
+                     "fp32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["comm_bytes_per_step"] == 4 * elements < 0.05 * 4 * total
+    assert report["compress"]["copy_bytes_per_step"] == 4 * total
+    assert report["compress"]["uncompressed_bytes_per_step"] == 4 * total  # 2(N-1)/N = 1 at N = 2
+    assert cli.main(["plan", "--job", "jobs.gpt", "--hosts", "2", "--workers-per-host", "2", "--compress",
+                     "powersgd:rank=2", "--precision", "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["link_bytes_per_host_per_step"] == {"compressed": 1.5 * 4 * elements}
+    for argv, says in ((["--params", "1M", "--workers", "2", "--compress", "powersgd:rank=2"], "give --job MODULE"),
+                       (["--job", "jobs.gpt", "--workers", "2", "--zero", "2", "--compress", "powersgd:rank=2"],
+                        "--zero 2 reduce-scatters"),
+                       (["--workers", "2"], "give --params")):
+        assert cli.main(["plan", *argv]) == 2
+        assert says in capsys.readouterr().err

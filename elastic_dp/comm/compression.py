@@ -396,6 +396,20 @@ class PowerSGD(Reduction):
         self.save()
 
 
+def wire_elements(params: list[torch.nn.Parameter], spec: PowerSGDSpec, buckets: Any) -> tuple[int, int]:
+    """What ``--compress`` makes each worker move per compressed step, for ``params`` (real or
+    on the meta device) in buckets as ``buckets`` (``comm.settings.Buckets``) cuts them:
+    (elements all-reduced: the factors and the tensors not compressed; elements of its
+    error copied to its near neighbour)."""
+    from elastic_dp.comm.reducer import make_buckets
+
+    reduction = PowerSGD(None, spec, seed=0)
+    reduction.bind(make_buckets([p for p in params if p.requires_grad], buckets.bucket_bytes, buckets.reduce_fp32,
+                                first_bucket_bytes=buckets.first_bucket_bytes("cpu")))
+    reduced = sum(sum(n for _, n in plan.plain) + plan.p_numel + plan.q_numel for plan in reduction.plans)
+    return reduced, sum(plan.numel for plan in reduction.plans if plan.matrices)
+
+
 def lost_errors(holdings: list[dict[str, Any]]) -> int:
     """How many of the last generation's workers left with their error and no survivor holds
     its copy, from the survivors' ``PowerSGD.holdings`` (0 where none holds errors)."""

@@ -46,6 +46,12 @@ across the hosts) the parameter all-gathers stay inside the hosts, and only each
 gradient crosses, all-reduced among its H replicas: 2(H-1)/H · GΨ per host, at any stage,
 as stage 0's hierarchical all-reduce; each worker then holds 1/W of the sharded state, not
 1/N, and no peer snapshot.
+
+With ``--compress powersgd`` (stage 0; the model's shapes from ``--job``) a compressed step
+all-reduces the factors and the tensors left uncompressed, C elements in fp32 buckets:
+2(N-1)/N · 4C bytes per worker, and over each host's link as a flat ring; each worker also
+copies its error, one fp32 bucket-sized tensor per bucket with a compressed matrix, to a
+neighbour on its host (over the link only where it is alone on its host).
 """
 
 from __future__ import annotations
@@ -95,6 +101,12 @@ class MemoryPlan:
     spares: int = 0
     """``--spares``: workers built beside the group, each with a device of its own that must
     hold a member's state once it is promoted."""
+    compress: str | None = None
+    """``--compress``: the compressor (stage 0)."""
+    compressed: tuple[int, int] | None = None
+    """With ``compress``: the elements each worker all-reduces per compressed step and those
+    of its error it copies to its near neighbour (``comm.compression.wire_elements``, from
+    the model's shapes: ``elastic-dp plan --job``)."""
 
     def __post_init__(self) -> None:
         if not self.params > 0:
@@ -118,6 +130,12 @@ class MemoryPlan:
             raise ConfigError(f"--spares must be a non-negative integer, got {self.spares}")
         if self.shard_scope not in ("all", "host"):
             raise ConfigError(f"--shard-scope must be all or host, got {self.shard_scope!r}")
+        if self.compress is not None and self._partitioned:
+            raise ConfigError(f"--compress compresses ZeRO stage 0's all-reduce, and --zero {self.zero} "
+                              "reduce-scatters: plan it at --zero 0")
+        if self.compress is not None and self.compressed is None:
+            raise ConfigError("--compress needs the model's shapes (which matrices it compresses, and to what): "
+                              "give --job MODULE")
         if self.shard_scope == "host" and (self.hosts is None or not self._partitioned):
             raise ConfigError("--shard-scope host shards ZeRO's state inside each host: give --zero 1, 2 or 3 and "
                               "--hosts")
@@ -184,8 +202,12 @@ class MemoryPlan:
 
     def comm_bytes_per_step(self) -> float:
         """Bytes each worker sends per step (ring algorithms; under ``--shard-scope host``
-        the collectives of its host's workers, and its chunk's all-reduce among its replicas)."""
+        the collectives of its host's workers, and its chunk's all-reduce among its replicas;
+        with ``--compress``, its all-reduces of a compressed step, the copy of its error apart:
+        ``copy_bytes_per_step``)."""
         n = self._shards
+        if self.compressed is not None:  # the buckets are fp32 (the default --reduce-fp32)
+            return 2 * (n - 1) / n * 4 * self.compressed[0]
         p, g, _ = self._pgk
         share = (n - 1) / n
         if "gradients" not in self._partitioned and "optimizer" not in self._partitioned:
@@ -199,6 +221,11 @@ class MemoryPlan:
             per_param += 2 * (h - 1) / h * g / n
         return per_param * self.params
 
+    def copy_bytes_per_step(self) -> float:
+        """With ``--compress``: bytes of its error each worker copies to its near neighbour per
+        compressed step (a rank of its host, where it has one: docs/compression.md)."""
+        return 4.0 * self.compressed[1] if self.compressed is not None and self.workers > 1 else 0.0
+
     def link_bytes_per_step(self) -> dict[str, float]:
         """Bytes each host sends over its link per step, by how the step communicates (needs
         ``hosts``): stage 0 ``flat`` and ``hierarchical``; a sharded stage on ``gloo`` (all-to-alls)
@@ -209,7 +236,12 @@ class MemoryPlan:
         w = n // h
         p, g, _ = self._pgk
         if h == 1:
-            return {k: 0.0 for k in (("flat", "hierarchical") if not self._partitioned else ("gloo", "nccl", "host"))}
+            keys = ("compressed",) if self.compressed is not None else ("flat", "hierarchical") \
+                if not self._partitioned else ("gloo", "nccl", "host")
+            return {k: 0.0 for k in keys}
+        if self.compressed is not None:  # a flat ring of the factors; the copies cross only from lone ranks
+            return {"compressed": 2 * (n - 1) / n * 4 * self.compressed[0] + (self.copy_bytes_per_step() if w == 1
+                                                                               else 0.0)}
         if not self._partitioned:
             return {"flat": 2 * (n - 1) / n * g * self.params, "hierarchical": 2 * (h - 1) / h * g * self.params}
         moved = (2 * p + g if "parameters" in self._partitioned and self.reshard else p + g) * self.params
@@ -227,6 +259,10 @@ class MemoryPlan:
                "snapshot_bytes": self.snapshot_bytes(),
                "gathered_bytes": self.gathered_bytes(),
                "comm_bytes_per_step": self.comm_bytes_per_step()}
+        if self.compressed is not None:
+            out["compress"] = {"compressor": self.compress, "copy_bytes_per_step": self.copy_bytes_per_step(),
+                               "uncompressed_bytes_per_step": MemoryPlan(self.params, self.workers, 0, self.precision,
+                                                                         self.optimizer).comm_bytes_per_step()}
         if self.hosts is not None:
             out["link_bytes_per_host_per_step"] = self.link_bytes_per_step()
         if self.spares:
@@ -260,8 +296,14 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
                      f"({snap['host_neighbour_on_same_host'] / gib:.2f} GiB with the neighbour on the same host); "
                      f"with NCCL, {snap['device_while_sent'] / gib:.2f} GiB more on the device while one is sent")
     lines.append(f"  communication per step: {r['comm_bytes_per_step'] / 1e9:.3f} GB sent by each worker")
+    if plan.compressed is not None:
+        c = r["compress"]
+        lines.append(f"  --compress {plan.compress}: {r['comm_bytes_per_step'] / 1e6:.4g} MB, "
+                     f"{r['comm_bytes_per_step'] / c['uncompressed_bytes_per_step']:.3f} of the "
+                     f"{c['uncompressed_bytes_per_step'] / 1e6:.4g} MB uncompressed, once compression starts; and "
+                     f"{c['copy_bytes_per_step'] / 1e6:.4g} MB of its error copied to a neighbour on its host")
     if plan.hosts is not None:
-        per_host = ", ".join(f"{'--shard-scope host' if k == 'host' else k} {v / 1e6:.3g} MB"
+        per_host = ", ".join(f"{'--shard-scope host' if k == 'host' else k} {v / 1e6:.4g} MB"
                              for k, v in r["link_bytes_per_host_per_step"].items())
         lines.append(f"  over each host's link per step ({plan.hosts} hosts of {plan.workers // plan.hosts} workers): "
                      f"{per_host}")
