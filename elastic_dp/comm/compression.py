@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from elastic_dp.comm.group import CollectiveGroup
-from elastic_dp.comm.reductions import Reduction, _Thread
+from elastic_dp.comm.reducer import make_buckets
+from elastic_dp.comm.reductions import Reduction, ReductionThread
 from elastic_dp.errors import CollectiveError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class PowerSGD(Reduction):
         self._rng = np.random.RandomState(seed)
         self._seeds: dict[int, int] = {}  # bucket -> the seed of its first factors, drawn at its launch
         self._saved: tuple | None = None
-        self._thread = _Thread("edp-powersgd")
+        self._thread = ReductionThread("edp-powersgd")
         self.copies: dict[int, torch.Tensor] = {}
         """The near ring's left neighbour's error, by bucket, as of this rank's own (its copy:
         it comes back from here if that worker is lost)."""
@@ -181,8 +182,8 @@ class PowerSGD(Reduction):
         if out is not None:
             raise ValueError("PowerSGD leaves its result in place: it takes no out")
         compress = self.iter >= self.spec.start
-        if compress and index not in self.qs:  # the bucket's first compressed step: its draw, as torch's hook
-            self._seeds[index] = int(self._rng.randint(1_000_000_000))  # draws one for every bucket
+        if self.iter == self.spec.start:  # the first compressed step: one draw a bucket, as torch's hook
+            self._seeds[index] = int(self._rng.randint(1_000_000_000))  # (with or without a matrix)
         if index == 0:
             self._threaded = False
         if index == len(self.plans) - 1:
@@ -401,8 +402,6 @@ def wire_elements(params: list[torch.nn.Parameter], spec: PowerSGDSpec, buckets:
     on the meta device) in buckets as ``buckets`` (``comm.settings.Buckets``) cuts them:
     (elements all-reduced: the factors and the tensors not compressed; elements of its
     error copied to its near neighbour)."""
-    from elastic_dp.comm.reducer import make_buckets
-
     reduction = PowerSGD(None, spec, seed=0)
     reduction.bind(make_buckets([p for p in params if p.requires_grad], buckets.bucket_bytes, buckets.reduce_fp32,
                                 first_bucket_bytes=buckets.first_bucket_bytes("cpu")))

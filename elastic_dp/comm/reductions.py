@@ -193,7 +193,7 @@ class ReduceScatter(Reduction):
     def __init__(self, group: CollectiveGroup, scope: str = "all") -> None:
         super().__init__(group)
         self.scope = scope
-        self._thread = _Thread("edp-replicas")
+        self._thread = ReductionThread("edp-replicas")
 
     @property
     def parts(self) -> int:
@@ -217,7 +217,7 @@ class ReduceScatter(Reduction):
         self.group.subgroup("replica", generation=generation).all_reduce_async(out).wait()
 
 
-class _Thread:
+class ReductionThread:
     """A thread of a reduction's own, started on first use, that runs the steps of each
     launch one after another, in launch order."""
 
@@ -276,7 +276,7 @@ class Hierarchical(Reduction):
     def __init__(self, group: CollectiveGroup, *, always: bool = False) -> None:
         super().__init__(group)
         self.always = always
-        self._thread = _Thread("edp-hierarchy")
+        self._thread = ReductionThread("edp-hierarchy")
 
     def active(self) -> bool:
         """Whether this generation reduces hierarchically (else flat)."""

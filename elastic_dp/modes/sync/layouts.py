@@ -107,6 +107,10 @@ class ReplicatedLayout:
                     f"the --compress error feedback of {lost} lost worker(s) went with the neighbour that held its "
                     "copy (a host, or two neighbours, lost together)"))
         details: dict[str, Any] = {}
+        if not holders and self.compressed:  # a spare's copy holds the model's state, not the members' errors
+            return RecoveryResult(Recovery.STATE_LOST, reason=(
+                "every worker was lost, and with them the --compress error feedback, which a spare's copy does not "
+                "hold"))
         if not holders:  # every member lost: a spare's copy is what survived, if any
             self._settle(wait=True)
             holders = [m for m in members if m in self._copies]
