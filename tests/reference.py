@@ -207,7 +207,8 @@ def replay_updates(task: Task, config: TrainConfig, initial: str, updates: list[
 def replay_diloco(task: Task, config: TrainConfig, initial: dict[str, torch.Tensor], *, world: int, sync_every: int,
                   outer_lr: float, outer_momentum: float, nesterov: bool = True, steps: int | None = None,
                   changes: list[tuple[int, list[int], int]] = (), fragments: int = 1,
-                  delay: int = 0) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
+                  delay: int = 0,
+                  outer_reduce: str = "fp32") -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
     """DiLoCo's replay contract (docs/diloco.md) in one process, the ``world`` replicas
     simulated one after another: each its own model and its own inner optimizer (the
     task's, kept across outer steps), its contiguous slice of each sampler step (as
@@ -221,8 +222,11 @@ def replay_diloco(task: Task, config: TrainConfig, initial: dict[str, torch.Tens
     is synced once more (no delay). ``changes``: (outer boundary, lost ranks, joiners) of a
     run's membership, in order: from that boundary on the lost replicas are gone (the
     others keep their rank order, parameters and inner optimizers) and the joiners come
-    last, each starting from θ with a fresh inner optimizer. Returns θ's final state dict
-    and θ after each outer step (of a fragment)."""
+    last, each starting from θ with a fresh inner optimizer. ``outer_reduce`` int8 or int4:
+    Δ is the quantized sum (``quantized_sum``) of the replicas' terms, each replica's error
+    of each fragment carried to its next one (a lost replica's goes with it, a joiner has
+    none). Returns θ's final state dict and θ after each outer step (of a fragment)."""
+    import collections
     from fractions import Fraction
 
     import numpy as np
@@ -252,14 +256,27 @@ def replay_diloco(task: Task, config: TrainConfig, initial: dict[str, torch.Tens
     uses = {(f + 1) * sync_every // fragments: f for f in range(fragments)}
 
     replicas = [fresh() for _ in range(world)]
+    errors_of = collections.defaultdict(dict)  # id(replica) -> fragment -> its quantization error
     pending = list(changes)
     base = [g["lr"] for g in replicas[0][1].param_groups]
     history = []
 
     def send(f, sizes):
         params = [list(model.parameters()) for model, _ in replicas]
-        delta = {i: sum(n / config.global_batch * (theta[i].detach() - ps[i].detach().float())
-                        for ps, n in zip(params, sizes)) for i in members[f]}
+        if outer_reduce in ("int8", "int4"):
+            terms = [torch.cat([(n / config.global_batch * (theta[i].detach() - ps[i].detach().float())).reshape(-1)
+                                for i in members[f]]) for ps, n in zip(params, sizes)]
+            errors = [errors_of[id(r)].get(f) for r in replicas]
+            total, errors = quantized_sum(terms, errors, 8 if outer_reduce == "int8" else 4)
+            for r, e in zip(replicas, errors):
+                errors_of[id(r)][f] = e
+            delta, at = {}, 0
+            for i in members[f]:
+                delta[i] = total[at:at + theta[i].numel()].view_as(theta[i])
+                at += theta[i].numel()
+        else:
+            delta = {i: sum(n / config.global_batch * (theta[i].detach() - ps[i].detach().float())
+                            for ps, n in zip(params, sizes)) for i in members[f]}
         snapshot = [{i: ps[i].detach().clone() for i in members[f]} for ps in params]
         return f, delta, snapshot
 
@@ -312,3 +329,49 @@ def replay_diloco(task: Task, config: TrainConfig, initial: dict[str, torch.Tens
         for p, t in zip(final.parameters(), theta):
             p.copy_(t)
     return {k: v.detach().clone() for k, v in final.state_dict().items()}, history
+
+
+QUANTIZED_BLOCK = 128
+"""docs/diloco.md: 128 elements share a scale."""
+
+
+def _quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """What the integers carry of ``x`` (whole blocks), written from docs/diloco.md: each
+    block's scale is its largest magnitude over the largest integer (127, 7), each element
+    rounded (half to even) to a multiple of it, a block of zeros zeros."""
+    top = 2 ** (bits - 1) - 1
+    out = torch.empty_like(x)
+    for b in range(0, x.numel(), QUANTIZED_BLOCK):
+        block = x[b:b + QUANTIZED_BLOCK]
+        scale = float(block.abs().max()) / top
+        out[b:b + QUANTIZED_BLOCK] = torch.round(block / scale).clamp(-top, top) * scale if scale else 0.0
+    return out
+
+
+def quantized_sum(terms: list[torch.Tensor], errors: list[torch.Tensor | None],
+                  bits: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The quantized all-reduce of ``terms`` (one a member, in rank order) with each member's
+    ``errors`` (None: none yet), written from docs/diloco.md: each member's term plus its
+    error, padded to N equal chunks of whole blocks, is quantized, and what that missed is
+    its next error; chunk j of the sum (the members' quantized chunks added in rank order) is
+    quantized again by member j, which adds what that missed to its error there. Returns the
+    sum (every member's) and the members' errors."""
+    n, numel = len(terms), terms[0].numel()
+    chunk = -(-numel // (n * QUANTIZED_BLOCK)) * QUANTIZED_BLOCK
+    padded = []
+    for term, error in zip(terms, errors):
+        y = torch.zeros(n * chunk)
+        y[:numel] = term + (error if error is not None else 0.0)
+        padded.append(y)
+    sent = [_quantized(y, bits) for y in padded]
+    new = [y - q for y, q in zip(padded, sent)]
+    result = torch.zeros(n * chunk)
+    for j in range(n):
+        part = slice(j * chunk, (j + 1) * chunk)
+        total = torch.zeros(chunk)
+        for q in sent:
+            total += q[part]
+        result[part] = _quantized(total, bits)
+        new[j][part] += total - result[part]
+    return result[:numel], [e[:numel] for e in new]
+

@@ -17,7 +17,10 @@ the global batch B (``split``: contiguous, as in sync mode):
   across outer steps.
 - The pseudo-gradient Δ = θ_t − Σ_k (n_k / B)·θ_k (the sample-weighted mean: uneven
   slices count by their samples) is one SUM all-reduce of each member's (n_k / B)(θ_t − θ_k),
-  in fp32 (in bf16 with ``--outer-reduce bf16``: half the bytes, the sum rounded).
+  in fp32 (in bf16 with ``--outer-reduce bf16``: half the bytes, the sum rounded; with
+  ``int8`` or ``int4`` blockwise-scaled integers, each member's quantization error added
+  to its term of the next outer step of the same fragment: ``comm.quantize``; the errors
+  are restored with the window's start, gone with a lost member, none for a joiner).
 - The outer optimizer, torch's SGD (``outer_lr``, ``outer_momentum``; Nesterov unless
   plain momentum is asked; a momentum of 0 is plain SGD), steps θ_t with Δ as its
   gradient; every member then restarts from θ_{t+1}, identical on every member, and so
@@ -45,6 +48,7 @@ from typing import Any, ContextManager, Iterator
 import numpy as np
 import torch
 
+from elastic_dp.comm.quantize import BITS, QuantizedAllReduce
 from elastic_dp.comm.reductions import AllReduce
 from elastic_dp.data import ElasticSampler, split
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, cut_part
@@ -100,8 +104,11 @@ class DiLoCoProgram(Program):
         super().__init__(replica)
         settings = settings or replica.config.mode
         self.settings = settings
-        self.reduction = AllReduce(replica.group, torch.bfloat16 if settings.outer_reduce == "bf16" else None)
-        """The pseudo-gradient's all-reduce, one fragment a launch (``--outer-reduce``: its dtype)."""
+        reduce = settings.outer_reduce
+        self.reduction = (QuantizedAllReduce(replica.group, BITS[reduce]) if reduce in BITS
+                          else AllReduce(replica.group, torch.bfloat16 if reduce == "bf16" else None))
+        """The pseudo-gradient's all-reduce, one fragment a launch (``--outer-reduce``: its dtype,
+        or quantized integers with each member's error carried to its next outer step)."""
         named = trainable(replica.model, replica.optimizer)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -170,6 +177,7 @@ class DiLoCoProgram(Program):
         return {"steps": steps, "outer": outer, "seconds": time.perf_counter() - began}
 
     def _keep_start(self) -> None:
+        self.reduction.save()  # the quantization errors as of θ_t (--outer-reduce int8|int4)
         local = [p.detach().clone() for p in self.params] if self.settings.streaming else None
         self._start = (self.step, [t.detach().clone() for t in self.theta], copy.deepcopy(self.outer.state_dict()),
                        copy.deepcopy(self.replica.optimizer.state_dict()), local)
@@ -184,6 +192,7 @@ class DiLoCoProgram(Program):
                 t.copy_(saved)
             self.outer.load_state_dict(outer)
             self.replica.optimizer.load_state_dict(inner)
+            self.reduction.restore()
             for p, saved in zip(self.params, local or self.theta):
                 p.copy_(saved)
         elif step != self.step:
@@ -313,6 +322,8 @@ class DiLoCoProgram(Program):
                     tensors[f"inner/{name}/{key}"] = value.detach()
             if self.settings.streaming:  # a copy: at_theta puts θ in p while the pieces are cut
                 row(f"local/{name}", p.detach().clone())
+        for key, error in self.reduction.state().items():  # each member's quantization error: a row
+            row(f"quantized/{key}", error.detach().clone())
         meta = {"diloco": {"world_size": group.world_size}, "slices": slices}
         with self.at_theta():  # the model's state dict holds θ while its pieces are cut
             part = cut_part(TrainingState(step=step, model=replica.model.state_dict(), optimizer_tensors=tensors,
@@ -324,10 +335,11 @@ class DiLoCoProgram(Program):
 
     @torch.no_grad()
     def load_checkpoint(self, checkpoint: Checkpoint) -> TrainingState:
-        """θ and the outer momentum from ``checkpoint``; this rank's inner optimizer state
-        and (streaming) its parameters where they were saved at this world size (each rank
-        its own row), else a fresh optimizer and θ (the rows belong to slices of another
-        world size; what they had trained since their fragments' last syncs is not in θ)."""
+        """θ and the outer momentum from ``checkpoint``; this rank's inner optimizer state,
+        (streaming) its parameters and (``--outer-reduce int8|int4``) its quantization errors
+        where they were saved at this world size (each rank its own row), else a fresh
+        optimizer, θ and no error (the rows belong to slices of another world size; what they
+        had trained since their fragments' last syncs is not in θ)."""
         replica, group = self.replica, self.replica.group
         state = checkpoint.read()
         replica.model.load_state_dict({k: v.to(replica.device) for k, v in state.model.items()})
@@ -346,6 +358,11 @@ class DiLoCoProgram(Program):
             local = saved.get(f"local/{name}") if same and self.settings.streaming else None
             if local is not None:
                 p.copy_(local[group.rank])
+        # each member's quantization error (--outer-reduce int8|int4): its own row at the saved
+        # world size; at another one none, as its inner optimizer state (docs/diloco.md)
+        rows = {k.removeprefix("quantized/"): v for k, v in saved.items() if k.startswith("quantized/")}
+        self.reduction.load_state({k: v[group.rank].to(replica.device).clone() for k, v in rows.items()}
+                                  if same else {})
         torch.set_rng_state(state.rng)
         self.step, self._start, self._fresh = state.step, None, False
         replica.load_scheduler(state)

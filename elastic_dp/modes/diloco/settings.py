@@ -24,8 +24,11 @@ class DiLoCoSettings(ModeSettings):
         "--outer-momentum 0)"))
     outer_nesterov: bool = setting(True, off="--no-outer-nesterov", help=(
         "diloco: plain momentum in the outer SGD instead of Nesterov's momentum"))
-    outer_reduce: Literal["fp32", "bf16"] = setting("fp32", "--outer-reduce", choices=("fp32", "bf16"), help=(
-        "diloco: the dtype of the pseudo-gradient's all-reduce (bf16 halves its bytes, the sum rounded)"))
+    outer_reduce: Literal["fp32", "bf16", "int8", "int4"] = setting(
+        "fp32", "--outer-reduce", choices=("fp32", "bf16", "int8", "int4"), help=(
+            "diloco: how the pseudo-gradient's all-reduce carries it: fp32, bf16 (half the bytes, the sum rounded), or "
+            "int8 and int4 (blockwise-scaled integers, about a quarter and an eighth of the bytes, each member's "
+            "quantization error carried to its next outer step; docs/diloco.md)"))
     fragments: int = setting(1, "--fragments", help=(
         "diloco: Streaming DiLoCo, the parameters synced in F fragments, each once a window at its own inner step "
         "(at most --sync-every; default 1, plain DiLoCo)"))

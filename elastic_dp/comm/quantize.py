@@ -1,0 +1,152 @@
+"""Blockwise-scaled integer quantization, and an all-reduce that sends it (``--outer-reduce
+int8|int4``: DiLoCo's pseudo-gradient; docs/compression.md).
+
+A tensor is cut into blocks of ``BLOCK`` elements, each sent as signed integers of ``bits``
+bits (int8: ±127, int4: ±7, two to a byte) times its own fp32 scale, the block's largest
+magnitude over the largest integer (``quantize``, ``dequantize``); a block of zeros is sent as
+zeros.
+
+``QuantizedAllReduce`` sums such tensors over the ranks in two phases, each sending the
+quantized form, so that about 2(N-1)/N of the quantized bytes leave each rank, as a ring
+all-reduce's do of the fp32 ones:
+
+1. Each rank adds its error to its tensor (``y = x + e``), cuts ``y`` into N equal chunks
+   (padded to whole blocks), quantizes them, keeps what the quantization missed as its next
+   error (``e = y - deq(q(y))``), and sends chunk ``j`` to rank ``j`` (an all-to-all).
+2. Rank ``j`` dequantizes the N chunks it received and sums them in rank order, quantizes
+   the sum, adds what that missed to its own error on its chunk, and every rank receives
+   every rank's quantized sum (an all-gather): the result, the same on every rank.
+
+Quantization is not linear: each rank's error matters, not only their sum, so a run's
+parameters depend on its membership history (DiLoCo's already do, through the members'
+slices). Each rank's error is the reduction's state (``Reduction.state``): saved and
+restored with the step, in checkpoints as one row a rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.comm.reductions import Reduction, ReductionThread
+from elastic_dp.errors import CollectiveError
+
+BLOCK = 128
+"""Elements that share one fp32 scale (3% more bytes at int8, 6% at int4)."""
+
+BITS = {"int8": 8, "int4": 4}
+"""The integer formats, by name."""
+
+
+def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (fp32, a whole number of ``BLOCK``s) as (the integers' bytes, one fp32 scale a block)."""
+    top = 2 ** (bits - 1) - 1
+    blocks = x.view(-1, BLOCK)
+    scales = blocks.abs().amax(dim=1) / top
+    q = torch.round(blocks / torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]).clamp_(-top, top)
+    q = q.to(torch.int8).view(-1)
+    if bits == 8:
+        return q.view(torch.uint8), scales
+    nibbles = (q + 8).to(torch.uint8).view(-1, 2)  # 1 .. 15
+    return nibbles[:, 0] << 4 | nibbles[:, 1], scales
+
+
+def dequantize(payload: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """The fp32 values ``quantize`` sent (``payload``'s integers times their block's scale)."""
+    if bits == 8:
+        q = payload.view(torch.int8).to(torch.float32)
+    else:
+        q = torch.stack([payload >> 4, payload & 15], dim=1).view(-1).to(torch.float32) - 8
+    return (q.view(-1, BLOCK) * scales[:, None]).view(-1)
+
+
+def wire_numel(numel: int, bits: int) -> int:
+    """Bytes of ``numel`` quantized elements (whole blocks) with their scales."""
+    return numel * bits // 8 + numel // BLOCK * 4
+
+
+def _pack(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.cat([payload, scales.view(torch.uint8)])
+
+
+def _unpack(packed: torch.Tensor, numel: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cut = numel * bits // 8
+    return packed[:cut], packed[cut:].clone().view(torch.float32)
+
+
+class QuantizedAllReduce(Reduction):
+    """Every rank receives the sum of the ranks' tensors as quantized integers carry it, with
+    each rank's quantization error fed back into its next tensor of the same launch index
+    (module docstring). ``bits``: 8 or 4."""
+
+    name = "quantized"
+    sums = False  # an approximation of the sum: the vote goes on its own channel
+
+    def __init__(self, group: CollectiveGroup, bits: int) -> None:
+        super().__init__(group)
+        if bits not in BITS.values():
+            raise ValueError(f"bits must be one of {sorted(BITS.values())}, got {bits}")
+        self.bits = bits
+        self.errors: dict[int, torch.Tensor] = {}
+        """This rank's error, by launch index (a fragment's, a bucket's)."""
+        self._saved: dict[int, torch.Tensor] | None = None
+        self._thread = ReductionThread("edp-quantized")
+
+    def launch(self, index: int, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Any:
+        if out is not None:
+            raise ValueError("the quantized all-reduce leaves its result in place: it takes no out")
+        return self._thread.submit(self._reduce, index, tensor, self.group.generation)
+
+    def _reduce(self, index: int, tensor: torch.Tensor, generation: int) -> None:
+        if self.group.generation != generation:
+            raise CollectiveError(f"a tensor launched in generation {generation} met generation "
+                                  f"{self.group.generation}", rank=self.group.rank)
+        group, flat = self.group, tensor.view(-1)
+        n, numel = group.world_size, flat.numel()
+        chunk = -(-numel // (n * BLOCK)) * BLOCK
+        y = torch.zeros(n * chunk, dtype=torch.float32, device=flat.device)
+        y[:numel] = flat
+        error = self.errors.get(index)
+        if error is not None:
+            y[:numel] += error
+        payload, scales = quantize(y, self.bits)
+        error = y - dequantize(payload, scales, self.bits)
+        chunk_bytes, chunk_scales = chunk * self.bits // 8, chunk // BLOCK
+        sent = torch.cat([_pack(payload[j * chunk_bytes:(j + 1) * chunk_bytes],
+                                scales[j * chunk_scales:(j + 1) * chunk_scales]) for j in range(n)])
+        size = sent.numel() // n
+        received = torch.empty_like(sent)
+        group.all_to_all_async(received, sent, [size] * n, [size] * n).wait()
+        total = torch.zeros(chunk, dtype=torch.float32, device=flat.device)
+        for i in range(n):  # in rank order, on every rank alike
+            total += dequantize(*_unpack(received[i * size:(i + 1) * size], chunk, self.bits), self.bits)
+        mine_payload, mine_scales = quantize(total, self.bits)
+        mine = slice(group.rank * chunk, (group.rank + 1) * chunk)
+        error[mine] += total - dequantize(mine_payload, mine_scales, self.bits)  # the sum's part of it: this rank's
+        gathered = torch.empty(n * size, dtype=torch.uint8, device=flat.device)
+        group.all_gather_async(gathered, _pack(mine_payload, mine_scales)).wait()
+        result = torch.cat([dequantize(*_unpack(gathered[i * size:(i + 1) * size], chunk, self.bits), self.bits)
+                            for i in range(n)])
+        flat.copy_(result[:numel].to(flat.dtype))
+        self.errors[index] = error[:numel]
+
+    def wire_bytes(self, tensor: torch.Tensor) -> int:
+        n = self.group.world_size
+        chunk = -(-tensor.numel() // (n * BLOCK)) * BLOCK
+        return wire_numel(n * chunk, self.bits)
+
+    # -- its state ------------------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        return {f"error/{i}": e for i, e in self.errors.items()}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.errors = {int(k.removeprefix("error/")): v for k, v in state.items() if k.startswith("error/")}
+
+    def save(self) -> None:
+        self._saved = dict(self.errors)  # a reduction replaces each error with a new tensor
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            self.errors = dict(self._saved)
