@@ -16,11 +16,14 @@ at each ``--sync-every`` H of ``--h``. Reported for each:
 - and then, on a slow link (``--inject slowlink:ms=M``: every all-reduce, reduce-scatter
   and all-gather takes at least M ms, ``--slowlink-ms``), samples/s of sync and of DiLoCo
   at the ``--h`` values above 1 over ``--slow-steps`` steps.
+- ``--outer-reduces``: DiLoCo at each ``--h`` with its all-reduce in bf16, int8 or int4
+  (``--outer-reduce``): held-out loss and the bytes of its ``outer_step`` events beside fp32's.
 - Streaming DiLoCo (``--fragments F --fragment-delay τ``, each ``--streaming F:τ``) at the
   ``--h`` values above 1 where F ≤ H: the same figures, and the largest all-reduce of a sync
   (``peak_bytes``: a fragment's, against the whole pseudo-gradient of plain DiLoCo).
 
     .venv/bin/python -m benchmarks.bench_diloco --workers 2 --steps 200 --h 1,10,50 --streaming 5:1
+    .venv/bin/python -m benchmarks.bench_diloco --workers 2 --steps 200 --h 10,50 --outer-reduces bf16,int8,int4
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def main() -> None:
     parser.add_argument("--slowlink-ms", type=float, default=50.0)
     parser.add_argument("--slow-steps", type=int, default=100)
     parser.add_argument("--streaming", default="", help="F:τ pairs, comma-separated: Streaming DiLoCo variants")
+    parser.add_argument("--outer-reduces", default="", help="bf16, int8, int4 (comma-separated): DiLoCo at each --h "
+                        "with its pseudo-gradient all-reduced so, beside fp32 (--outer-reduce)")
     args = parser.parse_args()
     streams = [tuple(int(x) for x in pair.split(":")) for pair in args.streaming.split(",") if pair]
     hs = [int(h) for h in args.h.split(",")]
@@ -93,6 +98,8 @@ def main() -> None:
         rows += [run(f"diloco_h{h}", args, mode="diloco", sync_every=int(h)) for h in args.h.split(",")]
         rows += [run(f"diloco_h{h}_f{f}_d{d}", args, mode="diloco", sync_every=h, fragments=f, fragment_delay=d)
                  for h, f, d in streamed]
+        rows += [run(f"diloco_h{h}_{reduce}", args, mode="diloco", sync_every=int(h), outer_reduce=reduce)
+                 for h in args.h.split(",") for reduce in args.outer_reduces.split(",") if reduce]
         slow = (f"slowlink:ms={args.slowlink_ms:g}",)
         slowed = [run("sync_slowlink", args, args.slow_steps, slow)]
         slowed += [run(f"diloco_h{h}_slowlink", args, args.slow_steps, slow, mode="diloco", sync_every=int(h))
