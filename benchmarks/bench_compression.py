@@ -42,16 +42,16 @@ from benchmarks.bench_diloco import held_out_loss
 from benchmarks.peers import local_ray
 from elastic_dp import ClusterConfig, ElasticSampler, Trainer
 from elastic_dp.comm.compression import PowerSGDSpec
-from elastic_dp.comm.compression import wire_elements as compression_elements
+from elastic_dp.comm.compression import wire_bytes_per_step
 from jobs.gpt import TASK
 
 
-def wire_elements(spec: PowerSGDSpec | None, config) -> tuple[int, int]:
-    """Elements a worker all-reduces per compressed step, and those it copies to its neighbour."""
+def wire_bytes(spec: PowerSGDSpec | None, config) -> tuple[int, int]:
+    """Bytes a worker puts into its all-reduces per compressed step, and those it copies to its neighbour."""
     params = [p for p in TASK.model().parameters() if p.requires_grad]
     if spec is None:
-        return sum(p.numel() for p in params), 0
-    return compression_elements(params, spec, config.buckets)
+        return 4 * sum(p.numel() for p in params), 0
+    return wire_bytes_per_step(params, spec, config.buckets)
 
 
 def ours(args: argparse.Namespace, spec: PowerSGDSpec | None) -> dict:
@@ -60,10 +60,10 @@ def ours(args: argparse.Namespace, spec: PowerSGDSpec | None) -> dict:
     config = dataclasses.replace(TASK.defaults, steps=args.steps, compress=None if spec is None else spec.describe())
     summary = Trainer(TASK, train=config, cluster=ClusterConfig(workers=args.workers), out_dir=str(out),
                       progress=False).fit()
-    reduced, copied = wire_elements(spec, config)
+    reduced, copied = wire_bytes(spec, config)
     row = {"variant": f"elastic_dp_{name}", "held_out_loss": round(held_out_loss(load_file(out / "final.safetensors"),
                                                                                  args.eval_batches), 4),
-           "bytes_per_step": 4 * reduced, "copy_bytes": 4 * copied * (args.workers > 1),
+           "bytes_per_step": reduced, "copy_bytes": copied * (args.workers > 1),
            "samples_per_s": round(summary.samples / summary.seconds, 1), "initial": str(out / "initial.safetensors")}
     print(json.dumps(row), flush=True)
     return row
@@ -109,10 +109,10 @@ def ddp(args: argparse.Namespace, spec: PowerSGDSpec, initial: str) -> dict:
     mp.start_processes(_ddp_rank, args=(args.workers, str(work / "store"), initial, out, spec, args.steps, timing),
                        nprocs=args.workers, start_method="spawn")
     seconds = float(Path(timing).read_text())
-    reduced, _ = wire_elements(spec, TASK.defaults)
+    reduced, _ = wire_bytes(spec, TASK.defaults)
     row = {"variant": f"ddp_powersgd_rank{spec.rank}",
            "held_out_loss": round(held_out_loss(load_file(out), args.eval_batches), 4),
-           "bytes_per_step": 4 * reduced, "copy_bytes": 0,
+           "bytes_per_step": reduced, "copy_bytes": 0,
            "samples_per_s": round(args.steps * TASK.defaults.global_batch / seconds, 1)}
     print(json.dumps(row), flush=True)
     return row

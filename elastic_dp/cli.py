@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--params", default=None, help="parameter count, e.g. 7.5e9 or 125M (or --job)")
     plan.add_argument("--job", default=None, help="a job module (as for train): its model, built on the meta "
                       "device, gives the parameter count and the shapes that --compress needs")
-    plan.add_argument("--compress", default=None, metavar="powersgd:rank=R[:start=S][:min-ratio=X]",
+    plan.add_argument("--compress", default=None, metavar="powersgd:rank=R[:start=S][:min-ratio=X]|int8",
                       help="as for train (--zero 0, with --job): the bytes of a compressed step")
     plan.add_argument("--workers", type=int, default=None, help="data-parallel workers (or --hosts and "
                       "--workers-per-host)")
@@ -168,19 +168,19 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _job_shapes(args: argparse.Namespace) -> tuple[float | None, tuple[int, int] | None]:
     """``--job``'s model built on the meta device (no memory): its parameter count, and with
-    ``--compress`` what a compressed step moves (``compression.wire_elements``)."""
+    ``--compress`` what a compressed step moves (``compression.wire_bytes_per_step``)."""
     if args.job is None:
         return None, None
     import torch
 
-    from elastic_dp.comm.compression import parse_compress, wire_elements
+    from elastic_dp.comm.compression import parse_compress, wire_bytes_per_step
     from elastic_dp.comm.settings import Buckets
 
     task = load_task(args.job)
     with torch.device("meta"):
         params = list(task.model().parameters())
     spec = parse_compress(args.compress)
-    compressed = wire_elements(params, spec, Buckets()) if spec is not None else None
+    compressed = wire_bytes_per_step(params, spec, Buckets()) if spec is not None else None
     return float(sum(p.numel() for p in params)), compressed
 
 

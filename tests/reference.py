@@ -375,3 +375,73 @@ def quantized_sum(terms: list[torch.Tensor], errors: list[torch.Tensor | None],
         new[j][part] += total - result[part]
     return result[:numel], [e[:numel] for e in new]
 
+
+
+def replay_members(task: Task, config: TrainConfig, initial: str, *, world: int,
+                   changes: list[tuple[int, list[int], int]] = (), take_over: bool = True) -> dict[str, torch.Tensor]:
+    """The replay contract of ``--compress int8`` (docs/compression.md), whose result depends on
+    each member: the ``world`` members simulated one after another, each computing its share
+    of each step's gradient on its contiguous slice (the task's loss times its samples over
+    the global batch, as the sync mode scales it), the buckets (the run's partition,
+    ``make_buckets``) summed by ``quantized_sum`` with each member's error, in rank order;
+    then one model clipped and stepped, a parameter no member gave a gradient left alone.
+    ``changes``: (step, lost ranks, joiners) before that step, in order: a lost member's error
+    is added to the error of the next rank (cyclically) of the generation it was lost from,
+    the survivors keep their order, and a joiner takes a lost rank's index (the first free
+    one), else comes last, with no error. ``take_over=False``: a lost member's error is
+    dropped instead (what the contract forbids: for a test to show the difference)."""
+    from elastic_dp.comm.reducer import make_buckets
+
+    dataset = task.dataset()
+    model = task.model()
+    model.load_state_dict(load_file(initial))
+    optimizer = task.optimizer(model)
+    base = [g["lr"] for g in optimizer.param_groups]
+    sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    buckets = [b.params for b in make_buckets(params, config.buckets.bucket_bytes, config.buckets.reduce_fp32,
+                                              first_bucket_bytes=config.buckets.first_bucket_bytes("cpu"))]
+    members: list[dict[int, torch.Tensor]] = [{} for _ in range(world)]  # each member's error, by bucket
+    pending = list(changes)
+    for step in range(config.steps):
+        while pending and pending[0][0] <= step:
+            _, lost, joined = pending.pop(0)
+            n = len(members)
+            for r in sorted(lost) if take_over else ():
+                keeper = next((r + k) % n for k in range(1, n) if (r + k) % n not in lost)
+                for b, e in members[r].items():
+                    members[keeper][b] = members[keeper][b] + e if b in members[keeper] else e
+            kept = [m if r not in lost else None for r, m in enumerate(members)]
+            for _ in range(joined):
+                free = next((r for r, m in enumerate(kept) if m is None), None)
+                if free is None:
+                    kept.append({})
+                else:
+                    kept[free] = {}
+            members = [m for m in kept if m is not None]
+        indices = sampler.batch(step)
+        slices = np.array_split(indices, len(members))
+        sums: list[list[torch.Tensor]] = []  # per member, per bucket: its share of the gradient
+        used = set()
+        for mine in slices:
+            optimizer.zero_grad()
+            if len(mine):
+                loss = task.loss(model, task.collate([dataset[int(i)] for i in mine]))
+                (loss.reshape(()) * (len(mine) / config.global_batch)).backward()
+            used |= {id(p) for p in params if p.grad is not None}
+            sums.append([torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float()
+                                    .reshape(-1) for p in bucket]) for bucket in buckets])
+        for b, bucket in enumerate(buckets):
+            total, errors = quantized_sum([s[b] for s in sums], [m.get(b) for m in members], 8)
+            for m, e in zip(members, errors):
+                m[b] = e
+            at = 0
+            for p in bucket:
+                p.grad = total[at:at + p.numel()].view_as(p).to(p.dtype).clone() if id(p) in used else None
+                at += p.numel()
+        if config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
+        for group, lr in zip(optimizer.param_groups, base):
+            group["lr"] = lr * config.lr_factor(step)
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -33,8 +33,6 @@ and no error is kept.
 
 from __future__ import annotations
 
-import logging
-import os
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +40,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from elastic_dp.comm.feedback import ErrorFeedback
 from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.comm.quantize import BLOCK, Int8Compression, wire_numel
 from elastic_dp.comm.reducer import make_buckets
-from elastic_dp.comm.reductions import Reduction, ReductionThread
 from elastic_dp.errors import CollectiveError, ConfigError
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,18 +72,30 @@ class PowerSGDSpec:
         return f"powersgd:rank={self.rank}:start={self.start}:min-ratio={self.min_ratio:g}"
 
 
-COMPRESSORS = ("powersgd",)
+@dataclass(frozen=True, slots=True)
+class Int8Spec:
+    """``--compress int8``: each bucket all-reduced as blockwise-scaled int8 (``quantize``)."""
+
+    def describe(self) -> str:
+        return "int8"
+
+
+COMPRESSORS = ("powersgd", "int8")
 """What ``--compress`` takes."""
 
 
-def parse_compress(text: str | PowerSGDSpec | None) -> PowerSGDSpec | None:
-    """``--compress``'s value: None, or ``powersgd:rank=R[:start=S][:min-ratio=X]``."""
-    if text is None or isinstance(text, PowerSGDSpec):
+def parse_compress(text: str | PowerSGDSpec | Int8Spec | None) -> PowerSGDSpec | Int8Spec | None:
+    """``--compress``'s value: None, ``powersgd:rank=R[:start=S][:min-ratio=X]`` or ``int8``."""
+    if text is None or isinstance(text, (PowerSGDSpec, Int8Spec)):
         return text
     name, *options = str(text).split(":")
     if name not in COMPRESSORS:
         raise ConfigError(f"--compress must be one of {', '.join(COMPRESSORS)} (powersgd:rank=R[:start=S]"
-                          f"[:min-ratio=X]), got {text!r}")
+                          f"[:min-ratio=X], int8), got {text!r}")
+    if name == "int8":
+        if options:
+            raise ConfigError(f"--compress int8 takes no options, got {text!r}")
+        return Int8Spec()
     fields: dict[str, Any] = {}
     kinds = {"rank": ("rank", int), "start": ("start", int), "min-ratio": ("min_ratio", float)}
     for option in options:
@@ -126,11 +135,12 @@ class _Plan:
         return sum(m * r for _, _, m, r in self.matrices)
 
 
-class PowerSGD(Reduction):
-    """Low-rank compression of each gradient matrix with error feedback (module docstring)."""
+class PowerSGD(ErrorFeedback):
+    """Low-rank compression of each gradient matrix with error feedback (module docstring);
+    its errors' copies and what a membership change does to them: ``feedback.ErrorFeedback``."""
 
     name = "powersgd"
-    sums = False  # an approximation of the sum: the vote is cast on a channel of its own
+    thread = "edp-powersgd"
 
     def __init__(self, group: CollectiveGroup, spec: PowerSGDSpec, seed: int) -> None:
         super().__init__(group)
@@ -138,25 +148,10 @@ class PowerSGD(Reduction):
         self.plans: list[_Plan] = []
         self.iter = 0
         """Steps reduced so far (compression starts at ``spec.start``)."""
-        self.errors: dict[int, torch.Tensor] = {}
-        """This rank's error, by bucket (the bucket's length; zero outside its matrices)."""
         self.qs: dict[int, torch.Tensor] = {}
         """The last step's ``Q`` factors, by bucket (one flat tensor of each bucket's)."""
         self._rng = np.random.RandomState(seed)
         self._seeds: dict[int, int] = {}  # bucket -> the seed of its first factors, drawn at its launch
-        self._saved: tuple | None = None
-        self._thread = ReductionThread("edp-powersgd")
-        self.copies: dict[int, torch.Tensor] = {}
-        """The near ring's left neighbour's error, by bucket, as of this rank's own (its copy:
-        it comes back from here if that worker is lost)."""
-        self.copy_of: int | None = None
-        """The token of the worker whose error ``copies`` holds."""
-        self._token = int.from_bytes(os.urandom(7), "little")  # this worker's, among a generation's
-        self._members: set[int] = set()  # the tokens of the generation the errors were last cut for
-        self._tokens: list[int] = []  # each rank's token in the current generation
-        self._threaded = False  # this step sent a bucket to the thread: the vote goes there too
-        self.errors_lost = 0
-        """Workers whose error left the run with them and their copy (a lost host, or two neighbours)."""
 
     def bind(self, buckets: list[Any]) -> None:
         plans = []
@@ -192,25 +187,6 @@ class PowerSGD(Reduction):
             return self.group.all_reduce_async(tensor)
         self._threaded = True
         return self._thread.submit(self._reduce, index, tensor, self.group.generation)
-
-    def cast(self, ballot: Any, carried: bool) -> tuple[Any, Any]:
-        """Where buckets were compressed in this step, the vote and the payload go on the
-        reduction's thread and group after them: a rank's vote counts once its copies of the
-        errors have arrived, so that a step commits only where each error has its copy."""
-        if not self._threaded:
-            return super().cast(ballot, carried)
-        vote = ballot.tensor.clone()
-        payload = ballot.payload.clone() if ballot.payload is not None else None
-        generation = self.group.generation
-
-        def send() -> None:
-            group = self.group.subgroup("world", generation=generation)
-            works = [group.all_reduce_async(vote)] + ([group.all_reduce_async(payload)] if payload is not None else [])
-            for work in works:
-                work.wait()
-
-        done = self._thread.submit(send)
-        return (done, vote), ((done, payload) if payload is not None else None)
 
     def _reduce(self, index: int, tensor: torch.Tensor, generation: int) -> None:
         if self.group.generation != generation:
@@ -280,15 +256,15 @@ class PowerSGD(Reduction):
             _orthonormalise(q)
         return qs
 
-    # -- its state ------------------------------------------------------------------------------
+    # -- its state beside the errors: the factors, the step count, the draws ------------------------
     def state(self) -> dict[str, torch.Tensor]:
-        state = {f"error/{b}": e for b, e in self.errors.items()}
+        state = super().state()
         state.update({f"q/{b}": q for b, q in self.qs.items()})
         state["iter"] = torch.tensor([self.iter], dtype=torch.int64)
         return state
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.errors = {int(k[6:]): v for k, v in state.items() if k.startswith("error/")}
+        super().load_state(state)
         self.qs = {int(k[2:]): v for k, v in state.items() if k.startswith("q/")}
         self.iter = int(state["iter"][0]) if "iter" in state else 0
         self._rng, self._seeds = np.random.RandomState(self.seed), {}
@@ -296,59 +272,18 @@ class PowerSGD(Reduction):
             for _ in self.plans:
                 self._rng.randint(1_000_000_000)
 
-    def save(self) -> None:
-        # the step replaces the errors, copies and factors with new tensors: keeping references is a copy
-        self._saved = (dict(self.errors), dict(self.copies), dict(self.qs), self.iter, self._rng.get_state(),
-                       dict(self._seeds))
+    def _kept(self) -> tuple:
+        return dict(self.qs), self.iter, self._rng.get_state(), dict(self._seeds)
 
-    def restore(self) -> None:
-        if self._saved is not None:
-            errors, copies, qs, self.iter, rng, seeds = self._saved
-            self.errors, self.copies, self.qs, self._seeds = dict(errors), dict(copies), dict(qs), dict(seeds)
-            self._rng.set_state(rng)
+    def _put_back(self, kept: tuple) -> None:
+        qs, self.iter, rng, seeds = kept
+        self.qs, self._seeds = dict(qs), dict(seeds)
+        self._rng.set_state(rng)
 
-    def resize(self, world_size: int) -> None:
-        """A new generation: the errors of the workers that left are taken over by the ranks
-        that held their copies, the step count and the factors are taken from the first rank
-        that holds them (a joiner holds none of it), and each rank's error is copied to its
-        near neighbour again: the errors' sum is the one the last generation left. Nothing
-        changes until every collective of it is done, and then it is what this step's
-        ``restore`` goes back to: a generation that fails here or in its first step leaves
-        the next one the same errors to take over."""
-        group = self.group
-        told = torch.zeros(2, world_size, dtype=torch.int64)  # each rank's token; whether it holds the state
-        told[0, group.rank], told[1, group.rank] = self._token, 1 if self.iter else 0
-        group.all_reduce_async(told).wait()
-        tokens = told[0].tolist()
-        gone = self._members - set(tokens) if self.errors else set()
-        adopted = self.copy_of in gone and bool(self.copies)
-        errors = dict(self.errors)
-        if adopted:  # the worker this rank held a copy of left: its error goes on here
-            for b, copy in self.copies.items():
-                errors[b] = errors[b] + copy if b in errors else copy
-        counts = torch.zeros(2, world_size, dtype=torch.int64)
-        counts[0, group.rank], counts[1, group.rank] = len(gone), int(adopted)
-        group.all_reduce_async(counts).wait()
-        holders = [r for r in range(world_size) if told[1, r]]
-        agreed = self._agree(holders[0] if holders else 0)
-        right, left = group.mesh.near_right(group.rank), group.mesh.near_left(group.rank)
-        copies = self._copy_errors(errors, right, left) if int(agreed["iter"][0]) > self.spec.start else {}
-        # every collective is done: the new generation's state
-        self._tokens, self._members = tokens, set(tokens)
-        self.load_state(agreed)
-        self.errors, self.copies = errors, copies
-        self.copy_of = None if left == group.rank else tokens[left]
-        self.save()
-        lost = int(counts[0].max()) - int(counts[1].sum())
-        if lost > 0:
-            self.errors_lost += lost
-            if group.rank == int(torch.nonzero(counts[0])[0]):
-                logger.warning("gen %d rank %d: --compress powersgd: the error feedback of %d worker(s) that left "
-                               "went with them, and no rank held its copy (a lost host, or two neighbours): from "
-                               "here the run is off the replay contract by their errors (docs/compression.md)",
-                               group.generation, group.rank, lost)
+    def holds(self) -> bool:
+        return self.iter > 0
 
-    def _agree(self, source: int) -> dict[str, torch.Tensor]:
+    def agree(self, source: int) -> dict[str, torch.Tensor]:
         """Rank ``source``'s step count and factors, on every rank (as ``state`` names them)."""
         group = self.group
         count = group.broadcast(torch.tensor([self.iter], dtype=torch.int64), source)
@@ -360,63 +295,34 @@ class PowerSGD(Reduction):
                     agreed[f"q/{b}"] = group.broadcast(q, source)
         return agreed
 
-    def _copy_errors(self, errors: dict[int, torch.Tensor], right: int, left: int) -> dict[int, torch.Tensor]:
-        """Each rank's ``errors`` to its near right neighbour (``Mesh.near_right``), as the
-        steps copy them; the left neighbour's, received (none without a neighbour)."""
-        copies: dict[int, torch.Tensor] = {}
-        if left == self.group.rank:
-            return copies
-        for b, plan in enumerate(self.plans):  # every rank sends every bucket: a joiner's are zeros
-            if not plan.matrices:
-                continue
-            own = errors.get(b)
-            sent = own if own is not None else torch.zeros(plan.numel, dtype=plan.dtype)
-            received = torch.empty(plan.numel, dtype=plan.dtype)
-            for work in self.group.exchange_async(sent, right, received, left):
-                work.wait()
-            copies[b] = received
-        return copies
+    def _numel(self, index: int) -> int:
+        return self.plans[index].numel
 
-    def holdings(self) -> dict[str, Any]:
-        """This worker's token, whose error it holds a copy of, the tokens of the generation its
-        errors are cut for, and whether it holds errors: from the survivors' answers a
-        re-formation finds an error that left with its copy (``lost_errors``) before any step."""
-        return {"token": self._token, "copy_of": self.copy_of if self.copies else None,
-                "members": sorted(self._members), "errors": bool(self.errors)}
-
-    def load_rows(self, rows: dict[str, torch.Tensor], rank: int, world_size: int) -> None:
-        """From a checkpoint: rank 0 takes the sum of every saved rank's error (the others
-        none), every rank the factors and the step count (the same on every saved rank): the
-        errors' sum is the saved one at any world size."""
-        state = {k: v[0].clone() for k, v in rows.items() if not k.startswith("error/")}
-        if rank == 0:
-            state.update({k: v.sum(dim=0) for k, v in rows.items() if k.startswith("error/")})
-        self.load_state(state)
-        # the checkpoint's errors are all there is: no copy held from before it is taken over
-        self.copies, self.copy_of, self._members = {}, None, set()
-        self.save()
+    def _buckets_with_errors(self) -> list[int]:
+        return [b for b, plan in enumerate(self.plans) if plan.matrices]
 
 
-def wire_elements(params: list[torch.nn.Parameter], spec: PowerSGDSpec, buckets: Any) -> tuple[int, int]:
+def make_compressor(group: CollectiveGroup, spec: PowerSGDSpec | Int8Spec, seed: int) -> ErrorFeedback:
+    """The reduction ``--compress`` names (``comm.settings.Buckets.compressor``)."""
+    if isinstance(spec, Int8Spec):
+        return Int8Compression(group)
+    return PowerSGD(group, spec, seed)
+
+
+def wire_bytes_per_step(params: list[torch.nn.Parameter], spec: PowerSGDSpec | Int8Spec,
+                        buckets: Any) -> tuple[int, int]:
     """What ``--compress`` makes each worker move per compressed step, for ``params`` (real or
-    on the meta device) in buckets as ``buckets`` (``comm.settings.Buckets``) cuts them:
-    (elements all-reduced: the factors and the tensors not compressed; elements of its
-    error copied to its near neighbour)."""
+    on the meta device) in buckets as ``buckets`` (``comm.settings.Buckets``) cuts them, in
+    bytes: (into the all-reduces: PowerSGD's factors and the tensors it leaves, fp32; int8's
+    integers and scales; its error copied to its near neighbour, fp32)."""
+    cut = make_buckets([p for p in params if p.requires_grad], buckets.bucket_bytes, buckets.reduce_fp32,
+                       first_bucket_bytes=buckets.first_bucket_bytes("cpu"))
+    if isinstance(spec, Int8Spec):
+        return sum(wire_numel(-(-b.padded // BLOCK) * BLOCK, 8) for b in cut), 4 * sum(b.padded for b in cut)
     reduction = PowerSGD(None, spec, seed=0)
-    reduction.bind(make_buckets([p for p in params if p.requires_grad], buckets.bucket_bytes, buckets.reduce_fp32,
-                                first_bucket_bytes=buckets.first_bucket_bytes("cpu")))
+    reduction.bind(cut)
     reduced = sum(sum(n for _, n in plan.plain) + plan.p_numel + plan.q_numel for plan in reduction.plans)
-    return reduced, sum(plan.numel for plan in reduction.plans if plan.matrices)
-
-
-def lost_errors(holdings: list[dict[str, Any]]) -> int:
-    """How many of the last generation's workers left with their error and no survivor holds
-    its copy, from the survivors' ``PowerSGD.holdings`` (0 where none holds errors)."""
-    held = [h for h in holdings if h]
-    if not any(h["errors"] for h in held):
-        return 0
-    members = set().union(*(h["members"] for h in held))
-    return len(members - {h["token"] for h in held} - {h["copy_of"] for h in held})
+    return 4 * reduced, 4 * sum(plan.numel for plan in reduction.plans if plan.matrices)
 
 
 def _residual(kept: torch.Tensor, approximation: torch.Tensor, plan: _Plan, share: float) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from elastic_dp.comm.feedback import ErrorFeedback
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reductions import Reduction, ReductionThread
 from elastic_dp.errors import CollectiveError
@@ -76,6 +77,39 @@ def _unpack(packed: torch.Tensor, numel: int, bits: int) -> tuple[torch.Tensor, 
     return packed[:cut], packed[cut:].clone().view(torch.float32)
 
 
+def quantized_all_reduce(group: CollectiveGroup, flat: torch.Tensor, error: torch.Tensor | None,
+                         bits: int) -> torch.Tensor:
+    """``flat`` (a rank's tensor) becomes the quantized sum over ``group``'s ranks, as the
+    module docstring's two phases make it, with this rank's ``error`` (None: none yet) added
+    first; returns this rank's next error."""
+    n, numel = group.world_size, flat.numel()
+    chunk = -(-numel // (n * BLOCK)) * BLOCK
+    y = torch.zeros(n * chunk, dtype=torch.float32, device=flat.device)
+    y[:numel] = flat
+    if error is not None:
+        y[:numel] += error
+    payload, scales = quantize(y, bits)
+    error = y - dequantize(payload, scales, bits)
+    chunk_bytes, chunk_scales = chunk * bits // 8, chunk // BLOCK
+    sent = torch.cat([_pack(payload[j * chunk_bytes:(j + 1) * chunk_bytes],
+                            scales[j * chunk_scales:(j + 1) * chunk_scales]) for j in range(n)])
+    size = sent.numel() // n
+    received = torch.empty_like(sent)
+    group.all_to_all_async(received, sent, [size] * n, [size] * n).wait()
+    total = torch.zeros(chunk, dtype=torch.float32, device=flat.device)
+    for i in range(n):  # in rank order, on every rank alike
+        total += dequantize(*_unpack(received[i * size:(i + 1) * size], chunk, bits), bits)
+    mine_payload, mine_scales = quantize(total, bits)
+    mine = slice(group.rank * chunk, (group.rank + 1) * chunk)
+    error[mine] += total - dequantize(mine_payload, mine_scales, bits)  # the sum's part of it: this rank's
+    gathered = torch.empty(n * size, dtype=torch.uint8, device=flat.device)
+    group.all_gather_async(gathered, _pack(mine_payload, mine_scales)).wait()
+    result = torch.cat([dequantize(*_unpack(gathered[i * size:(i + 1) * size], chunk, bits), bits)
+                        for i in range(n)])
+    flat.copy_(result[:numel].to(flat.dtype))
+    return error[:numel]
+
+
 class QuantizedAllReduce(Reduction):
     """Every rank receives the sum of the ranks' tensors as quantized integers carry it, with
     each rank's quantization error fed back into its next tensor of the same launch index
@@ -103,34 +137,7 @@ class QuantizedAllReduce(Reduction):
         if self.group.generation != generation:
             raise CollectiveError(f"a tensor launched in generation {generation} met generation "
                                   f"{self.group.generation}", rank=self.group.rank)
-        group, flat = self.group, tensor.view(-1)
-        n, numel = group.world_size, flat.numel()
-        chunk = -(-numel // (n * BLOCK)) * BLOCK
-        y = torch.zeros(n * chunk, dtype=torch.float32, device=flat.device)
-        y[:numel] = flat
-        error = self.errors.get(index)
-        if error is not None:
-            y[:numel] += error
-        payload, scales = quantize(y, self.bits)
-        error = y - dequantize(payload, scales, self.bits)
-        chunk_bytes, chunk_scales = chunk * self.bits // 8, chunk // BLOCK
-        sent = torch.cat([_pack(payload[j * chunk_bytes:(j + 1) * chunk_bytes],
-                                scales[j * chunk_scales:(j + 1) * chunk_scales]) for j in range(n)])
-        size = sent.numel() // n
-        received = torch.empty_like(sent)
-        group.all_to_all_async(received, sent, [size] * n, [size] * n).wait()
-        total = torch.zeros(chunk, dtype=torch.float32, device=flat.device)
-        for i in range(n):  # in rank order, on every rank alike
-            total += dequantize(*_unpack(received[i * size:(i + 1) * size], chunk, self.bits), self.bits)
-        mine_payload, mine_scales = quantize(total, self.bits)
-        mine = slice(group.rank * chunk, (group.rank + 1) * chunk)
-        error[mine] += total - dequantize(mine_payload, mine_scales, self.bits)  # the sum's part of it: this rank's
-        gathered = torch.empty(n * size, dtype=torch.uint8, device=flat.device)
-        group.all_gather_async(gathered, _pack(mine_payload, mine_scales)).wait()
-        result = torch.cat([dequantize(*_unpack(gathered[i * size:(i + 1) * size], chunk, self.bits), self.bits)
-                            for i in range(n)])
-        flat.copy_(result[:numel].to(flat.dtype))
-        self.errors[index] = error[:numel]
+        self.errors[index] = quantized_all_reduce(self.group, tensor.view(-1), self.errors.get(index), self.bits)
 
     def wire_bytes(self, tensor: torch.Tensor) -> int:
         n = self.group.world_size
@@ -150,3 +157,54 @@ class QuantizedAllReduce(Reduction):
     def restore(self) -> None:
         if self._saved is not None:
             self.errors = dict(self._saved)
+
+
+class Int8Compression(ErrorFeedback):
+    """``--compress int8``: each gradient bucket all-reduced as blockwise-scaled int8 in the
+    two phases of ``quantized_all_reduce``, each rank's error fed back into its next
+    gradient, copied to its near neighbour every step and handed over as a membership change
+    asks (``feedback.ErrorFeedback``). Not linear: each member's error matters, and the
+    replay contract simulates the members (docs/compression.md)."""
+
+    name = "int8"
+    thread = "edp-int8"
+    bits = 8
+
+    def __init__(self, group: CollectiveGroup) -> None:
+        super().__init__(group)
+        self.numels: list[int] = []
+
+    def bind(self, buckets: list[Any]) -> None:
+        self.numels = [b.padded for b in buckets]
+
+    def launch(self, index: int, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Any:
+        if out is not None:
+            raise ValueError("--compress int8 leaves its result in place: it takes no out")
+        if index == 0:
+            self._threaded = True  # every bucket: the vote goes on the thread after them
+        return self._thread.submit(self._reduce, index, tensor, self.group.generation)
+
+    def _reduce(self, index: int, tensor: torch.Tensor, generation: int) -> None:
+        if self.group.generation != generation:
+            raise CollectiveError(f"a bucket launched in generation {generation} met generation "
+                                  f"{self.group.generation}", rank=self.group.rank)
+        group = self.group.subgroup("world", generation=generation)
+        error = quantized_all_reduce(group, tensor.view(-1), self.errors.get(index), self.bits)
+        right, left = group.mesh.near_right(group.rank), group.mesh.near_left(group.rank)
+        if left != group.rank:  # the error's copy, before the vote that commits it
+            copy = torch.empty_like(error)
+            for work in group.exchange_async(error, right, copy, left):
+                work.wait()
+            self.copies[index] = copy
+        self.errors[index] = error
+
+    def wire_bytes(self, tensor: torch.Tensor) -> int:
+        n = self.group.world_size
+        return wire_numel(n * -(-tensor.numel() // (n * BLOCK)) * BLOCK, self.bits)
+
+    def _numel(self, index: int) -> int:
+        return self.numels[index]
+
+    def _buckets_with_errors(self) -> list[int]:
+        return list(range(len(self.numels)))
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from elastic_dp.comm.compression import PowerSGDSpec, parse_compress
+from elastic_dp.comm.compression import Int8Spec, PowerSGDSpec, parse_compress
 from elastic_dp.errors import ConfigError
 from elastic_dp.settings import OMIT, setting
 
@@ -32,14 +32,15 @@ class Buckets:
     reduce_fp32: bool = setting(True, off="--no-reduce-fp32",
                                 help="reduce bf16 gradients in bf16 (default: in fp32, even when parameters are bf16)")
     compress: str | None = setting(
-        None, "--compress", kind=str, metavar="powersgd:rank=R[:start=S][:min-ratio=X]",
+        None, "--compress", kind=str, metavar="powersgd:rank=R[:start=S][:min-ratio=X]|int8",
         identity=lambda value, train: OMIT if value is None else value, help=(
             "compress each gradient bucket's all-reduce (ZeRO stage 0): powersgd reduces each gradient matrix to a "
             "rank-R approximation of the sum over the workers with error feedback, as torch's PowerSGD hook does, "
             "after S steps uncompressed (default 10), the matrices whose elements are more than X times the "
             "factors' (default 2); the run follows the contract of PowerSGD applied to the global gradient with one "
-            "error buffer at any worker count, a lost worker's error taken over from its copy on a neighbour "
-            "(docs/compression.md)"))
+            "error buffer at any worker count, a lost worker's error taken over from its copy on a neighbour; int8 "
+            "sends each bucket as blockwise-scaled int8, each worker's quantization error fed back, the members "
+            "simulated by its contract (docs/compression.md)"))
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
@@ -49,7 +50,7 @@ class Buckets:
         parse_compress(self.compress)
 
     @property
-    def compressor(self) -> PowerSGDSpec | None:
+    def compressor(self) -> PowerSGDSpec | Int8Spec | None:
         """``--compress``, parsed (None: the buckets are all-reduced as they are)."""
         return parse_compress(self.compress)
 

@@ -47,9 +47,9 @@ gradient crosses, all-reduced among its H replicas: 2(H-1)/H · GΨ per host, at
 as stage 0's hierarchical all-reduce; each worker then holds 1/W of the sharded state, not
 1/N, and no peer snapshot.
 
-With ``--compress powersgd`` (stage 0; the model's shapes from ``--job``) a compressed step
-all-reduces the factors and the tensors left uncompressed, C elements in fp32 buckets:
-2(N-1)/N · 4C bytes per worker, and over each host's link as a flat ring; each worker also
+With ``--compress`` (stage 0; the model's shapes from ``--job``) a compressed step puts C
+bytes into its all-reduces (PowerSGD: the factors and the tensors it leaves, fp32; int8: the
+integers and their scales): 2(N-1)/N · C bytes per worker, and over each host's link as a flat ring; each worker also
 copies its error, one fp32 bucket-sized tensor per bucket with a compressed matrix, to a
 neighbour on its host (over the link only where it is alone on its host).
 """
@@ -104,9 +104,9 @@ class MemoryPlan:
     compress: str | None = None
     """``--compress``: the compressor (stage 0)."""
     compressed: tuple[int, int] | None = None
-    """With ``compress``: the elements each worker all-reduces per compressed step and those
-    of its error it copies to its near neighbour (``comm.compression.wire_elements``, from
-    the model's shapes: ``elastic-dp plan --job``)."""
+    """With ``compress``: the bytes each worker puts into its all-reduces per compressed step
+    and those of its error it copies to its near neighbour (``comm.compression.wire_bytes_per_step``,
+    from the model's shapes: ``elastic-dp plan --job``)."""
 
     def __post_init__(self) -> None:
         if not self.params > 0:
@@ -207,7 +207,7 @@ class MemoryPlan:
         ``copy_bytes_per_step``)."""
         n = self._shards
         if self.compressed is not None:  # the buckets are fp32 (the default --reduce-fp32)
-            return 2 * (n - 1) / n * 4 * self.compressed[0]
+            return 2 * (n - 1) / n * self.compressed[0]
         p, g, _ = self._pgk
         share = (n - 1) / n
         if "gradients" not in self._partitioned and "optimizer" not in self._partitioned:
@@ -224,7 +224,7 @@ class MemoryPlan:
     def copy_bytes_per_step(self) -> float:
         """With ``--compress``: bytes of its error each worker copies to its near neighbour per
         compressed step (a rank of its host, where it has one: docs/compression.md)."""
-        return 4.0 * self.compressed[1] if self.compressed is not None and self.workers > 1 else 0.0
+        return float(self.compressed[1]) if self.compressed is not None and self.workers > 1 else 0.0
 
     def link_bytes_per_step(self) -> dict[str, float]:
         """Bytes each host sends over its link per step, by how the step communicates (needs
@@ -240,7 +240,7 @@ class MemoryPlan:
                 if not self._partitioned else ("gloo", "nccl", "host")
             return {k: 0.0 for k in keys}
         if self.compressed is not None:  # a flat ring of the factors; the copies cross only from lone ranks
-            return {"compressed": 2 * (n - 1) / n * 4 * self.compressed[0] + (self.copy_bytes_per_step() if w == 1
+            return {"compressed": 2 * (n - 1) / n * self.compressed[0] + (self.copy_bytes_per_step() if w == 1
                                                                                else 0.0)}
         if not self._partitioned:
             return {"flat": 2 * (n - 1) / n * g * self.params, "hierarchical": 2 * (h - 1) / h * g * self.params}

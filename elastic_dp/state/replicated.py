@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from elastic_dp.comm.compression import PowerSGD
+from elastic_dp.comm.compression import make_compressor
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer
 from elastic_dp.comm.reductions import all_reduce
@@ -108,7 +108,7 @@ class Replicated(BucketedGradients, ReplicatedState):
                  faults: FaultHook | None = None) -> None:
         super().__init__(model, optimizer, group, device)
         compressor = config.buckets.compressor
-        self.reduction = (PowerSGD(group, compressor, seed=config.seed) if compressor is not None
+        self.reduction = (make_compressor(group, compressor, seed=config.seed) if compressor is not None
                           else all_reduce(group, config.buckets.all_reduce))
         self.reducer = GradientReducer(self.params, group,
                                        bucket_bytes=config.buckets.bucket_bytes,

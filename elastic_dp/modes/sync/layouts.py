@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 import ray
 
-from elastic_dp.comm.compression import lost_errors
+from elastic_dp.comm.feedback import lost_errors
 from elastic_dp.durable.checkpoint import Checkpoint
 from elastic_dp.faults import Fault
 from elastic_dp.messages import StepResult
