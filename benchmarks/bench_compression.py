@@ -41,8 +41,7 @@ from safetensors.torch import load_file, save_file
 from benchmarks.bench_diloco import held_out_loss
 from benchmarks.peers import local_ray
 from elastic_dp import ClusterConfig, ElasticSampler, Trainer
-from elastic_dp.comm.compression import PowerSGDSpec
-from elastic_dp.comm.compression import wire_bytes_per_step
+from elastic_dp.comm.compression import PowerSGDSpec, wire_bytes_per_step
 from jobs.gpt import TASK
 
 
