@@ -17,7 +17,7 @@ rule and clipping) with ``powerSGD_hook`` at each R. Reported for each:
 - samples/s over the run (elastic_dp: the driver's wall clock, start-up excluded; DDP: its
   rank 0's loop).
 
-    .venv/bin/python -m benchmarks.bench_compression --workers 2 --steps 200 --ranks 1,2,4
+    .venv/bin/python -m benchmarks.bench_compression --workers 2 --steps 200 --ranks 1,2,4 [--int8]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from benchmarks.bench_diloco import held_out_loss
 from benchmarks.peers import local_ray
 from elastic_dp import ClusterConfig, ElasticSampler, Trainer
-from elastic_dp.comm.compression import PowerSGDSpec, wire_bytes_per_step
+from elastic_dp.comm.compression import Int8Spec, PowerSGDSpec, wire_bytes_per_step
 from jobs.gpt import TASK
 
 
@@ -54,7 +54,8 @@ def wire_bytes(spec: PowerSGDSpec | None, config) -> tuple[int, int]:
 
 
 def ours(args: argparse.Namespace, spec: PowerSGDSpec | None) -> dict:
-    name = "none" if spec is None else f"powersgd_rank{spec.rank}"
+    name = "none" if spec is None else spec.describe().split(":")[0] + (f"_rank{spec.rank}" if hasattr(spec, "rank")
+                                                                          else "")
     out = Path(tempfile.mkdtemp(prefix=f"edp-compression-{name}-", dir="/tmp"))
     config = dataclasses.replace(TASK.defaults, steps=args.steps, compress=None if spec is None else spec.describe())
     summary = Trainer(TASK, train=config, cluster=ClusterConfig(workers=args.workers), out_dir=str(out),
@@ -124,10 +125,13 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--start", type=int, default=10, help="uncompressed steps first (--compress ...:start=S)")
     parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--int8", action="store_true", help="also --compress int8 (no DDP peer: torch has no hook)")
     args = parser.parse_args()
     specs = [PowerSGDSpec(rank=int(r), start=args.start) for r in args.ranks.split(",")]
     with local_ray(num_cpus=max(4, args.workers + 2)):
         rows = [ours(args, None)] + [ours(args, spec) for spec in specs]
+        if args.int8:
+            rows.append(ours(args, Int8Spec()))
     initial = rows[0].pop("initial")  # every run starts from the same weights (the job's seed)
     for row in rows:
         row.pop("initial", None)
