@@ -110,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false", default=True,
                       help="stage 3: the units stay gathered from their forward to their backward")
     plan.add_argument("--precision", default="bf16", help="bf16 (mixed, fp32 master) or fp32 (default bf16)")
+    plan.add_argument("--param-dtype", default="fp32", help="--zero 3: bf16 gathers fp32 parameters in bf16 (their "
+                      "masters fp32, the gradients reduced in fp32), as for train (default fp32)")
     plan.add_argument("--optimizer", default="adam", help="adam, adamw, sgd-momentum or sgd (default adam)")
     plan.add_argument("--gpu-memory", default=None, help="device memory, e.g. 80GB or 80GiB: also say how many "
                                                           "devices the training state needs")
@@ -160,7 +162,7 @@ def _plan(args: argparse.Namespace) -> int:
                       precision=args.precision, optimizer=args.optimizer,
                       unit_params=parse_size(args.unit_params, "--unit-params") if args.unit_params else None,
                       reshard=args.reshard, shard_scope=args.shard_scope, spares=args.spares, compress=args.compress,
-                      compressed=compressed)
+                      compressed=compressed, param_dtype=args.param_dtype)
     gpu = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
     print(json.dumps(plan.report(gpu), indent=1) if args.json else render(plan, gpu))
     return 0

@@ -7,6 +7,7 @@ the tests and a reference loop all build the same model, dataset and optimizer.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -54,6 +55,11 @@ class Task:
     """Optional, ``--zero 3``: the modules whose parameters are gathered together for their
     forward and backward (default: the children of the model's ``nn.ModuleList``s, its
     repeated blocks); the parameters outside them form the root unit (docs/zero.md)."""
+    keep_fp32: Callable[[str, torch.nn.Module], bool] | Sequence[str] | None = None
+    """Optional, ``--zero 3 --param-dtype bf16``: the modules whose parameters stay fp32 whole
+    (gathered, computed and reduced in fp32; their inputs cast to fp32, their outputs back
+    to bf16): a predicate ``keep_fp32(name, module)`` or module names (fnmatch patterns), as
+    PyTorch users keep an MoE's router or the norms; ``--keep-fp32`` adds patterns."""
     init_module: Callable[[torch.nn.Module, str, torch.nn.Module], None] | None = None
     """Optional, ``--init units`` (the default at ``--zero 3``): ``init_module(model, name,
     module)`` initialises the parameters and buffers ``module`` (named ``name`` in
@@ -96,3 +102,19 @@ def trainable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[
     once): what ``--mode async`` flattens and shards over its parameter servers."""
     stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in stepped]
+
+
+def kept_in_fp32(task: Task, model: torch.nn.Module, patterns: Sequence[str] = ()) -> list[tuple[str, torch.nn.Module]]:
+    """The modules of ``model`` that ``Task.keep_fp32`` and ``patterns`` (``--keep-fp32``) keep
+    in fp32 under ``--param-dtype bf16``, outermost first (a kept module's children are its)."""
+    import fnmatch
+
+    rule = task.keep_fp32
+    names = tuple(patterns) + (tuple(rule) if rule is not None and not callable(rule) else ())
+    kept: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(k + ".") for k, _ in kept):
+            continue
+        if any(fnmatch.fnmatchcase(name, n) for n in names) or (callable(rule) and rule(name, module)):
+            kept.append((name, module))
+    return kept

@@ -207,3 +207,17 @@ def test_plan_gives_the_bytes_of_a_compressed_step_from_the_jobs_shapes(capsys):
                        (["--workers", "2"], "give --params")):
         assert cli.main(["plan", *argv]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_plan_halves_stage_3_s_gathers_with_bf16_parameters_and_keeps_the_fp32_masters():
+    """``--zero 3 --param-dtype bf16`` on fp32 parameters: the gathers send 2 bytes a
+    parameter, the reduce-scatter 4 (fp32): (N-1)/N (2·2 + 4) against (N-1)/N (2·4 + 4);
+    each chunk holds its bf16 parameters (2/N) beside the fp32 master (in the optimizer
+    state's 4 + 8 a parameter, over N)."""
+    plain = MemoryPlan(params=1e6, workers=4, zero=3, precision="fp32")
+    bf16 = MemoryPlan(params=1e6, workers=4, zero=3, precision="fp32", param_dtype="bf16")
+    assert plain.comm_bytes_per_step() == 0.75 * 12 * 1e6 and bf16.comm_bytes_per_step() == 0.75 * 8 * 1e6
+    assert bf16.per_worker_bytes()["parameters"] == 2 / 4 * 1e6
+    assert bf16.per_worker_bytes()["optimizer_state"] == (4 + 8) / 4 * 1e6
+    with pytest.raises(ConfigError, match="param_dtype='bf16' gathers ZeRO stage 3's parameters"):
+        MemoryPlan(params=1e6, workers=4, zero=2, param_dtype="bf16")

@@ -372,3 +372,54 @@ def test_a_non_finite_step_under_stage_3_is_skipped_on_every_rank():
     sharded, _, replicas = train(task, dataclasses.replace(config, zero=3), 2, range(6), initial)
     assert max_abs_diff(sharded, reference) < TOL
     assert all(torch.isfinite(v).all() for v in sharded.values())
+
+
+# -- --param-dtype bf16 (fp32 masters, bf16 gathers; FSDP2's comparison: test_fsdp2_reference) -----
+def test_bf16_gathers_hold_half_the_parameter_bytes_and_the_kept_modules_whole_fp32():
+    """The chunks a rank holds between steps, which the all-gathers send: bf16 (2 bytes a
+    parameter) except the kept modules' (fp32); the masters and the optimizer state fp32."""
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, steps=1, micro_batch=None, zero=3)
+    initial = initial_weights(task, config.seed)
+    fp32 = train(task, config, 2, range(1), initial)[2][0].strategy
+    bf16 = train(task, dataclasses.replace(config, param_dtype="bf16"), 2, range(1), initial)[2][0].strategy
+    kept = train(task, dataclasses.replace(config, param_dtype="bf16", keep_fp32="*ln*"), 2, range(1),
+                 initial)[2][0].strategy
+    assert bf16.state_bytes()["parameters"] * 2 == fp32.state_bytes()["parameters"]
+    ln = sum(p.numel() for n, p in task.model().named_parameters() if "ln" in n)
+    assert abs(kept.state_bytes()["parameters"] - (bf16.state_bytes()["parameters"] + 2 * ln / 2)) <= 4 * 8
+    assert {c.dtype for c in bf16.param_chunks} == {torch.bfloat16} and {m.dtype for m in bf16.masters} == {
+        torch.float32}
+    assert {c.dtype for c in kept.param_chunks} == {torch.bfloat16, torch.float32}
+
+
+def test_a_bf16_checkpoint_keeps_the_fp32_masters_and_resumes_at_another_dtype_policy(tmp_path):
+    """Saved by 2 ranks at --param-dtype bf16 after 3 steps: the checkpoint's model tensors
+    are the fp32 masters (the dtype the model holds them in), bit for bit the run's final
+    weights; loaded at stage 3 in fp32 on 3 ranks and at stage 0, the parameters are those
+    masters exactly; and an fp32 checkpoint loaded under bf16 gathers keeps its values as masters."""
+    task = TINY_GPT_TASK
+    config = dataclasses.replace(task.defaults, steps=3, micro_batch=None, zero=3, param_dtype="bf16")
+    initial = initial_weights(task, config.seed)
+    final, _, _ = train(task, config, 2, range(3), initial)
+    checkpoint = _saved_at_stage_3(task, config, 2, range(3), initial, tmp_path)
+    saved = checkpoint.read()
+    assert all(v.dtype == torch.float32 for v in saved.model.values())
+    assert max_abs_diff(saved.model, final) == 0.0
+    for other, world in ((dataclasses.replace(config, param_dtype="fp32"), 3), (dataclasses.replace(config, zero=0),
+                                                                                 2)):
+        loaded, _, _ = train(task, other, world, range(3, 3), None, start=checkpoint)
+        assert max_abs_diff(loaded, final) == 0.0, (other.stage.number, world)
+    fp32_checkpoint = _saved_at_stage_3(task, dataclasses.replace(config, param_dtype="fp32"), 2, range(3), initial,
+                                        tmp_path / "fp32")
+    loaded, _, replicas = train(task, config, 2, range(3, 3), None, start=fp32_checkpoint)
+    assert max_abs_diff(loaded, fp32_checkpoint.read().model) == 0.0
+    assert {m.dtype for m in replicas[0].strategy.masters} == {torch.float32}
+
+
+def test_param_dtype_and_keep_fp32_are_stage_3_settings_refused_elsewhere_naming_them():
+    with pytest.raises(ConfigError, match=r"TrainConfig\.keep_fp32 \*ln\* keeps modules in fp32"):
+        TrainConfig(zero=3, keep_fp32="*ln*")
+    for settings in ({"zero": 2, "param_dtype": "bf16"}, {"param_dtype": "bf16"}):
+        with pytest.raises(ConfigError, match=r"TrainConfig\.param_dtype"):
+            TrainConfig(**settings)

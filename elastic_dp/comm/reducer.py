@@ -310,7 +310,7 @@ def _attach(bucket: Bucket, buffer: torch.Tensor, carry_vote: int = 0) -> None:
 
 def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp32: bool, *,
                  first_bucket_bytes: int | None = None, group_of: dict[int, int] | None = None,
-                 pad_to: int = 1) -> list[Bucket]:
+                 pad_to: int = 1, dtype_of: Callable[[torch.nn.Parameter], torch.dtype] | None = None) -> list[Bucket]:
     """Pack ``params``, last first, into buckets of about ``bucket_bytes``; the first closes
     at ``first_bucket_bytes`` already, where given (``TrainConfig.first_bucket_bytes``). No
     buffers yet.
@@ -322,15 +322,20 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp3
     split) do not cut each other's buckets short; buckets are ordered by when they were
     closed, roughly when backward completes them, and the last, partly filled ones come
     last. The partition does not depend on ``pad_to``: only each bucket's padded length
-    does, so buckets keep their identity when the world size changes.
+    does, so buckets keep their identity when the world size changes. ``dtype_of``: the
+    dtype each parameter's gradients will have, where it is not the dtype it has now
+    (ZeRO-3's ``--param-dtype bf16``: fp32 parameters gathered and computed in bf16).
     """
+    def compute_dtype(p: torch.nn.Parameter) -> torch.dtype:
+        return p.dtype if dtype_of is None else dtype_of(p)
+
     def buffer_dtype(p: torch.nn.Parameter) -> torch.dtype:
-        if reduce_fp32 and p.dtype in (torch.bfloat16, torch.float16):
+        if reduce_fp32 and compute_dtype(p) in (torch.bfloat16, torch.float16):
             return torch.float32
-        return p.dtype
+        return compute_dtype(p)
 
     def kind(p: torch.nn.Parameter) -> tuple:
-        return p.dtype, buffer_dtype(p), p.device, (group_of or {}).get(id(p))
+        return compute_dtype(p), buffer_dtype(p), p.device, (group_of or {}).get(id(p))
 
     def bucket(members: list[torch.nn.Parameter]) -> Bucket:
         dtype = buffer_dtype(members[0])
@@ -339,7 +344,7 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, reduce_fp3
             offsets.append(offset)
             offset += p.numel()
         return Bucket(params=members, offsets=offsets, numel=offset, padded=-(-offset // pad_to) * pad_to,
-                      dtype=dtype, as_view=all(p.dtype == dtype for p in members))
+                      dtype=dtype, as_view=all(compute_dtype(p) == dtype for p in members))
 
     first = bucket_bytes if first_bucket_bytes is None else min(bucket_bytes, first_bucket_bytes)
     buckets: list[Bucket] = []

@@ -52,6 +52,10 @@ bytes into its all-reduces (PowerSGD: the factors and the tensors it leaves, fp3
 integers and their scales): 2(N-1)/N · C bytes per worker, and over each host's link as a flat ring; each worker also
 copies its error, one fp32 bucket-sized tensor per bucket with a compressed matrix, to a
 neighbour on its host (over the link only where it is alone on its host).
+
+With ``--param-dtype bf16`` (stage 3, fp32 parameters): each chunk holds the parameters in
+bf16 (2 bytes) beside their fp32 masters (4), the gathers send bf16 (P = 2) and the
+gradients are reduced in fp32 (G = 4): half the gathers' bytes of the fp32 run.
 """
 
 from __future__ import annotations
@@ -101,6 +105,9 @@ class MemoryPlan:
     spares: int = 0
     """``--spares``: workers built beside the group, each with a device of its own that must
     hold a member's state once it is promoted."""
+    param_dtype: str = "fp32"
+    """Stage 3's ``--param-dtype``: bf16 gathers fp32 parameters as bf16 (2 bytes), keeps
+    their fp32 masters in the chunks and reduces the gradients in fp32 (4 bytes)."""
     compress: str | None = None
     """``--compress``: the compressor (stage 0)."""
     compressed: tuple[int, int] | None = None
@@ -130,6 +137,10 @@ class MemoryPlan:
             raise ConfigError(f"--spares must be a non-negative integer, got {self.spares}")
         if self.shard_scope not in ("all", "host"):
             raise ConfigError(f"--shard-scope must be all or host, got {self.shard_scope!r}")
+        if self.param_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"--param-dtype must be fp32 or bf16, got {self.param_dtype!r}")
+        if self.param_dtype == "bf16" and "parameters" not in self._partitioned:
+            raise ConfigError("--param-dtype bf16 gathers ZeRO stage 3's parameters in bf16: give --zero 3")
         if self.compress is not None and self._partitioned:
             raise ConfigError(f"--compress compresses ZeRO stage 0's all-reduce, and --zero {self.zero} "
                               "reduce-scatters: plan it at --zero 0")
@@ -149,6 +160,8 @@ class MemoryPlan:
     @property
     def _pgk(self) -> tuple[float, float, float]:
         p, g, master = PRECISIONS[self.precision]
+        if self.param_dtype == "bf16" and self.precision == "fp32":  # bf16 gathers of fp32 masters
+            p, g, master = 2, 4, 4
         return p, g, master + 4 * OPTIMIZER_MOMENTS[self.optimizer]
 
     @property

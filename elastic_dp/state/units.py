@@ -197,3 +197,25 @@ def _recomputed(forward: Callable, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def mixed_precision_hooks(model: torch.nn.Module, units: list[torch.nn.Module], kept: list[torch.nn.Module]) -> None:
+    """``--zero 3 --param-dtype bf16``: the floating inputs of the model and of each unit cast
+    to bf16, the dtype of their parameters (FSDP2's ``cast_forward_inputs``); each module
+    ``kept`` in fp32 has its floating inputs cast to fp32 and its floating outputs back to
+    bf16 (FSDP2's ``MixedPrecisionPolicy(param_dtype=float32, output_dtype=bfloat16)`` on it)."""
+    from torch.utils._pytree import tree_map
+
+    def to(dtype: torch.dtype) -> Callable:
+        def convert(x: object) -> object:
+            return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        return convert
+
+    def inputs(dtype: torch.dtype) -> Callable:
+        return lambda _module, args, kwargs: (tree_map(to(dtype), args), tree_map(to(dtype), kwargs))
+
+    for module in [model, *units]:
+        module.register_forward_pre_hook(inputs(torch.bfloat16), with_kwargs=True)
+    for module in kept:
+        module.register_forward_pre_hook(inputs(torch.float32), with_kwargs=True)
+        module.register_forward_hook(lambda _module, _args, out: tree_map(to(torch.bfloat16), out))

@@ -26,7 +26,7 @@ from elastic_dp.schedules import LearningRates
 from elastic_dp.state.base import Strategy
 from elastic_dp.state.stages import make_strategy
 from elastic_dp.state.units import GENERATORS, UnitInit, build_on_meta, checkpoint_units, model_units
-from elastic_dp.task import Task, trainable
+from elastic_dp.task import Task, kept_in_fp32, trainable
 
 Batches = list[tuple[int, Any]]
 """A slice's micro-batches: (samples, collated batch)."""
@@ -95,8 +95,10 @@ class Replica:
                             "the factory must return the optimizer it builds over model.parameters()")
         self.rates = LearningRates(task, config, self.optimizer)
         """Each param group's learning rate at each step (``elastic_dp.schedules``)."""
+        kept = [m for _, m in kept_in_fp32(task, self.model, config.stage.keep_patterns)] \
+            if config.stage.gathers_bf16 else []
         self.strategy: Strategy = make_strategy(self.model, self.optimizer, group, config, device, self.faults,
-                                                self.units, init if config.stage.shards_parameters else None)
+                                                self.units, init if config.stage.shards_parameters else None, kept)
         if config.activation_checkpointing:
             checkpoint_units(self.units)
         self.batch_norm = batch_norm_modules(self.model)

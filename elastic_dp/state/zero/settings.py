@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from elastic_dp.errors import ConfigError
-from elastic_dp.settings import setting
+from elastic_dp.settings import OMIT, setting
 
 SPARE_COPY_EVERY = 10
 """``--spare-copy-every``'s default (docs/elastic.md: what a copy costs, measured)."""
@@ -73,6 +73,16 @@ class Stage:
         """No rank holds the whole model: a forward is a collective (every rank runs as
         many), and the whole model (weights, a sample) is gathered unit by unit."""
         return "parameters" in self.partitioned
+
+    @property
+    def gathers_bf16(self) -> bool:
+        """fp32 parameters are gathered and computed in bf16 (stage 3's ``--param-dtype bf16``)."""
+        return False
+
+    @property
+    def keep_patterns(self) -> tuple[str, ...]:
+        """``--keep-fp32``'s patterns: modules kept in fp32 where the others are gathered in bf16."""
+        return ()
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -139,9 +149,32 @@ class Stage3(Stage):
         True, off="--no-reshard-after-forward",
         help="--zero 3: keep each unit's gathered parameters from its forward to its backward (one all-gather a unit "
              "less per step, for the memory of the whole model's parameters at the end of the forward)")
+    param_dtype: Literal["fp32", "bf16"] = setting(
+        "fp32", "--param-dtype", choices=("fp32", "bf16"), identity=lambda value, train: OMIT if value == "fp32" else
+        value, help=(
+            "--zero 3: the dtype the parameters are gathered and computed in; bf16 keeps fp32 masters in the chunks, "
+            "gathers half the bytes, casts each unit's inputs to it and reduces the gradients in fp32 unless "
+            "--no-reduce-fp32, as FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (default fp32: "
+            "as the model holds them; docs/zero.md)"))
+    keep_fp32: str | None = setting(
+        None, "--keep-fp32", kind=str, metavar="PATTERN,...", help=(
+            "with --param-dtype bf16: the modules (their names in the model, fnmatch patterns such as '*.ln*,router') "
+            "whose parameters stay fp32 whole, gathered, computed and reduced in fp32, their inputs cast to fp32 "
+            "and their outputs back to bf16 (beside Task.keep_fp32)"))
 
     def __post_init__(self) -> None:
         _check_snapshot_every(self.snapshot_every)
+        if self.keep_fp32 is not None and self.param_dtype != "bf16":
+            raise ConfigError(f"--keep-fp32 {self.keep_fp32} keeps modules in fp32 where the others are gathered in "
+                              "bf16: add --param-dtype bf16, or drop --keep-fp32")
+
+    @property
+    def gathers_bf16(self) -> bool:
+        return self.param_dtype == "bf16"
+
+    @property
+    def keep_patterns(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in (self.keep_fp32 or "").split(",") if p.strip())
 
 
 STAGES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}

@@ -48,7 +48,7 @@ from elastic_dp.config import TrainConfig
 from elastic_dp.errors import CollectiveError
 from elastic_dp.faults import FaultHook
 from elastic_dp.state.base import broadcast_tensors, nbytes
-from elastic_dp.state.units import UnitInit, model_units
+from elastic_dp.state.units import UnitInit, mixed_precision_hooks, model_units
 from elastic_dp.state.zero.sharded import Sharded
 from elastic_dp.state.zero.stage3_state import UnitChunks
 
@@ -64,7 +64,16 @@ class FullySharded(UnitChunks, Sharded):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: CollectiveGroup,
                  config: TrainConfig, device: torch.device, faults: FaultHook | None = None,
-                 units: list[torch.nn.Module] | None = None, init: UnitInit | None = None) -> None:
+                 units: list[torch.nn.Module] | None = None, init: UnitInit | None = None,
+                 kept: list[torch.nn.Module] = ()) -> None:
+        self._computed: dict[int, torch.dtype] = {}
+        """``--param-dtype bf16``: the fp32 parameters gathered and computed in bf16 (by id; the
+        ``kept`` modules' stay fp32); their chunks' fp32 values are the masters."""
+        if config.stage.gathers_bf16:
+            kept_params = {id(p) for m in kept for p in m.parameters()}
+            self._computed = {id(p): torch.bfloat16 for p in model.parameters()
+                              if p.dtype == torch.float32 and id(p) not in kept_params}
+            mixed_precision_hooks(model, units if units is not None else model_units(model, None), kept)
         super().__init__(model, optimizer, group, config, device, faults)
         self.defer_gather = True  # nothing is gathered after an update: each forward gathers
         self.reshard_after_forward = config.mode.zero.reshard_after_forward
@@ -108,7 +117,8 @@ class FullySharded(UnitChunks, Sharded):
         self.buckets: list[Bucket] = []
         self.unit_buckets: dict[int, list[int]] = {}
         for u in [*reversed(range(self.root)), self.root]:
-            pieces = make_buckets(members[u], WHOLE, config.buckets.reduce_fp32, group_of=group_of, pad_to=self.shards)
+            pieces = make_buckets(members[u], WHOLE, config.buckets.reduce_fp32, group_of=group_of, pad_to=self.shards,
+                                  dtype_of=lambda p: self._computed.get(id(p), p.dtype))
             self.unit_buckets[u] = list(range(len(self.buckets), len(self.buckets) + len(pieces)))
             self.buckets.extend(pieces)
         self.unit_params = {u: [p for b in bs for p in self.buckets[b].params] for u, bs in self.unit_buckets.items()}
@@ -122,12 +132,15 @@ class FullySharded(UnitChunks, Sharded):
         # materialised one unit at a time, and each unit freed before the next
         self.param_buffers = [torch.empty(0)] * len(self.buckets)
         self.param_chunks = [torch.empty(0)] * len(self.buckets)
+        self._fp32_chunks: dict[int, torch.Tensor] = {}  # --param-dtype bf16: the masters, as built
         for u in range(self.root + 1):
             if self.init is not None:
                 self.init.unit(u)
             for b in self.unit_buckets[u]:
                 self._lay_out(b)
-        self.masters = [torch.nn.Parameter(s if s.dtype == torch.float32 else s.float()) for s in self.param_chunks]
+        self.masters = [torch.nn.Parameter(self._fp32_chunks.pop(b) if b in self._fp32_chunks else
+                                           s if s.dtype == torch.float32 else s.float())
+                        for b, s in enumerate(self.param_chunks)]
         self.snapshots.configure(group, 0, peers=self.replicas == 1)  # no rank holds another's parameters between steps
 
         self.grad_chunks = [torch.zeros(c, dtype=b.dtype, device=b.params[0].device)
@@ -142,17 +155,24 @@ class FullySharded(UnitChunks, Sharded):
 
     def _lay_out(self, b: int) -> None:
         """Piece ``b``'s flat buffer, its parameters views into it, and this rank's chunk of
-        the values they had when the model was built (none after a re-cut: imported)."""
+        the values they had when the model was built (none after a re-cut: imported). Under
+        ``--param-dtype bf16`` the buffer is bf16 and the parameters become views of it; the
+        chunk's fp32 values as built are its master (``_fp32_chunks``)."""
         bucket = self.buckets[b]
         first = bucket.params[0]
-        buffer = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
+        dtype = self._computed.get(id(first), first.dtype)
+        buffer = torch.zeros(bucket.padded, dtype=dtype, device=first.device)
         whole = first.untyped_storage().size() > 0  # the model as built, or its unit (not a re-cut's freed views)
-        for p, offset in zip(bucket.params, bucket.offsets):
-            view = buffer[offset:offset + p.numel()]
-            if whole:
-                view.copy_(p.detach().reshape(-1))
-            p.data = view.view_as(p)
         chunk = bucket.padded // self.shards
+        values = buffer if dtype == first.dtype else torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
+        for p, offset in zip(bucket.params, bucket.offsets):
+            if whole:
+                values[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = buffer[offset:offset + p.numel()].view_as(p)
+        if values is not buffer:  # fp32 as built: the master chunk; the gathered buffer in bf16
+            if whole:
+                self._fp32_chunks[b] = values[self.shard * chunk:(self.shard + 1) * chunk].clone()
+            buffer.copy_(values)
         self.param_chunks[b] = buffer[self.shard * chunk:(self.shard + 1) * chunk].clone()
         self.param_buffers[b] = buffer
         buffer.untyped_storage().resize_(0)

@@ -46,18 +46,34 @@ class UnitChunks:
 
     def weight_parts(self) -> list[TensorSpecs]:
         self._current()
-        return [[(k, v.dtype, list(v.shape)) for k, v in entries] for _, entries in self._weight_units()]
+        return [[(k, torch.float32 if id(v) in self._computed else v.dtype, list(v.shape)) for k, v in entries]
+                for _, entries in self._weight_units()]
 
     def weight_part(self, i: int) -> dict[str, torch.Tensor]:
         """A collective: part ``i`` of ``weight_parts`` (a unit, or the root) gathered, copied
-        into host memory and freed."""
+        into host memory and freed; a parameter gathered in bf16 (``--param-dtype bf16``)
+        as its fp32 master, the dtype the model holds it in."""
         self.settle()
         u, entries = self._weight_units()[i]
+        masters = self._gathered_masters(u)
         self._gather(u, wait=True)
         try:
-            return {k: v.detach().to("cpu", copy=True) for k, v in entries}
+            return {k: masters.get(id(v), v).detach().to("cpu", copy=True) for k, v in entries}
         finally:
             self._free([u])
+
+    def _gathered_masters(self, u: int) -> dict[int, torch.Tensor]:
+        """A collective: unit ``u``'s fp32 masters of the parameters it gathers in bf16, whole
+        (by the parameter's id; none where the unit has none)."""
+        whole = {}
+        for b in self.unit_buckets[u]:
+            bucket = self.buckets[b]
+            if id(bucket.params[0]) not in self._computed:
+                continue
+            full = torch.empty(bucket.padded, dtype=torch.float32, device=self.masters[b].device)
+            self.shard_group.all_gather_async(full, self.masters[b].detach()).wait()
+            whole.update({id(p): full[o:o + p.numel()].view(p.shape) for p, o in zip(bucket.params, bucket.offsets)})
+        return whole
 
     def checkpoint_part(self, step: int, sampler: dict[str, int]) -> Part:
         """This rank's chunk of every parameter and of its optimizer state, its range of the
@@ -80,8 +96,9 @@ class UnitChunks:
         for b, bucket in enumerate(self.buckets if self.first_copy else ()):  # one copy of each chunk is written
             lo = self.shard * self.chunks[b]
             for p, offset, a, e in zero_format._pieces(bucket, lo, lo + self.chunks[b]):
+                values = self.masters[b] if id(p) in self._computed else self.param_chunks[b]  # the model's dtype
                 for key in keys[id(p)]:
-                    add_piece(part, model_file, f"model/{key}", self.param_chunks[b][a - lo:e - lo], a - offset,
+                    add_piece(part, model_file, f"model/{key}", values[a - lo:e - lo].detach(), a - offset,
                               list(p.shape))
         part.files = {f: t for f, t in part.files.items() if t}
         return part
