@@ -199,7 +199,8 @@ def _recomputed(forward: Callable, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def mixed_precision_hooks(model: torch.nn.Module, units: list[torch.nn.Module], kept: list[torch.nn.Module]) -> None:
+def mixed_precision_hooks(model: torch.nn.Module, units: list[torch.nn.Module],
+                          kept: list[torch.nn.Module]) -> None:
     """``--zero 3 --param-dtype bf16``: the floating inputs of the model and of each unit cast
     to bf16, the dtype of their parameters (FSDP2's ``cast_forward_inputs``); each module
     ``kept`` in fp32 has its floating inputs cast to fp32 and its floating outputs back to
