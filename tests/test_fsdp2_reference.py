@@ -47,15 +47,25 @@ def _fsdp2_rank(rank: int, store_path: str, initial: str, out: str) -> None:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
+    _train_and_save(model, rank, config.steps, out)
+    dist.destroy_process_group()
+    os._exit(0)  # as the DDP reference (test_ddp_reference.py): no teardown of gloo's threads at exit
+
+
+def _train_and_save(model: torch.nn.Module, rank: int, steps: int, out: str) -> None:
+    """The FSDP2 peer's loop, each rank over its contiguous slice of the sampler's steps,
+    and the whole state dict written by rank 0. The loss is elastic_dp's scale (the slice's
+    share of the batch) times the world size, which FSDP2's average divides back out."""
+    task, config = TINY_GPT_TASK, CONFIG
     dataset = task.dataset()
     optimizer = task.optimizer(model)
     base = [g["lr"] for g in optimizer.param_groups]
     sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
-    for step in range(config.steps):
+    for step in range(steps):
         mine = split(sampler.batch(step), WORLD)[rank]
         optimizer.zero_grad()
         loss = task.loss(model, task.collate([dataset[int(i)] for i in mine]))
-        (loss * len(mine) * WORLD / config.global_batch).backward()
+        (loss * (len(mine) / config.global_batch) * WORLD).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
         for group, lr in zip(optimizer.param_groups, base):
             group["lr"] = lr * config.lr_factor(step)
@@ -63,8 +73,6 @@ def _fsdp2_rank(rank: int, store_path: str, initial: str, out: str) -> None:
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     if rank == 0:
         save_file({k: v.detach().clone() for k, v in state.items()}, out)
-    dist.destroy_process_group()
-    os._exit(0)  # as the DDP reference (test_ddp_reference.py): no teardown of gloo's threads at exit
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +119,7 @@ def _fsdp2_mixed_rank(rank: int, store_path: str, initial: str, out: str, dtypes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
-    task, config = TINY_GPT_TASK, CONFIG
+    task = TINY_GPT_TASK
     model = task.model()
     model.load_state_dict(load_file(initial))
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -126,24 +134,8 @@ def _fsdp2_mixed_rank(rank: int, store_path: str, initial: str, out: str, dtypes
     for name, module in model.named_modules():
         module.register_forward_pre_hook(lambda m, _a, name=name: seen.update(
             {f"{name}.{n}" if name else n: str(p.dtype) for n, p in m.named_parameters(recurse=False)}))
-    dataset = task.dataset()
-    optimizer = task.optimizer(model)
-    base = [g["lr"] for g in optimizer.param_groups]
-    sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
-    for step in range(steps):
-        mine = split(sampler.batch(step), WORLD)[rank]
-        optimizer.zero_grad()
-        loss = task.loss(model, task.collate([dataset[int(i)] for i in mine]))
-        # elastic_dp's scale (its share of the batch) times the world size, which FSDP2's
-        # average divides back out: a power of two, exact in bf16 as in fp32
-        (loss * (len(mine) / config.global_batch) * WORLD).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
-        for group, lr in zip(optimizer.param_groups, base):
-            group["lr"] = lr * config.lr_factor(step)
-        optimizer.step()
-    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    _train_and_save(model, rank, steps, out)
     if rank == 0:
-        save_file({k: v.detach().clone() for k, v in state.items()}, out)
         with open(dtypes, "w") as f:
             json.dump(seen, f)
     dist.destroy_process_group()

@@ -44,7 +44,7 @@ from elastic_dp.comm.feedback import ErrorFeedback
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.quantize import BLOCK, Int8Compression, wire_numel
 from elastic_dp.comm.reducer import make_buckets
-from elastic_dp.errors import CollectiveError, ConfigError
+from elastic_dp.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +189,7 @@ class PowerSGD(ErrorFeedback):
         return self._thread.submit(self._reduce, index, tensor, self.group.generation)
 
     def _reduce(self, index: int, tensor: torch.Tensor, generation: int) -> None:
-        if self.group.generation != generation:
-            raise CollectiveError(f"a bucket launched in generation {generation} met generation "
-                                  f"{self.group.generation}", rank=self.group.rank)
-        # a group of its own over every rank: the training thread's collectives on the
-        # generation's group (the plain buckets, the vote) go on in their own order meanwhile
-        group = self.group.subgroup("world", generation=generation)
+        group = self._world(generation)
         world_size = group.world_size
         plan, flat = self.plans[index], tensor.view(-1)
         error = self.errors.get(index)

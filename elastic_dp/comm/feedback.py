@@ -62,6 +62,14 @@ class ErrorFeedback(Reduction):
         self._saved: tuple | None = None
         self._thread = ReductionThread(self.thread)
 
+    def _world(self, generation: int) -> CollectiveGroup:
+        """The process group a compressor's thread reduces on: the generation's ``world``
+        sub-group, its own, so that the training thread's collectives on the generation's
+        group (the buckets it leaves, the vote where none went to the thread) go on in their
+        own order meanwhile; a launch of an older generation raises ``CollectiveError``."""
+        self._check(generation)
+        return self.group.subgroup("world", generation=generation)
+
     # -- the vote, after the copies ----------------------------------------------------------------
     def cast(self, ballot: Any, carried: bool) -> tuple[Any, Any]:
         """Where buckets were reduced on the thread in this step, the vote and the payload go

@@ -32,7 +32,6 @@ import torch
 from elastic_dp.comm.feedback import ErrorFeedback
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reductions import Reduction, ReductionThread
-from elastic_dp.errors import CollectiveError
 
 BLOCK = 128
 """Elements that share one fp32 scale (3% more bytes at int8, 6% at int4)."""
@@ -134,9 +133,7 @@ class QuantizedAllReduce(Reduction):
         return self._thread.submit(self._reduce, index, tensor, self.group.generation)
 
     def _reduce(self, index: int, tensor: torch.Tensor, generation: int) -> None:
-        if self.group.generation != generation:
-            raise CollectiveError(f"a tensor launched in generation {generation} met generation "
-                                  f"{self.group.generation}", rank=self.group.rank)
+        self._check(generation)
         self.errors[index] = quantized_all_reduce(self.group, tensor.view(-1), self.errors.get(index), self.bits)
 
     def wire_bytes(self, tensor: torch.Tensor) -> int:
@@ -185,10 +182,7 @@ class Int8Compression(ErrorFeedback):
         return self._thread.submit(self._reduce, index, tensor, self.group.generation)
 
     def _reduce(self, index: int, tensor: torch.Tensor, generation: int) -> None:
-        if self.group.generation != generation:
-            raise CollectiveError(f"a bucket launched in generation {generation} met generation "
-                                  f"{self.group.generation}", rank=self.group.rank)
-        group = self.group.subgroup("world", generation=generation)
+        group = self._world(generation)
         error = quantized_all_reduce(group, tensor.view(-1), self.errors.get(index), self.bits)
         right, left = group.mesh.near_right(group.rank), group.mesh.near_left(group.rank)
         if left != group.rank:  # the error's copy, before the vote that commits it

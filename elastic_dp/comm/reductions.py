@@ -61,6 +61,13 @@ class Reduction:
         self.group = group
         self._generation: int | None = None  # the generation the state is cut for
 
+    def _check(self, generation: int) -> None:
+        """A launch of ``generation`` run later, on a reduction's own thread: where the group
+        has moved on, ``CollectiveError`` instead of meeting the next generation's collectives."""
+        if self.group.generation != generation:
+            raise CollectiveError(f"a bucket launched in generation {generation} met generation "
+                                  f"{self.group.generation}", rank=self.group.rank)
+
     def follow(self) -> None:
         """Before a step: where the group is of another generation than the state was cut
         for, re-cut it (``resize``). A reduction lives as long as its strategy, across
@@ -290,10 +297,8 @@ class Hierarchical(Reduction):
         return self._thread.submit(self._reduce, tensor, self.group.generation)
 
     def _reduce(self, tensor: torch.Tensor, generation: int) -> None:
+        self._check(generation)
         group = self.group
-        if group.generation != generation:
-            raise CollectiveError(f"a bucket launched in generation {generation} met generation {group.generation}",
-                                  rank=group.rank)
         mesh, rank, flat = group.mesh, group.rank, tensor.view(-1)
         n, pieces = flat.numel(), mesh.pieces
         bounds = [i * n // pieces for i in range(pieces + 1)]
