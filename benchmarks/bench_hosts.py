@@ -4,7 +4,9 @@ flat and hierarchical all-reduce (stage 0) and ZeRO-2 and ZeRO-3 sharded inside 
 (``--shard-scope host``, HSDP), against torch DDP (a flat gloo ring) and FSDP2's HSDP
 (``fully_shard`` on a 2-D ``DeviceMesh``), each started with torchrun on each host, all
 training jobs.gpt in the same namespaces, next to ``elastic-dp plan``'s figure; and
-``--compress powersgd:rank=2`` against DDP with torch's ``powerSGD_hook`` at rank 2. As root (the
+``--compress powersgd:rank=2`` against DDP with torch's ``powerSGD_hook`` at rank 2, and
+``--compress int8`` over every byte and on the hop between the hosts alone
+(``--compress-scope hosts``). As root (the
 namespaces); docs/BENCHMARKS.md has the figures.
 
     python -m benchmarks.bench_hosts [--hosts 2] [--workers-per-host 2] [--rate-mbit 200] [--steps 24] [--rounds 1]
@@ -56,6 +58,8 @@ RUNS = {
     "ddp": (["benchmarks.ddp_gpt"], (0, "flat")),
     "fsdp2_hsdp": (["benchmarks.fsdp2_gpt", "--hsdp"], (3, "host")),
     "powersgd2": (["--compress", "powersgd:rank=2:start=2"], None),
+    "int8": (["--compress", "int8"], None),
+    "int8_hosts": (["--compress", "int8", "--compress-scope", "hosts"], None),
     "ddp_powersgd2": (["benchmarks.ddp_gpt", "--powersgd", "2"], None),
 }
 """What each run is: elastic_dp's, or a peer's (``benchmarks.*``), and which figure of

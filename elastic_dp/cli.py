@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
                       "device, gives the parameter count and the shapes that --compress needs")
     plan.add_argument("--compress", default=None, metavar="powersgd:rank=R[:start=S][:min-ratio=X]|int8",
                       help="as for train (--zero 0, with --job): the bytes of a compressed step")
+    plan.add_argument("--compress-scope", default="all", help="as for train: hosts compresses the hop between the "
+                      "hosts alone (--compress int8, --hosts)")
     plan.add_argument("--workers", type=int, default=None, help="data-parallel workers (or --hosts and "
                       "--workers-per-host)")
     plan.add_argument("--hosts", type=int, default=None, help="hosts the workers are spread over: also say the "
@@ -162,7 +164,7 @@ def _plan(args: argparse.Namespace) -> int:
                       precision=args.precision, optimizer=args.optimizer,
                       unit_params=parse_size(args.unit_params, "--unit-params") if args.unit_params else None,
                       reshard=args.reshard, shard_scope=args.shard_scope, spares=args.spares, compress=args.compress,
-                      compressed=compressed, param_dtype=args.param_dtype)
+                      compressed=compressed, param_dtype=args.param_dtype, compress_scope=args.compress_scope)
     gpu = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
     print(json.dumps(plan.report(gpu), indent=1) if args.json else render(plan, gpu))
     return 0

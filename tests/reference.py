@@ -445,3 +445,80 @@ def replay_members(task: Task, config: TrainConfig, initial: str, *, world: int,
             group["lr"] = lr * config.lr_factor(step)
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def replay_hosts(task: Task, config: TrainConfig, initial: str, *, hosts: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The replay contract of ``--compress int8 --compress-scope hosts`` (docs/compression.md)
+    for ranks on ``hosts`` (one name a rank, in rank order): each rank's share of a step's
+    gradient on its slice, as ``replay_members``; each bucket (the run's partition) cut into
+    the hierarchical all-reduce's pieces (``comm.mesh.Mesh``: one a rank of the largest
+    host, owned in contiguous blocks by a host's ranks); a host's error at a piece added to
+    its owner's share, the host's shares summed in rank order in fp32; each piece's host
+    sums added by ``quantized_sum`` across the hosts (in the order of their first rank), each
+    host keeping what its sum's quantization missed. One host: the exact sum."""
+    from elastic_dp.comm.mesh import Mesh
+    from elastic_dp.comm.reducer import make_buckets
+
+    mesh = Mesh(tuple(hosts))
+    names = list(dict.fromkeys(hosts))
+    dataset = task.dataset()
+    model = task.model()
+    model.load_state_dict(load_file(initial))
+    optimizer = task.optimizer(model)
+    base = [g["lr"] for g in optimizer.param_groups]
+    sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    buckets = [b.params for b in make_buckets(params, config.buckets.bucket_bytes, config.buckets.reduce_fp32,
+                                              first_bucket_bytes=config.buckets.first_bucket_bytes("cpu"))]
+    errors: dict[tuple[str, int], torch.Tensor] = {}  # (host, bucket) -> the host's error
+    for step in range(config.steps):
+        slices = np.array_split(sampler.batch(step), len(hosts))
+        shares, used = [], set()
+        for mine in slices:
+            optimizer.zero_grad()
+            if len(mine):
+                loss = task.loss(model, task.collate([dataset[int(i)] for i in mine]))
+                (loss.reshape(()) * (len(mine) / config.global_batch)).backward()
+            used |= {id(p) for p in params if p.grad is not None}
+            shares.append([torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float()
+                                      .reshape(-1) for p in bucket]) for bucket in buckets])
+        for b, bucket in enumerate(buckets):
+            numel = shares[0][b].numel()
+            if len(names) == 1:
+                total = torch.zeros(numel)
+                for share in shares:
+                    total += share[b]
+            else:
+                bounds = [i * numel // mesh.pieces for i in range(mesh.pieces + 1)]
+                sums = {}
+                for h in names:
+                    mine = [share[b].clone() for r, share in enumerate(shares) if hosts[r] == h]
+                    error = errors.get((h, b))
+                    if error is not None:  # each piece's error is its owner's to add
+                        ranks = mesh.on_host(h)
+                        for i in range(mesh.pieces):
+                            owner = ranks.index(mesh.owner(h, i))
+                            mine[owner][bounds[i]:bounds[i + 1]] += error[bounds[i]:bounds[i + 1]]
+                    sums[h] = torch.zeros(numel)
+                    for term in mine:
+                        sums[h] += term
+                total, new = torch.zeros(numel), {h: torch.zeros(numel) for h in names}
+                for i in range(mesh.pieces):
+                    part = slice(bounds[i], bounds[i + 1])
+                    if bounds[i + 1] == bounds[i]:
+                        continue
+                    result, piece_errors = quantized_sum([sums[h][part] for h in names], [None] * len(names), 8)
+                    total[part] = result
+                    for h, e in zip(names, piece_errors):
+                        new[h][part] = e
+                errors.update({(h, b): e for h, e in new.items()})
+            at = 0
+            for p in bucket:
+                p.grad = total[at:at + p.numel()].view_as(p).to(p.dtype).clone() if id(p) in used else None
+                at += p.numel()
+        if config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
+        for group, lr in zip(optimizer.param_groups, base):
+            group["lr"] = lr * config.lr_factor(step)
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -221,3 +221,26 @@ def test_plan_halves_stage_3_s_gathers_with_bf16_parameters_and_keeps_the_fp32_m
     assert bf16.per_worker_bytes()["optimizer_state"] == (4 + 8) / 4 * 1e6
     with pytest.raises(ConfigError, match="param_dtype='bf16' gathers ZeRO stage 3's parameters"):
         MemoryPlan(params=1e6, workers=4, zero=2, param_dtype="bf16")
+
+
+def test_plan_gives_the_links_bytes_of_int8_on_the_hop_between_hosts_alone(capsys):
+    """``--compress int8 --compress-scope hosts`` on 2 hosts of 2: each link carries 2(H-1)/H
+    of the int8 bytes (1 byte an element and an fp32 scale a block of 128), a quarter of the
+    hierarchical all-reduce's fp32 figure and a little more."""
+    import json
+
+    from elastic_dp.comm.quantize import BLOCK
+    from jobs.gpt import TASK
+
+    total = sum(p.numel() for p in TASK.model().parameters())  # one bucket of 25 MiB
+    argv = ["plan", "--job", "jobs.gpt", "--hosts", "2", "--workers-per-host", "2", "--precision", "fp32", "--json"]
+    assert cli.main([*argv, "--compress", "int8", "--compress-scope", "hosts"]) == 0
+    compressed = json.loads(capsys.readouterr().out)["link_bytes_per_host_per_step"]["compressed"]
+    padded = -(-total // BLOCK) * BLOCK
+    assert compressed == padded + padded // BLOCK * 4  # 2(H-1)/H = 1 at H = 2
+    assert cli.main(argv) == 0
+    hierarchical = json.loads(capsys.readouterr().out)["link_bytes_per_host_per_step"]["hierarchical"]
+    assert 0.25 < compressed / hierarchical < 0.27
+    assert cli.main(["plan", "--job", "jobs.gpt", "--hosts", "2", "--workers-per-host", "2", "--compress",
+                     "powersgd:rank=2", "--compress-scope", "hosts"]) == 2
+    assert "--compress-scope hosts compresses the hop between the hosts with int8" in capsys.readouterr().err

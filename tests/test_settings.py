@@ -81,7 +81,8 @@ def _a_value_other_than_the_default(name: str):
               "max_staleness": 2, "staleness_lr": "inverse", "ps_shards": 2, "ps_device": "cpu", "sync_every": 10,
               "outer_lr": 1.0, "outer_momentum": 0.5, "outer_nesterov": False, "outer_reduce": "bf16",
               "fragments": 2, "fragment_delay": 1, "zero": 1, "spare_copy_every": 3,
-              "compress": "powersgd:rank=2", "param_dtype": "bf16", "keep_fp32": "*ln*"}
+              "compress": "powersgd:rank=2", "param_dtype": "bf16", "keep_fp32": "*ln*",
+              "compress_scope": "hosts"}
     return values[name]  # a KeyError: a new part's setting needs a value here
 
 

@@ -42,7 +42,7 @@ import torch
 
 from elastic_dp.comm.feedback import ErrorFeedback
 from elastic_dp.comm.group import CollectiveGroup
-from elastic_dp.comm.quantize import BLOCK, Int8Compression, wire_numel
+from elastic_dp.comm.quantize import BLOCK, HostsInt8, Int8Compression, wire_numel
 from elastic_dp.comm.reducer import make_buckets
 from elastic_dp.errors import ConfigError
 
@@ -297,10 +297,12 @@ class PowerSGD(ErrorFeedback):
         return [b for b, plan in enumerate(self.plans) if plan.matrices]
 
 
-def make_compressor(group: CollectiveGroup, spec: PowerSGDSpec | Int8Spec, seed: int) -> ErrorFeedback:
-    """The reduction ``--compress`` names (``comm.settings.Buckets.compressor``)."""
+def make_compressor(group: CollectiveGroup, spec: PowerSGDSpec | Int8Spec, seed: int,
+                    scope: str = "all") -> ErrorFeedback:
+    """The reduction ``--compress`` names (``comm.settings.Buckets.compressor``), over every
+    byte or (``--compress-scope hosts``) the hop between the hosts."""
     if isinstance(spec, Int8Spec):
-        return Int8Compression(group)
+        return HostsInt8(group) if scope == "hosts" else Int8Compression(group)
     return PowerSGD(group, spec, seed)
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import datetime
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -298,28 +298,45 @@ class Hierarchical(Reduction):
 
     def _reduce(self, tensor: torch.Tensor, generation: int) -> None:
         self._check(generation)
-        group = self.group
-        mesh, rank, flat = group.mesh, group.rank, tensor.view(-1)
-        n, pieces = flat.numel(), mesh.pieces
-        bounds = [i * n // pieces for i in range(pieces + 1)]
-        peers = mesh.on_host(mesh.hosts[rank])
-        spans = [mesh.owned(r) for r in peers]  # each peer's pieces, in local rank order
-        sizes = [bounds[s[-1] + 1] - bounds[s[0]] for s in spans]
-        mine = spans[peers.index(rank)]
-        lo, hi = bounds[mine[0]], bounds[mine[-1] + 1]
-        own = flat[lo:hi]
-        inside = group.subgroup("host", generation=generation)
-        if len(peers) > 1:  # every peer's copy of this rank's pieces, summed in rank order
-            received = torch.empty(len(peers) * own.numel(), dtype=flat.dtype, device=flat.device)
-            work = inside.all_to_all_async(received, flat, [own.numel()] * len(peers), sizes)
-            Summed(work, list(received.view(len(peers), -1)), own).wait()
-        works = [group.subgroup("across", i, generation).all_reduce_async(flat[bounds[i]:bounds[i + 1]])
-                 for i in mine if bounds[i + 1] > bounds[i]]
-        for work in works:
+        reduce_in_hosts(self.group, tensor.view(-1), generation,
+                        lambda i, across, piece: across.all_reduce_async(piece))
+
+
+def reduce_in_hosts(group: CollectiveGroup, flat: torch.Tensor, generation: int,
+                    across: Callable[[int, CollectiveGroup, torch.Tensor], Any]) -> None:
+    """``flat`` (a rank's bucket) reduced in three steps (``Hierarchical``): its pieces summed
+    inside the host, each piece the rank owns reduced across the hosts by ``across(i,
+    group, piece)`` (which reduces ``piece`` in place over the ``across`` group of piece ``i``,
+    one rank a host, and returns a handle to wait for, or None once done), and the pieces
+    gathered inside the host."""
+    mesh, rank = group.mesh, group.rank
+    n, pieces = flat.numel(), mesh.pieces
+    bounds = [i * n // pieces for i in range(pieces + 1)]
+    peers = mesh.on_host(mesh.hosts[rank])
+    spans = [mesh.owned(r) for r in peers]  # each peer's pieces, in local rank order
+    sizes = [bounds[s[-1] + 1] - bounds[s[0]] for s in spans]
+    mine = spans[peers.index(rank)]
+    lo, hi = bounds[mine[0]], bounds[mine[-1] + 1]
+    own = flat[lo:hi]
+    inside = group.subgroup("host", generation=generation)
+    if len(peers) > 1:  # every peer's copy of this rank's pieces, summed in rank order
+        received = torch.empty(len(peers) * own.numel(), dtype=flat.dtype, device=flat.device)
+        work = inside.all_to_all_async(received, flat, [own.numel()] * len(peers), sizes)
+        Summed(work, list(received.view(len(peers), -1)), own).wait()
+    works = [across(i, group.subgroup("across", i, generation), flat[bounds[i]:bounds[i + 1]])
+             for i in mine if bounds[i + 1] > bounds[i]]
+    for work in works:
+        if work is not None:
             work.wait()
-        if len(peers) > 1:  # this rank's summed pieces to every peer, every peer's into the bucket
-            sent = own.repeat(len(peers))
-            inside.all_to_all_async(flat, sent, sizes, [own.numel()] * len(peers)).wait()
+    if len(peers) > 1:  # this rank's summed pieces to every peer, every peer's into the bucket
+        sent = own.repeat(len(peers))
+        inside.all_to_all_async(flat, sent, sizes, [own.numel()] * len(peers)).wait()
+
+
+def piece_bounds(group: CollectiveGroup, numel: int) -> list[int]:
+    """Where ``reduce_in_hosts`` cuts a bucket of ``numel`` elements into pieces."""
+    pieces = group.mesh.pieces
+    return [i * numel // pieces for i in range(pieces + 1)]
 
 
 def all_reduce(group: CollectiveGroup, choice: str | None) -> Reduction:

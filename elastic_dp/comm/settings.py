@@ -42,12 +42,28 @@ class Buckets:
             "sends each bucket as blockwise-scaled int8, each worker's quantization error fed back, the members "
             "simulated by its contract (docs/compression.md)"))
 
+    compress_scope: Literal["all", "hosts"] = setting(
+        "all", "--compress-scope", choices=("all", "hosts"), identity=lambda value, train: OMIT if value == "all"
+        else value, help=(
+            "with --compress int8: all (default) quantizes every byte of the all-reduce; hosts only the hop between "
+            "the hosts: each bucket summed inside each host exactly (fp32), each piece all-reduced across the hosts "
+            "as int8, gathered inside the host, the hierarchical all-reduce's steps (docs/compression.md)"))
+
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb} (--bucket-mb)")
         if self.first_bucket_mb is not None and self.first_bucket_mb <= 0:
             raise ConfigError(f"first_bucket_mb must be positive, got {self.first_bucket_mb} (--first-bucket-mb)")
-        parse_compress(self.compress)
+        spec = parse_compress(self.compress)
+        if self.compress_scope == "hosts" and not isinstance(spec, Int8Spec):
+            raise ConfigError(f"--compress-scope hosts compresses the hop between the hosts of the hierarchical "
+                              f"all-reduce, which cuts each bucket into pieces: int8 quantizes a piece, and "
+                              f"{'no --compress' if spec is None else '--compress ' + self.compress} is not defined "
+                              "on one (PowerSGD's matrices span the pieces): use --compress int8, or drop "
+                              "--compress-scope")
+        if self.compress_scope == "hosts" and self.all_reduce == "flat":
+            raise ConfigError("--compress-scope hosts compresses the hop between the hosts of the hierarchical "
+                              "all-reduce, and --all-reduce flat asks for one ring: drop one of them")
 
     @property
     def compressor(self) -> PowerSGDSpec | Int8Spec | None:

@@ -51,7 +51,10 @@ With ``--compress`` (stage 0; the model's shapes from ``--job``) a compressed st
 bytes into its all-reduces (PowerSGD: the factors and the tensors it leaves, fp32; int8: the
 integers and their scales): 2(N-1)/N · C bytes per worker, and over each host's link as a flat ring; each worker also
 copies its error, one fp32 bucket-sized tensor per bucket with a compressed matrix, to a
-neighbour on its host (over the link only where it is alone on its host).
+neighbour on its host (over the link only where it is alone on its host). With
+``--compress int8 --compress-scope hosts`` the hop between the hosts alone is int8: each host
+sends 2(H-1)/H of the quantized bytes over its link, as the hierarchical all-reduce does of
+the fp32 ones.
 
 With ``--param-dtype bf16`` (stage 3, fp32 parameters): each chunk holds the parameters in
 bf16 (2 bytes) beside their fp32 masters (4), the gathers send bf16 (P = 2) and the
@@ -110,6 +113,8 @@ class MemoryPlan:
     their fp32 masters in the chunks and reduces the gradients in fp32 (4 bytes)."""
     compress: str | None = None
     """``--compress``: the compressor (stage 0)."""
+    compress_scope: str = "all"
+    """``--compress-scope``: every byte of the all-reduce (``all``), or the hop between the hosts (``hosts``)."""
     compressed: tuple[int, int] | None = None
     """With ``compress``: the bytes each worker puts into its all-reduces per compressed step
     and those of its error it copies to its near neighbour (``comm.compression.wire_bytes_per_step``,
@@ -144,6 +149,11 @@ class MemoryPlan:
         if self.compress is not None and self._partitioned:
             raise ConfigError(f"--compress compresses ZeRO stage 0's all-reduce, and --zero {self.zero} "
                               "reduce-scatters: plan it at --zero 0")
+        if self.compress_scope not in ("all", "hosts"):
+            raise ConfigError(f"--compress-scope must be all or hosts, got {self.compress_scope!r}")
+        if self.compress_scope == "hosts" and (self.compress != "int8" or self.hosts is None):
+            raise ConfigError("--compress-scope hosts compresses the hop between the hosts with int8: give "
+                              "--compress int8 and --hosts")
         if self.compress is not None and self.compressed is None:
             raise ConfigError("--compress needs the model's shapes (which matrices it compresses, and to what): "
                               "give --job MODULE")
@@ -252,9 +262,11 @@ class MemoryPlan:
             keys = ("compressed",) if self.compressed is not None else ("flat", "hierarchical") \
                 if not self._partitioned else ("gloo", "nccl", "host")
             return {k: 0.0 for k in keys}
-        if self.compressed is not None:  # a flat ring of the factors; the copies cross only from lone ranks
-            return {"compressed": 2 * (n - 1) / n * self.compressed[0] + (self.copy_bytes_per_step() if w == 1
-                                                                               else 0.0)}
+        copies = self.copy_bytes_per_step() if w == 1 else 0.0  # the error copies cross only from lone ranks
+        if self.compressed is not None and self.compress_scope == "hosts":  # int8 on the hop between hosts alone
+            return {"compressed": 2 * (h - 1) / h * self.compressed[0] + copies}
+        if self.compressed is not None:  # a flat ring of the compressed bytes
+            return {"compressed": 2 * (n - 1) / n * self.compressed[0] + copies}
         if not self._partitioned:
             return {"flat": 2 * (n - 1) / n * g * self.params, "hierarchical": 2 * (h - 1) / h * g * self.params}
         moved = (2 * p + g if "parameters" in self._partitioned and self.reshard else p + g) * self.params
@@ -309,7 +321,10 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
                      f"({snap['host_neighbour_on_same_host'] / gib:.2f} GiB with the neighbour on the same host); "
                      f"with NCCL, {snap['device_while_sent'] / gib:.2f} GiB more on the device while one is sent")
     lines.append(f"  communication per step: {r['comm_bytes_per_step'] / 1e9:.3f} GB sent by each worker")
-    if plan.compressed is not None:
+    if plan.compressed is not None and plan.compress_scope == "hosts":
+        lines.append(f"  --compress {plan.compress} --compress-scope hosts: the hop between the hosts alone is int8 (the "
+                     "link figure below); inside a host fp32, as the hierarchical all-reduce")
+    elif plan.compressed is not None:
         c = r["compress"]
         lines.append(f"  --compress {plan.compress}: {r['comm_bytes_per_step'] / 1e6:.4g} MB, "
                      f"{r['comm_bytes_per_step'] / c['uncompressed_bytes_per_step']:.3f} of the "

@@ -108,7 +108,8 @@ class Replicated(BucketedGradients, ReplicatedState):
                  faults: FaultHook | None = None) -> None:
         super().__init__(model, optimizer, group, device)
         compressor = config.buckets.compressor
-        self.reduction = (make_compressor(group, compressor, seed=config.seed) if compressor is not None
+        self.reduction = (make_compressor(group, compressor, config.seed, config.buckets.compress_scope)
+                          if compressor is not None
                           else all_reduce(group, config.buckets.all_reduce))
         self.reducer = GradientReducer(self.params, group,
                                        bucket_bytes=config.buckets.bucket_bytes,

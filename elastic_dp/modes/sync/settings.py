@@ -49,9 +49,11 @@ class SyncSettings(ModeSettings):
             raise ConfigError(f"--compress {self.buckets.compress} compresses ZeRO stage 0's all-reduce; the "
                               f"compressed reduce-scatter of stage {self.zero.number} is not built yet: drop --compress, "
                               "or train at --zero 0")
-        if self.buckets.compress is not None and self.buckets.all_reduce == "hierarchical":
+        if self.buckets.compress is not None and self.buckets.all_reduce == "hierarchical" and \
+                self.buckets.compress_scope != "hosts":
             raise ConfigError(f"--compress {self.buckets.compress} replaces the all-reduce with its own flat "
-                              "collectives, and --all-reduce hierarchical asks for the hosts' one: drop one of them")
+                              "collectives, and --all-reduce hierarchical asks for the hosts' one: drop one of them, "
+                              "or compress only the hop between the hosts (--compress int8 --compress-scope hosts)")
 
     def check_run(self, train: Any, cluster: Any, checkpoint: Any) -> None:
         """``--batch-stats global`` makes one forward per worker and step: a ``--micro-batch``
