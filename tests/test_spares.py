@@ -8,8 +8,13 @@ ready, a leave notice) are tested with fakes in tests/test_coordinator.py."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 
+from elastic_dp.modes.sync.layouts import ReplicatedLayout
+from elastic_dp.state.zero.settings import Stage0
 from tests.reference import max_abs_diff, replay
 from tests.runs import fit
 from tests.tasks import TINY_GPT_TASK
@@ -66,3 +71,63 @@ def test_every_member_lost_at_once_goes_back_to_the_spares_copy_and_ends_on_the_
     # metrics.jsonl keeps both lines of a step trained again; the summary counts each step once
     assert [m["step"] for m in run.lines("metrics")] == [0, 1, 2, 3, 4, 4, 5, 6, 7]
     assert run.summary.steps == 8
+
+
+class _Member:
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+
+class _Gens:
+    """What ``ReplicatedLayout``'s copies use of ``Generations``: the members, and calls
+    gathered (here without a deadline)."""
+
+    def __init__(self, members: list) -> None:
+        import ray
+
+        self._get = ray.get
+        self.members, self.generation = members, 0
+        self.calls = SimpleNamespace(gather=self._gather)
+
+    def _gather(self, refs: dict, generation: int, what: str = "") -> SimpleNamespace:
+        return SimpleNamespace(results={m: self._get(ref) for ref, m in refs.items()})
+
+    def run(self, group: list, refs: dict) -> dict:
+        return self._gather(refs, self.generation).results
+
+
+def test_a_spare_still_loading_a_copy_loads_the_newest_one_put_since_when_it_ends(ray_cluster):
+    # a spare whose loads take 1.5 s, copies put at steps 0, 2 and 4 within a few ms: the
+    # spare loads 0, then 4 (2 was replaced before it started), never two at once, and the
+    # coordinator asking for the copies (every member lost) waits for the one in flight
+    import ray
+
+    @ray.remote(max_concurrency=3)  # threaded, as WorkerActor is
+    class Worker:
+        def __init__(self) -> None:
+            self.loads, self.loading = [], 0
+
+        @ray.method(num_returns=2)
+        def share_state(self, step: int, sampler: dict) -> tuple:
+            return step, {"step": step}
+
+        def load_state(self, state: dict) -> None:
+            self.loading += 1
+            overlapped = self.loading > 1
+            time.sleep(1.5)
+            self.loading -= 1
+            self.loads.append((state["step"], overlapped))
+
+        def seen(self) -> list:
+            return self.loads
+
+    member, spare = (_Member(Worker.remote()) for _ in range(2))
+    layout = ReplicatedLayout(_Gens([member]), dict, Stage0(spare_copy_every=2))
+    windows = [layout.before_window(step, 100, [spare]) for step in (0, 2, 4)]
+    assert windows == [2, 4, 6]
+    started = time.monotonic()
+    assert layout.copies() == {spare: 4}
+    assert time.monotonic() - started > 2.0  # it waited for both loads, one after the other
+    assert ray.get(spare.actor.seen.remote()) == [(0, False), (4, False)]
+    for worker in (member, spare):
+        ray.kill(worker.actor)

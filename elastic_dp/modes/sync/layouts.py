@@ -72,8 +72,9 @@ class ReplicatedLayout:
     The spares standing by beside the group (``--spares``) are sent a copy of the state
     every ``--spare-copy-every`` steps, at the start of a window: rank 0 puts its state in
     the object store (the members wait for that alone) and each spare loads it while the
-    window trains. A spare promoted at the step its copy holds is sent nothing; and where
-    every member is lost at once, the spares' copies are the state that survived: the
+    window trains (one still loading the previous copy loads this one when that ends). A
+    spare promoted at the step its copy holds is sent nothing; and where every member is
+    lost at once, the spares' copies are the state that survived: the
     newest is spread from its spare and the steps since are re-run (``ROLLED_BACK``).
     """
 
@@ -89,6 +90,10 @@ class ReplicatedLayout:
         """The state step each member holds (members without state are absent)."""
         self._copies: dict[Any, int] = {}  # spare -> the step of the copy it loaded
         self._loading: dict[Any, tuple[Any, int]] = {}  # spare -> (its load_state ref, the copy's step)
+        self._next: dict[Any, tuple[Any, int]] = {}
+        """spare -> (the state's ref, its step): the newest copy, put while the spare was still
+        loading an earlier one; it loads it when that ends (the actor is threaded, so two
+        loads at once could end in either order)."""
 
     def started(self, step: int) -> None:
         self.at = {m: step for m in self.gens.members}
@@ -133,51 +138,68 @@ class ReplicatedLayout:
             return limit
         self._settle()
         self._copies = {s: at for s, at in self._copies.items() if s in standby}  # a lost spare's went with it
-        if step % self.copy_every == 0:  # a spare still loading an earlier copy skips this one
-            behind = [s for s in standby if self._copies.get(s) != step and s not in self._loading]
+        if step % self.copy_every == 0:
+            behind = [s for s in standby if self._copies.get(s) != step]
             if behind:
                 self._copy(step, behind)
         return min(limit, (step // self.copy_every + 1) * self.copy_every)
 
     def copies(self) -> dict[Any, int]:
-        self._settle()
+        """Asked where every member was lost: the copies in flight are waited for, the
+        newest state that survived may be one of them."""
+        self._settle(wait=True)
         return dict(self._copies)
 
     def _copy(self, step: int, spares: list[Any]) -> None:
         """Rank 0's state after ``step`` steps to ``spares``: the members wait until it is in
-        the object store; the spares load it in the background (``_settle``)."""
+        the object store; the spares load it in the background (``_settle``), a spare still
+        loading an earlier copy once that one ends."""
         source = self.gens.members[0]
         meta, state = source.actor.share_state.remote(step, self.sampler_state())
         self.gens.run(self.gens.members, {meta: source})
         for spare in spares:
-            self._copies.pop(spare, None)  # its copy is being replaced
-            self._loading[spare] = (spare.actor.load_state.remote(state), step)
+            if spare in self._loading:
+                self._next[spare] = (state, step)  # replaces a newer copy not started: one waits at most
+            else:
+                self._load(spare, state, step)
+
+    def _load(self, spare: Any, state: Any, step: int) -> None:
+        self._copies.pop(spare, None)  # its copy is being replaced
+        self._loading[spare] = (spare.actor.load_state.remote(state), step)
 
     def _settle(self, wait: bool = False) -> None:
-        """Take the spares' loads that finished (``wait``: wait for all, a hung spare found as
-        a hung member is); a spare whose load failed holds no copy (its loss is the
-        membership's to find)."""
-        if not self._loading:
-            return
-        refs = {ref: spare for spare, (ref, _) in self._loading.items()}
-        if wait:
-            outcome = self.gens.calls.gather(refs, self.gens.generation, what="a copy of the state to a spare")
-            loaded, ended = set(outcome.results), list(refs)
-        else:
-            ended, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-            loaded = set()
+        """Take the spares' loads that finished and start the copies that waited for them
+        (``wait``: until none is in flight, a hung spare found as a hung member is); a spare
+        whose load failed holds no copy and starts no other (its loss is the membership's
+        to find)."""
+        while self._loading:
+            refs = {ref: spare for spare, (ref, _) in self._loading.items()}
+            if wait:
+                outcome = self.gens.calls.gather(refs, self.gens.generation, what="a copy of the state to a spare")
+                loaded, ended = set(outcome.results), list(refs)
+            else:
+                ended, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+                loaded = set()
+                for ref in ended:
+                    try:
+                        ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001 - any failure of the spare: no copy
+                        logger.info("%r: a copy of the state did not load (%s)", refs[ref], exc)
+                    else:
+                        loaded.add(refs[ref])
+            started = False
             for ref in ended:
-                try:
-                    ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - any failure of the spare: no copy
-                    logger.info("%r: a copy of the state did not load (%s)", refs[ref], exc)
-                else:
-                    loaded.add(refs[ref])
-        for ref in ended:
-            spare = refs[ref]
-            _, step = self._loading.pop(spare)
-            if spare in loaded:
+                spare = refs[ref]
+                _, step = self._loading.pop(spare)
+                waiting = self._next.pop(spare, None)
+                if spare not in loaded:
+                    continue
                 self._copies[spare] = step
+                if waiting is not None:
+                    self._load(spare, *waiting)
+                    started = True
+            if not (wait and started):
+                return
 
     def _spread(self, members: list[Any], source: Any, faults: dict[int, Fault]) -> int:
         """The state of ``source`` to every member of ``members`` that does not hold it (a
@@ -185,7 +207,7 @@ class ReplicatedLayout:
         over them. Returns how many were sent it."""
         step = self.at[source]
         if any(spare in members for spare in self._loading):
-            self._settle(wait=True)  # a spare promoted while loading a copy: its copy may be this step's
+            self._settle(wait=True)  # a spare promoted while loading a copy: the copy may be this step's
         needs = [m for m in members if self.at.get(m, self._copies.get(m)) != step]
         if needs:
             meta, state = source.actor.share_state.remote(step, self.sampler_state())
