@@ -290,10 +290,10 @@ class WorkerPool:
 
     def placement_error(self, wanted: int, timeout_s: float, ready: int) -> PlacementError:
         """The error for ``wanted`` workers not placed within ``timeout_s`` (``ready`` are)."""
-        placed = ready + self.placed_but_starting()
+        starting = self.placed_but_starting()
         bundle = worker_bundle(self.device, self.cluster.gpus_per_worker)
         total = int(min(ray.cluster_resources().get(k, 0) // v for k, v in bundle.items()))
         return PlacementError(
-            f"could not place {wanted} workers ({bundle} each) within {timeout_s:.0f} s: {placed} were "
-            f"placed and the cluster has room for {total} in all. Lower --workers (or MIN in "
-            "--workers MIN:MAX), free or add capacity, or raise --placement-timeout")
+            f"could not place {wanted} workers ({bundle} each) within {timeout_s:.0f} s: {ready + starting} were "
+            f"placed ({ready} ready, {starting} still starting) and the cluster has room for {total} in all. "
+            "Lower --workers (or MIN in --workers MIN:MAX), free or add capacity, or raise --placement-timeout")
