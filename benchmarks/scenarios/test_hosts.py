@@ -218,7 +218,10 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
         fast.touch()
         if proc.poll() is None:  # a run that failed the test: ended before the next test's
             proc.kill()
-            proc.communicate()
+            _, err = proc.communicate()
+            events = tmp_path / "events.jsonl"  # shown with the failure:
+            print(f"the run's stderr, the last of it:\n{err[-8000:]}\nits events:\n"
+                  + ("\n".join(events.read_text().splitlines()[-20:]) if events.exists() else "none"))
         if how == "partitioned":
             bed.heal(1)
         bed.kill(1)  # whatever is left of host 1's node: a new one for the next test
