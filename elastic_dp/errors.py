@@ -27,7 +27,7 @@ config's added from its declarations where the config is defined (``settings.api
 ``tests/test_settings.py`` checks them against the command's flags)."""
 
 _WORDS = ("constant", "cosine", "linear", "wsd", "sync", "async", "diloco", "skip", "fail", "cpu", "cuda", "auto", "gloo", "nccl", "bf16", "fp32", "none",
-          "inverse", "latest", "never", "local", "global", "flat", "hierarchical")
+          "inverse", "latest", "never", "local", "global", "flat", "hierarchical", "int8", "int4", "host", "hosts")
 _FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)"
                    r"(?: (MIN:MAX|-?\d[\w.]*|'[^']*'|[A-Z][A-Z0-9_]*\b|(?:" + "|".join(_WORDS) + r")\b))?")
 

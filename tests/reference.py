@@ -377,13 +377,42 @@ def quantized_sum(terms: list[torch.Tensor], errors: list[torch.Tensor | None],
 
 
 
+def quantized_scatter_sum(terms: list[torch.Tensor], errors: list[torch.Tensor | None],
+                          bits: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The quantized reduce-scatter of ``terms`` (one a member, in rank order, each a bucket
+    padded to a multiple of the members), written from docs/compression.md (ZeRO stages 1 and
+    2): each member's term plus its error is cut into N equal chunks, each padded to whole
+    blocks and quantized, and what that missed is its next error; chunk j of the result is
+    the members' quantized chunks j added in rank order, not quantized again. Returns the
+    result (its chunk j is member j's) and the members' errors."""
+    n, numel = len(terms), terms[0].numel()
+    size = numel // n
+    padded = -(-size // QUANTIZED_BLOCK) * QUANTIZED_BLOCK
+    sent, new = [], []
+    for term, error in zip(terms, errors):
+        y = torch.zeros(n, padded)
+        y[:, :size] = (term + (error if error is not None else 0.0)).view(n, size)
+        q = _quantized(y.view(-1), bits).view(n, padded)
+        sent.append(q)
+        new.append((y - q)[:, :size].reshape(-1))
+    result = torch.zeros(n, padded)
+    for q in sent:
+        result += q
+    return result[:, :size].reshape(-1), new
+
+
+def _padded(t: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(length - t.numel())])
+
+
 def replay_members(task: Task, config: TrainConfig, initial: str, *, world: int,
                    changes: list[tuple[int, list[int], int]] = (), take_over: bool = True) -> dict[str, torch.Tensor]:
     """The replay contract of ``--compress int8`` (docs/compression.md), whose result depends on
     each member: the ``world`` members simulated one after another, each computing its share
     of each step's gradient on its contiguous slice (the task's loss times its samples over
     the global batch, as the sync mode scales it), the buckets (the run's partition,
-    ``make_buckets``) summed by ``quantized_sum`` with each member's error, in rank order;
+    ``make_buckets``) summed by ``quantized_sum`` with each member's error, in rank order
+    (ZeRO stages 1 and 2: ``quantized_scatter_sum``, ZeRO's buckets padded to the members);
     then one model clipped and stepped, a parameter no member gave a gradient left alone.
     ``changes``: (step, lost ranks, joiners) before that step, in order: a lost member's error
     is added to the error of the next rank (cyclically) of the generation it was lost from,
@@ -399,8 +428,11 @@ def replay_members(task: Task, config: TrainConfig, initial: str, *, world: int,
     base = [g["lr"] for g in optimizer.param_groups]
     sampler = ElasticSampler(len(dataset), global_batch=config.global_batch, seed=config.seed)
     params = [p for p in model.parameters() if p.requires_grad]
+    sharded = config.stage.number in (1, 2)  # ZeRO's buckets (one param group each), reduce-scattered
+    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]} if sharded else None
     buckets = [b.params for b in make_buckets(params, config.buckets.bucket_bytes, config.buckets.reduce_fp32,
-                                              first_bucket_bytes=config.buckets.first_bucket_bytes("cpu"))]
+                                              first_bucket_bytes=config.buckets.first_bucket_bytes("cpu"),
+                                              group_of=group_of)]
     members: list[dict[int, torch.Tensor]] = [{} for _ in range(world)]  # each member's error, by bucket
     pending = list(changes)
     for step in range(config.steps):
@@ -432,7 +464,14 @@ def replay_members(task: Task, config: TrainConfig, initial: str, *, world: int,
             sums.append([torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float()
                                     .reshape(-1) for p in bucket]) for bucket in buckets])
         for b, bucket in enumerate(buckets):
-            total, errors = quantized_sum([s[b] for s in sums], [m.get(b) for m in members], 8)
+            if sharded:  # padded to a multiple of the members: the padding's error is zero
+                numel = sums[0][b].numel()
+                length = -(-numel // len(members)) * len(members)
+                total, errors = quantized_scatter_sum([_padded(s[b], length) for s in sums],
+                                                      [_padded(m[b], length) if b in m else None for m in members], 8)
+                total, errors = total[:numel], [e[:numel] for e in errors]
+            else:
+                total, errors = quantized_sum([s[b] for s in sums], [m.get(b) for m in members], 8)
             for m, e in zip(members, errors):
                 m[b] = e
             at = 0

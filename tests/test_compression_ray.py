@@ -18,6 +18,7 @@ pytestmark = pytest.mark.ray
 
 TOL = 2e-5  # as tests/test_compression.py's GPT_TOL: 12 AdamW steps, float order
 COMPRESSED_APART = 1e-2
+MLP_TOL = 1e-6  # as tests/test_compression.py's: int8 on the MLP's SGD, measured 0 to 3e-8 against its replay
 
 
 def test_kills_before_and_after_the_vote_end_on_the_replay_of_the_contract(ray_cluster, tmp_path):
@@ -80,3 +81,52 @@ def test_int8_through_a_kill_and_a_join_ends_on_the_replay_that_simulates_its_me
     dropped = one_thread(replay_members)(TINY_GPT_TASK, run.config, initial, world=world, changes=membership,
                                          take_over=False)
     assert max_abs_diff(expected, dropped) > 10 * TOL
+
+
+def test_powersgd_at_zero_2_through_kills_and_a_join_ends_on_the_replay_of_the_contract(ray_cluster, tmp_path):
+    """ZeRO-2 with ``--compress powersgd``: each bucket's approximation is the whole bucket's
+    on every rank and each rank keeps its chunk of it, so the contract is stage 0's, at any
+    membership. Rank 1 killed before step 4's vote (step 4 re-run from the peer snapshots and
+    the errors as they were before it), rank 2 killed in step 8's optimizer, after the vote:
+    its chunk's newest copy is its peer snapshot of step 8, so every survivor's error goes
+    back one step to it (``ErrorFeedback.rewind``) and step 8 is re-run; a worker joins in
+    between. The run ends on the replay of the contract (which equals an uninterrupted run at
+    any N, tests/test_compression.py), far from the uncompressed one."""
+    run = fit(TINY_GPT_TASK, tmp_path, workers=3, min_workers=2, steps=12, zero=2,
+              inject=["kill:step=4:rank=1", "join:step=6", "kill:step=8:rank=2:phase=optimizer"],
+              compress="powersgd:rank=2:start=2")
+    initial = str(tmp_path / "initial.safetensors")
+    expected = replay(TINY_GPT_TASK, run.config, initial)
+    assert max_abs_diff(run.weights(), expected) < TOL
+    uncompressed = replay(TINY_GPT_TASK, dataclasses.replace(run.config, compress=None), initial)
+    assert max_abs_diff(run.weights(), uncompressed) > COMPRESSED_APART
+    lost = [c for c in run.changes() if c["lost"]]
+    assert [c["lost_ranks"] for c in lost] == [[1], [2]], run.changes()
+    assert any(c["joined"] for c in run.changes())
+    assert lost[1]["restored_step"] == 8 and lost[1]["steps_rerun"] >= 1, lost[1]  # rewound past a committed step
+
+
+def test_int8_at_zero_2_through_a_kill_and_a_join_ends_on_the_replay_that_simulates_its_members(ray_cluster,
+                                                                                                 tmp_path):
+    """ZeRO-2 with ``--compress int8``: each bucket reduce-scattered as int8 (one quantization,
+    the owner's sum kept in fp32), each member's error fed back; rank 1 killed in step 3 (its
+    error taken over from its copy) and workers joining: on ``replay_members``' reduce-scatter
+    (``quantized_scatter_sum``, ZeRO's buckets padded to the members) through the same
+    membership, on the MLP (SGD: the integers snap float order there; on the tiny GPT's AdamW
+    ZeRO's own order noise, 1e-6 uncompressed, flips a rounding edge now and then:
+    tests/test_compression.py)."""
+    from tests.reference import replay_members
+    from tests.tasks import MLP_TASK
+    from tests.test_diloco_ray import one_thread
+
+    run = fit(MLP_TASK, tmp_path, workers=3, min_workers=2, steps=10, micro_batch=None, compress="int8", zero=2,
+              inject=["kill:step=3:rank=1", "join:step=6"])
+    membership = [(c["step"], c.get("lost_ranks", []), c["joined"]) for c in run.changes()]
+    assert membership[0][:2] == (3, [1]) and sum(j for _, _, j in membership) >= 1, membership
+    initial = str(tmp_path / "initial.safetensors")
+    world = next(e for e in run.events if e["kind"] == "group_formed")["world_size"]
+    expected = one_thread(replay_members)(MLP_TASK, run.config, initial, world=world, changes=membership)
+    assert max_abs_diff(run.weights(), expected) < MLP_TOL
+    dropped = one_thread(replay_members)(MLP_TASK, run.config, initial, world=world, changes=membership,
+                                         take_over=False)
+    assert max_abs_diff(expected, dropped) > 10 * MLP_TOL

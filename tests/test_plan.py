@@ -202,8 +202,8 @@ def test_plan_gives_the_bytes_of_a_compressed_step_from_the_jobs_shapes(capsys):
                      "powersgd:rank=2", "--precision", "fp32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["link_bytes_per_host_per_step"] == {"compressed": 1.5 * 4 * elements}
     for argv, says in ((["--params", "1M", "--workers", "2", "--compress", "powersgd:rank=2"], "give --job MODULE"),
-                       (["--job", "jobs.gpt", "--workers", "2", "--zero", "2", "--compress", "powersgd:rank=2"],
-                        "--zero 2 reduce-scatters"),
+                       (["--job", "jobs.gpt", "--workers", "2", "--zero", "3", "--compress", "powersgd:rank=2"],
+                        "--zero 3 never holds"),
                        (["--workers", "2"], "give --params")):
         assert cli.main(["plan", *argv]) == 2
         assert says in capsys.readouterr().err
@@ -243,4 +243,30 @@ def test_plan_gives_the_links_bytes_of_int8_on_the_hop_between_hosts_alone(capsy
     assert 0.25 < compressed / hierarchical < 0.27
     assert cli.main(["plan", "--job", "jobs.gpt", "--hosts", "2", "--workers-per-host", "2", "--compress",
                      "powersgd:rank=2", "--compress-scope", "hosts"]) == 2
-    assert "--compress-scope hosts compresses the hop between the hosts with int8" in capsys.readouterr().err
+    assert "--compress-scope hosts compresses the hop between the hosts of ZeRO stage 0's hierarchical all-reduce " \
+           "with int8" in capsys.readouterr().err
+
+
+def test_plan_gives_the_bytes_and_the_errors_of_compression_at_zero_2(capsys):
+    """``--zero 2 --compress int8`` at 4 fp32 workers: the int8 reduce-scatter sends (N-1)/N of
+    the quantized bytes (half stage 0's all-reduce of them) and the parameters' all-gather
+    (N-1)/N of their fp32 bytes; ``--compress powersgd`` all-reduces its factors as at stage 0,
+    2(N-1)/N. Each worker holds its error and its copy of a neighbour's, and at ZeRO-2 both
+    as of the step before too: 4x the gradient's bytes (2x at stage 0)."""
+    import json
+
+    from jobs.gpt import TASK
+
+    total = sum(p.numel() for p in TASK.model().parameters())  # one bucket of 25 MiB
+    argv = ["plan", "--job", "jobs.gpt", "--workers", "4", "--precision", "fp32", "--json"]
+    reports = {}
+    for zero, compress in ((0, "int8"), (2, "int8"), (0, "powersgd:rank=2"), (2, "powersgd:rank=2")):
+        assert cli.main([*argv, "--zero", str(zero), "--compress", compress]) == 0
+        reports[zero, compress] = json.loads(capsys.readouterr().out)
+    gather = 0.75 * 4 * total
+    int8_0, int8_2 = (reports[z, "int8"]["comm_bytes_per_step"] for z in (0, 2))
+    assert int8_2 - gather == pytest.approx(int8_0 / 2)
+    psgd_0, psgd_2 = (reports[z, "powersgd:rank=2"]["comm_bytes_per_step"] for z in (0, 2))
+    assert psgd_2 - gather == pytest.approx(psgd_0)
+    assert reports[0, "int8"]["compress"]["error_bytes_per_worker"] == 2 * 4 * total
+    assert reports[2, "int8"]["compress"]["error_bytes_per_worker"] == 4 * 4 * total

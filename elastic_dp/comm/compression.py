@@ -174,8 +174,11 @@ class PowerSGD(ErrorFeedback):
 
     # -- the reduction ------------------------------------------------------------------------
     def launch(self, index: int, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Any:
-        if out is not None:
-            raise ValueError("PowerSGD leaves its result in place: it takes no out")
+        """Bucket ``index`` reduced in place (ZeRO stage 0) or, with ``out``, this rank's
+        chunk of it (stages 1 and 2): the approximation is of the whole bucket on every rank
+        (the factors are all-reduced whole), so the chunk is cut out of it; the tensors left
+        uncompressed are all-reduced with the factors, and the steps before ``start``
+        reduce-scattered as they are."""
         compress = self.iter >= self.spec.start
         if self.iter == self.spec.start:  # the first compressed step: one draw a bucket, as torch's hook
             self._seeds[index] = int(self._rng.randint(1_000_000_000))  # (with or without a matrix)
@@ -184,11 +187,22 @@ class PowerSGD(ErrorFeedback):
         if index == len(self.plans) - 1:
             self.iter += 1  # the step's last bucket
         if not compress or not self.plans[index].matrices:
+            if out is not None:
+                return self.group.reduce_scatter_async(out, tensor)
             return self.group.all_reduce_async(tensor)
         self._threaded = True
-        return self._thread.submit(self._reduce, index, tensor, self.group.generation)
+        return self._thread.submit(self._reduce, index, tensor, self.group.generation, out)
 
-    def _reduce(self, index: int, tensor: torch.Tensor, generation: int) -> None:
+    def _reduce(self, index: int, tensor: torch.Tensor, generation: int, out: torch.Tensor | None = None) -> None:
+        self._approximate(index, tensor, generation)
+        if out is not None:
+            chunk = tensor.view(self.parts, -1)[self.part]
+            if chunk.data_ptr() != out.data_ptr():
+                out.copy_(chunk)
+
+    def _approximate(self, index: int, tensor: torch.Tensor, generation: int) -> None:
+        """``tensor`` becomes the approximation of the bucket's sum over the ranks (the module
+        docstring's steps), this rank's error and its copy of its left neighbour's kept."""
         group = self._world(generation)
         world_size = group.world_size
         plan, flat = self.plans[index], tensor.view(-1)

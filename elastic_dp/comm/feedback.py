@@ -15,7 +15,10 @@ other rank holds, so, as a ZeRO chunk's, each one has a copy on a neighbour:
 - a re-formation asks the survivors what they hold (``holdings``, ``lost_errors``): an
   error that left with its copy sends the run back to its checkpoint;
 - a checkpoint holds each rank's error as a row of ``reduction/error/<bucket>``; a resume
-  hands their sum to rank 0 and none to the others (``load_rows``).
+  hands their sum to rank 0 and none to the others (``load_rows``);
+- at ZeRO stages 1 and 2 (``rewinds``) each rank keeps its errors and copies as of the step
+  before too, since a re-formation may restore the chunks a committed step back
+  (``rewind``), and a new generation cuts each error to its bucket's new padding.
 
 A worker is known by a random token of its reduction's, which the ranks tell each other in
 each new generation.
@@ -60,6 +63,18 @@ class ErrorFeedback(Reduction):
         self._members: set[int] = set()  # the tokens of the generation the errors were last cut for
         self._threaded = False  # this step sent a bucket to the thread: the vote goes there too
         self._saved: tuple | None = None
+        self.at: int | None = None
+        """The steps the errors are of (this step's: they are replaced as its reduction
+        runs, kept if it commits); None where not counted (a checkpoint's, none yet)."""
+        self._saved_at: int | None = None  # the steps of the state ``save`` kept
+        self._begun: int | None = None  # the step under way (``begin``); None: not counted
+        self.rewinds = False
+        """Keep the state of the step before too (``_history``): ZeRO stages 1 and 2, whose
+        re-formation may restore the chunks one committed step back (``rewind``). Costs one
+        more set of errors and copies."""
+        self._history: dict[int, tuple] = {}
+        """With ``rewinds``, the state as of each of the last two steps begun (what ``save``
+        kept at each, by its number)."""
         self._thread = ReductionThread(self.thread)
 
     def _world(self, generation: int) -> CollectiveGroup:
@@ -104,15 +119,40 @@ class ErrorFeedback(Reduction):
     def _put_back(self, kept: tuple) -> None:
         """``restore``: a subclass's own state back from what ``_kept`` returned."""
 
+    def begin(self, step: int) -> None:
+        self._begun = step
+
     def save(self) -> None:
         # a step replaces the errors and the copies with new tensors: keeping references is a copy
-        self._saved = (dict(self.errors), dict(self.copies), self._kept())
+        step = self._begun
+        self._saved, self._saved_at = (dict(self.errors), dict(self.copies), self._kept()), step
+        self.at = None if step is None else step + 1
+        if step is None or not self.rewinds:
+            self._history = {}
+        else:
+            self._history = {s: kept for s, kept in self._history.items() if s == step - 1}
+            self._history[step] = self._saved
 
     def restore(self) -> None:
         if self._saved is not None:
             errors, copies, kept = self._saved
             self.errors, self.copies = dict(errors), dict(copies)
             self._put_back(kept)
+            self.at = self._saved_at
+
+    def rewind(self, step: int) -> None:
+        """Back to the errors (and copies) as of ``step`` steps, for a re-formation that
+        restores ZeRO's chunks at ``step`` (``Sharded.import_chunks``): this step's state, or
+        the one ``save`` kept at the start of one of the last two steps (a step that
+        committed here and is re-run: a worker lost in its optimizer, found in the next
+        step). The coordinator asked first (``holdings``: ``steps``) that every survivor can."""
+        if self.at is None or self.at == step:
+            return
+        if step not in self._history:
+            raise RuntimeError(f"--compress: the error feedback is held of steps {self.holdings()['steps']}, not of "
+                               f"step {step}, where the re-formation restores the state")
+        self._saved, self._saved_at = self._history[step], step
+        self.restore()
 
     # -- a new generation ------------------------------------------------------------------------
     def holds(self) -> bool:
@@ -133,6 +173,9 @@ class ErrorFeedback(Reduction):
         ``restore`` goes back to: a generation that fails here or in its first step leaves
         the next one the same errors to take over."""
         group = self.group
+        # the buckets' lengths (padded to the world size under ZeRO): the padding's error is zero
+        self.errors = {b: _fit(e, self._numel(b)) for b, e in self.errors.items()}
+        self.copies = {b: _fit(e, self._numel(b)) for b, e in self.copies.items()}
         told = torch.zeros(3, world_size, dtype=torch.int64)  # each rank's token; holds the state; holds errors
         told[0, group.rank], told[1, group.rank], told[2, group.rank] = self._token, self.holds(), bool(self.errors)
         group.all_reduce_async(told).wait()
@@ -156,7 +199,7 @@ class ErrorFeedback(Reduction):
             self.load_state(agreed)
         self.errors, self.copies = errors, copies
         self.copy_of = None if left == group.rank else tokens[left]
-        self.save()
+        self.save()  # of the same step: the step under way's restore goes back here
         lost = int(counts[0].max()) - int(counts[1].sum())
         if lost > 0:
             self.errors_lost += lost
@@ -194,7 +237,8 @@ class ErrorFeedback(Reduction):
         errors are cut for, and whether it holds errors: from the survivors' answers a
         re-formation finds an error that left with its copy (``lost_errors``) before any step."""
         return {"token": self._token, "copy_of": self.copy_of if self.copies else None,
-                "members": sorted(self._members), "errors": bool(self.errors)}
+                "members": sorted(self._members), "errors": bool(self.errors),
+                "steps": sorted({*self._history, *([self.at] if self.at is not None else [])})}
 
     def load_rows(self, rows: dict[str, torch.Tensor], rank: int, world_size: int) -> None:
         """From a checkpoint: rank 0 takes the sum of every saved rank's error (the others
@@ -206,7 +250,22 @@ class ErrorFeedback(Reduction):
         self.load_state(state)
         # the checkpoint's errors are all there is: no copy held from before it is taken over
         self.copies, self.copy_of, self._members = {}, None, set()
+        self._begun = None  # of the checkpoint's step: not counted here
         self.save()
+
+
+def _fit(tensor: torch.Tensor, numel: int) -> torch.Tensor:
+    """``tensor`` cut or padded with zeros to ``numel`` elements (a bucket's padding changed)."""
+    if tensor.numel() == numel:
+        return tensor
+    if tensor.numel() > numel:
+        return tensor[:numel].clone()
+    return torch.cat([tensor, tensor.new_zeros(numel - tensor.numel())])
+
+
+def rewinds_to(holdings: list[dict[str, Any]], step: int) -> bool:
+    """Whether every survivor's errors can go back to ``step`` steps (``ErrorFeedback.rewind``)."""
+    return all(not h or not h["errors"] or not h["steps"] or step in h["steps"] for h in holdings)
 
 
 def lost_errors(holdings: list[dict[str, Any]]) -> int:

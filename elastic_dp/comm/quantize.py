@@ -109,6 +109,36 @@ def quantized_all_reduce(group: CollectiveGroup, flat: torch.Tensor, error: torc
     return error[:numel]
 
 
+def quantized_reduce_scatter(group: CollectiveGroup, flat: torch.Tensor, error: torch.Tensor | None, bits: int,
+                             out: torch.Tensor) -> torch.Tensor:
+    """``out`` (this rank's chunk: ``flat`` cut into ``group.world_size`` equal chunks, ZeRO's
+    cut) becomes that chunk of the quantized sum over ``group``'s ranks, with this rank's
+    ``error`` (None: none yet) added first; returns this rank's next error. Phase 1 of
+    ``quantized_all_reduce`` alone, each chunk padded to whole blocks of its own: the owner
+    sums the chunks it receives in fp32, in rank order, and keeps the sum as it is (no
+    second quantization, no all-gather)."""
+    n, numel = group.world_size, flat.numel()
+    size = numel // n
+    padded = -(-size // BLOCK) * BLOCK
+    y = torch.zeros(n, padded, dtype=torch.float32, device=flat.device)
+    y[:, :size] = flat.view(n, size)
+    if error is not None:
+        y[:, :size] += error.view(n, size)
+    payload, scales = quantize(y.view(-1), bits)
+    error = (y - dequantize(payload, scales, bits).view(n, padded))[:, :size].reshape(-1)
+    row_bytes, row_scales = padded * bits // 8, padded // BLOCK
+    sent = torch.cat([_pack(payload[j * row_bytes:(j + 1) * row_bytes],
+                            scales[j * row_scales:(j + 1) * row_scales]) for j in range(n)])
+    width = sent.numel() // n
+    received = torch.empty_like(sent)
+    group.all_to_all_async(received, sent, [width] * n, [width] * n).wait()
+    total = torch.zeros(padded, dtype=torch.float32, device=flat.device)
+    for i in range(n):  # in rank order, on every rank alike
+        total += dequantize(*_unpack(received[i * width:(i + 1) * width], padded, bits), bits)
+    out.copy_(total[:size].to(out.dtype))
+    return error
+
+
 class QuantizedAllReduce(Reduction):
     """Every rank receives the sum of the ranks' tensors as quantized integers carry it, with
     each rank's quantization error fed back into its next tensor of the same launch index
@@ -175,15 +205,20 @@ class Int8Compression(ErrorFeedback):
         self.numels = [b.padded for b in buckets]
 
     def launch(self, index: int, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Any:
-        if out is not None:
-            raise ValueError("--compress int8 leaves its result in place: it takes no out")
         if index == 0:
             self._threaded = True  # every bucket: the vote goes on the thread after them
-        return self._thread.submit(self._reduce, index, tensor, self.group.generation)
+        return self._thread.submit(self._reduce, index, tensor, self.group.generation, out)
 
-    def _reduce(self, index: int, tensor: torch.Tensor, generation: int) -> None:
+    def _reduce(self, index: int, tensor: torch.Tensor, generation: int, out: torch.Tensor | None = None) -> None:
+        """The bucket all-reduced in place (ZeRO stage 0) or, with ``out``, reduce-scattered
+        into this rank's chunk (stages 1 and 2: ``quantized_reduce_scatter``, half the bytes,
+        one quantization)."""
         group = self._world(generation)
-        error = quantized_all_reduce(group, tensor.view(-1), self.errors.get(index), self.bits)
+        error = self.errors.get(index)
+        if out is None:
+            error = quantized_all_reduce(group, tensor.view(-1), error, self.bits)
+        else:
+            error = quantized_reduce_scatter(group, tensor.view(-1), error, self.bits, out)
         right, left = group.mesh.near_right(group.rank), group.mesh.near_left(group.rank)
         if left != group.rank:  # the error's copy, before the vote that commits it
             copy = torch.empty_like(error)
@@ -216,7 +251,9 @@ class HostsInt8(Int8Compression):
 
     name = "int8-hosts"
 
-    def _reduce(self, index: int, tensor: torch.Tensor, generation: int) -> None:
+    def _reduce(self, index: int, tensor: torch.Tensor, generation: int, out: torch.Tensor | None = None) -> None:
+        if out is not None:  # refused by the settings (SyncSettings.check)
+            raise ValueError("--compress-scope hosts all-reduces: it takes no out (ZeRO stage 0 only)")
         world = self._world(generation)
         flat = tensor.view(-1)
         if len(world.mesh.host_names) == 1:  # no hop between hosts: exact

@@ -118,6 +118,10 @@ class Reduction:
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Take ``state`` (as ``state`` returned it; empty: start fresh)."""
 
+    def begin(self, step: int) -> None:
+        """Step ``step`` begins (called before ``save``): for a reduction whose state must be
+        known by step (``feedback.ErrorFeedback.rewind``)."""
+
     def save(self) -> None:
         """Before a step: keep the state to go back to if the step does not commit."""
 

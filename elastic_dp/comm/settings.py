@@ -34,7 +34,8 @@ class Buckets:
     compress: str | None = setting(
         None, "--compress", kind=str, metavar="powersgd:rank=R[:start=S][:min-ratio=X]|int8",
         identity=lambda value, train: OMIT if value is None else value, help=(
-            "compress each gradient bucket's all-reduce (ZeRO stage 0): powersgd reduces each gradient matrix to a "
+            "compress each gradient bucket's all-reduce (ZeRO stage 0) or reduce-scatter (stages 1 and 2, with "
+            "--snapshot-every 1): powersgd reduces each gradient matrix to a "
             "rank-R approximation of the sum over the workers with error feedback, as torch's PowerSGD hook does, "
             "after S steps uncompressed (default 10), the matrices whose elements are more than X times the "
             "factors' (default 2); the run follows the contract of PowerSGD applied to the global gradient with one "

@@ -47,11 +47,16 @@ gradient crosses, all-reduced among its H replicas: 2(H-1)/H · GΨ per host, at
 as stage 0's hierarchical all-reduce; each worker then holds 1/W of the sharded state, not
 1/N, and no peer snapshot.
 
-With ``--compress`` (stage 0; the model's shapes from ``--job``) a compressed step puts C
-bytes into its all-reduces (PowerSGD: the factors and the tensors it leaves, fp32; int8: the
-integers and their scales): 2(N-1)/N · C bytes per worker, and over each host's link as a flat ring; each worker also
-copies its error, one fp32 bucket-sized tensor per bucket with a compressed matrix, to a
-neighbour on its host (over the link only where it is alone on its host). With
+With ``--compress`` (the model's shapes from ``--job``) a compressed step puts C bytes into
+its all-reduces (PowerSGD: the factors and the tensors it leaves, fp32; int8: the integers
+and their scales): 2(N-1)/N · C bytes per worker, and over each host's link as a flat ring;
+each worker also copies its error, one fp32 bucket-sized tensor per bucket with a compressed
+matrix, to a neighbour on its host (over the link only where it is alone on its host), and
+holds its own and that copy. At ZeRO stages 1 and 2 int8 reduce-scatters instead, (N-1)/N · C
+(an all-to-all on gloo: W(H-1)/H · C over a host's link), PowerSGD all-reduces its factors as
+at stage 0, and the updated parameters are all-gathered, (N-1)/N · PΨ; the errors are held as
+of the step before too (a re-formation may restore the chunks a committed step back): twice
+stage 0's. With
 ``--compress int8 --compress-scope hosts`` the hop between the hosts alone is int8: each host
 sends 2(H-1)/H of the quantized bytes over its link, as the hierarchical all-reduce does of
 the fp32 ones.
@@ -146,14 +151,17 @@ class MemoryPlan:
             raise ConfigError(f"--param-dtype must be fp32 or bf16, got {self.param_dtype!r}")
         if self.param_dtype == "bf16" and "parameters" not in self._partitioned:
             raise ConfigError("--param-dtype bf16 gathers ZeRO stage 3's parameters in bf16: give --zero 3")
-        if self.compress is not None and self._partitioned:
-            raise ConfigError(f"--compress compresses ZeRO stage 0's all-reduce, and --zero {self.zero} "
-                              "reduce-scatters: plan it at --zero 0")
+        if self.compress is not None and "parameters" in self._partitioned:
+            raise ConfigError(f"--compress keeps each worker's error of the whole gradient, which --zero {self.zero} "
+                              "never holds: plan it at --zero 0, 1 or 2")
+        if self.compress is not None and self.shard_scope == "host":
+            raise ConfigError("--compress at ZeRO stages 1 and 2 reduce-scatters over every worker: drop "
+                              "--shard-scope host")
         if self.compress_scope not in ("all", "hosts"):
             raise ConfigError(f"--compress-scope must be all or hosts, got {self.compress_scope!r}")
-        if self.compress_scope == "hosts" and (self.compress != "int8" or self.hosts is None):
-            raise ConfigError("--compress-scope hosts compresses the hop between the hosts with int8: give "
-                              "--compress int8 and --hosts")
+        if self.compress_scope == "hosts" and (self.compress != "int8" or self.hosts is None or self._partitioned):
+            raise ConfigError("--compress-scope hosts compresses the hop between the hosts of ZeRO stage 0's "
+                              "hierarchical all-reduce with int8: give --compress int8 and --hosts, at --zero 0")
         if self.compress is not None and self.compressed is None:
             raise ConfigError("--compress needs the model's shapes (which matrices it compresses, and to what): "
                               "give --job MODULE")
@@ -229,9 +237,13 @@ class MemoryPlan:
         with ``--compress``, its all-reduces of a compressed step, the copy of its error apart:
         ``copy_bytes_per_step``)."""
         n = self._shards
-        if self.compressed is not None:  # the buckets are fp32 (the default --reduce-fp32)
-            return 2 * (n - 1) / n * self.compressed[0]
         p, g, _ = self._pgk
+        if self.compressed is not None:  # the buckets are fp32 (the default --reduce-fp32)
+            if not self._partitioned:
+                return 2 * (n - 1) / n * self.compressed[0]
+            # stages 1 and 2: int8's reduce-scatter, or PowerSGD's all-reduces, then the parameters' all-gather
+            reduced = (1 if self.compress == "int8" else 2) * (n - 1) / n * self.compressed[0]
+            return reduced + (n - 1) / n * p * self.params
         share = (n - 1) / n
         if "gradients" not in self._partitioned and "optimizer" not in self._partitioned:
             per_param = 2 * share * g
@@ -243,6 +255,15 @@ class MemoryPlan:
             h = self.workers // n
             per_param += 2 * (h - 1) / h * g / n
         return per_param * self.params
+
+    def error_bytes(self) -> float:
+        """With ``--compress``: the bytes of error feedback each worker holds, its own and its
+        copy of its neighbour's, fp32 and bucket-sized (and, at ZeRO stages 1 and 2, both as
+        of the step before too: a re-formation may restore the chunks a committed step back)."""
+        if self.compressed is None:
+            return 0.0
+        held = (2 if self.workers > 1 else 1) * self.compressed[1]
+        return 2 * held if self._partitioned else held
 
     def copy_bytes_per_step(self) -> float:
         """With ``--compress``: bytes of its error each worker copies to its near neighbour per
@@ -265,6 +286,9 @@ class MemoryPlan:
         copies = self.copy_bytes_per_step() if w == 1 else 0.0  # the error copies cross only from lone ranks
         if self.compressed is not None and self.compress_scope == "hosts":  # int8 on the hop between hosts alone
             return {"compressed": 2 * (h - 1) / h * self.compressed[0] + copies}
+        if self.compressed is not None and self._partitioned:  # gloo: int8's all-to-all or PowerSGD's flat ring,
+            reduced = (w * (h - 1) / h if self.compress == "int8" else 2 * (n - 1) / n) * self.compressed[0]
+            return {"compressed": reduced + w * (h - 1) / h * p * self.params + copies}  # and the gathers' all-to-all
         if self.compressed is not None:  # a flat ring of the compressed bytes
             return {"compressed": 2 * (n - 1) / n * self.compressed[0] + copies}
         if not self._partitioned:
@@ -286,7 +310,9 @@ class MemoryPlan:
                "comm_bytes_per_step": self.comm_bytes_per_step()}
         if self.compressed is not None:
             out["compress"] = {"compressor": self.compress, "copy_bytes_per_step": self.copy_bytes_per_step(),
-                               "uncompressed_bytes_per_step": MemoryPlan(self.params, self.workers, 0, self.precision,
+                               "error_bytes_per_worker": self.error_bytes(),
+                               "uncompressed_bytes_per_step": MemoryPlan(self.params, self.workers, self.zero,
+                                                                         self.precision,
                                                                          self.optimizer).comm_bytes_per_step()}
         if self.hosts is not None:
             out["link_bytes_per_host_per_step"] = self.link_bytes_per_step()
@@ -330,6 +356,10 @@ def render(plan: MemoryPlan, gpu_memory: float | None = None) -> str:
                      f"{r['comm_bytes_per_step'] / c['uncompressed_bytes_per_step']:.3f} of the "
                      f"{c['uncompressed_bytes_per_step'] / 1e6:.4g} MB uncompressed, once compression starts; and "
                      f"{c['copy_bytes_per_step'] / 1e6:.4g} MB of its error copied to a neighbour on its host")
+    if plan.compressed is not None:
+        lines.append(f"  error feedback held per worker: {r['compress']['error_bytes_per_worker'] / gib:.2f} GiB (its "
+                     "own and its copy of a neighbour's" + (", as of this step and the one before)" if plan.zero
+                                                            else ")"))
     if plan.hosts is not None:
         per_host = ", ".join(f"{'--shard-scope host' if k == 'host' else k} {v / 1e6:.4g} MB"
                              for k, v in r["link_bytes_per_host_per_step"].items())

@@ -186,6 +186,7 @@ class SyncProgram(Program):
             replica.model.train()
         strategy.zero_grad()
         self.buffers.save()  # the forward changes them before the vote is known
+        strategy.reduction.begin(step)
         strategy.reduction.save()  # and the reduction's state (if it keeps one), before the vote too
         if replica.batch_stats is not None:
             replica.batch_stats.begin_step()

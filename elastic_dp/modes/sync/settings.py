@@ -45,10 +45,25 @@ class SyncSettings(ModeSettings):
         if self.buckets.all_reduce is not None and self.zero.number != 0:
             raise ConfigError(f"--all-reduce {self.buckets.all_reduce} chooses ZeRO stage 0's all-reduce; stage "
                               f"{self.zero.number} reduce-scatters its gradients: drop --all-reduce")
-        if self.buckets.compress is not None and self.zero.number != 0:
-            raise ConfigError(f"--compress {self.buckets.compress} compresses ZeRO stage 0's all-reduce; the "
-                              f"compressed reduce-scatter of stage {self.zero.number} is not built yet: drop --compress, "
-                              "or train at --zero 0")
+        compress = self.buckets.compress
+        if compress is not None and self.zero.number == 3:
+            raise ConfigError(f"--compress {compress} keeps each rank's error of the whole gradient, which ZeRO stage 3 "
+                              "never holds (each unit's gradient is reduce-scattered and freed as its backward ends): "
+                              "train at --zero 0, 1 or 2, or drop --compress")
+        if compress is not None and self.zero.number in (1, 2):
+            if self.zero.shard_scope != "all":
+                raise ConfigError(f"--compress {compress} at ZeRO stage {self.zero.number} reduce-scatters over every "
+                                  f"rank, and --shard-scope {self.zero.shard_scope} cuts the state inside each host: "
+                                  "drop one of them")
+            if self.buckets.compress_scope != "all":
+                raise ConfigError(f"--compress-scope {self.buckets.compress_scope} compresses the hop between the "
+                                  f"hosts of ZeRO stage 0's hierarchical all-reduce; stage {self.zero.number} "
+                                  "reduce-scatters: drop --compress-scope, or train at --zero 0")
+            if self.zero.snapshot_every != 1:
+                raise ConfigError(f"--compress {compress} at ZeRO stage {self.zero.number} keeps the error feedback "
+                                  "of the step under way and the one before it, and a failure restores the chunks "
+                                  f"of up to --snapshot-every {self.zero.snapshot_every} steps back: use "
+                                  "--snapshot-every 1 with --compress")
         if self.buckets.compress is not None and self.buckets.all_reduce == "hierarchical" and \
                 self.buckets.compress_scope != "hosts":
             raise ConfigError(f"--compress {self.buckets.compress} replaces the all-reduce with its own flat "

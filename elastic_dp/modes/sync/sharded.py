@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from elastic_dp.comm.feedback import lost_errors, rewinds_to
 from elastic_dp.comm.mesh import Mesh
 from elastic_dp.durable.checkpoint import Checkpoint
 from elastic_dp.faults import Fault
@@ -90,8 +91,11 @@ class ShardedLayout:
 
     def __init__(self, generations: Generations, sampler_state: Callable[[], dict[str, int]],
                  stage: Stage | None = None, compressed: bool = False) -> None:
-        # compressed: --compress, which stages 1-3 refuse (SyncSettings.check): no error to keep
         self.gens = generations
+        self.compressed = compressed
+        """The gradients are compressed with error feedback (``--compress``, stages 1 and 2): a
+        re-formation also asks the survivors whether every lost worker's error has its copy
+        among them, and whether their errors go back to the step the chunks are restored at."""
         self.exported: _Exported | None = None
         """Chunks exported for a re-formation that has not completed yet."""
         self.restoring = False
@@ -116,8 +120,27 @@ class ShardedLayout:
                 return RecoveryResult(Recovery.STATE_LOST,
                                       reason=f"ranks {lost} of {len(old)} were lost together, and with them {missing}")
         step = self.exported.step
+        lost = self._errors_lost(failure, step) if self.compressed else None
+        if lost is not None:
+            return RecoveryResult(Recovery.STATE_LOST, reason=lost)
         fetched = self._import(members, faults)
         return RecoveryResult(classify(failure, step), step, details={"restored_step": step, "chunks_fetched": fetched})
+
+    def _errors_lost(self, failure: Failure, step: int) -> str | None:
+        """What of the ``--compress`` error feedback the re-formation cannot restore at
+        ``step`` (None: nothing is lost): an error that left with its copy, or errors a
+        survivor holds only of other steps (``ErrorFeedback.rewind`` keeps two)."""
+        holders = [m for m in failure.survivors if m in self.gens.members]
+        if not holders:
+            return None
+        asked = list(self.gens.run(holders, {m.actor.call.remote("reduction_holdings"): m for m in holders}).values())
+        lost = lost_errors(asked)
+        if lost:
+            return (f"the --compress error feedback of {lost} lost worker(s) went with the neighbour that held its copy "
+                    "(a host, or two neighbours, lost together)")
+        if not rewinds_to(asked, step):
+            return f"the --compress error feedback is not held of step {step}, where the ZeRO chunks are restored"
+        return None
 
     def resize(self, members: list[Any]) -> None:
         self._export(self.gens.members)  # every chunk is live at this step

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from elastic_dp.comm.compression import make_compressor
+from elastic_dp.comm.feedback import ErrorFeedback
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.comm.reducer import GradientReducer, make_buckets
 from elastic_dp.comm.reductions import ReduceScatter, Reduction
@@ -59,8 +61,12 @@ class Sharded(BucketedGradients):
         self.base_groups = optimizer.param_groups
         self.generation: int | None = None  # of the cut below; None: not built yet
         self.snapshots = PeerSnapshots()
-        self.reduction: Reduction = ReduceScatter(group, config.mode.zero.shard_scope)
+        compressor = config.buckets.compressor  # --compress: the compressor reduce-scatters (stages 1 and 2)
+        self.reduction: Reduction = (make_compressor(group, compressor, config.seed) if compressor is not None
+                                     else ReduceScatter(group, config.mode.zero.shard_scope))
         """Each bucket's collective, kept across the generations' reducers (``comm.reductions``)."""
+        if isinstance(self.reduction, ErrorFeedback):
+            self.reduction.rewinds = True  # the chunks may be restored a committed step back
         self.buffers = ModelBuffers(model)
         self.history = BufferHistory(self.buffers)
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -445,6 +451,8 @@ class Sharded(BucketedGradients):
         ``fetch(old_chunks)`` returns those chunks: only the ones needed that this rank
         does not hold (``_held``). Returns how many it fetched."""
         held = self._held(old_world_size, step)  # the last generation's, before the re-cut
+        if isinstance(self.reduction, ErrorFeedback):  # --compress: the errors of the same step as the chunks
+            self.reduction.rewind(step)
         self._current()
         needed = self.needed_sources(old_world_size)
         asked = [i for i in needed if i not in held]
