@@ -5,7 +5,7 @@ and a Ray node in each (docs/hosts.md).
         sent = bed.sent()                                    # bytes each host sent over its link so far
         result = bed.run([sys.executable, "-m", "tests.scripts.hosts", ...])   # a driver on host 0
         bed.cut(1); bed.heal(1)                              # partition host 1, then join it again
-        bed.kill(1); bed.start_node(1)                       # lose host 1's Ray node, then start a new one
+        bed.kill(1); bed.replace_node(1)                     # lose host 1's Ray node, then a new one once Ray counts it dead
     # every process started in the namespaces ended by its id, the namespaces, links and bridge deleted
 
 Each host is a network namespace with one interface (``eth0``), a veth pair whose other end
@@ -288,6 +288,27 @@ class Testbed:
         """Lose ``host``: every process in its namespace (its Ray node, its workers) killed
         by id; the ids killed. Its namespace and link stay, for ``start_node``."""
         return self._kill(self.namespace(host))
+
+    def replace_node(self, host: int, grace_s: float = 10.0) -> None:
+        """A new Ray node on ``host`` once the control store counts its last one dead. What
+        still runs there is sent SIGTERM by id first (a raylet so ended tells the control store
+        it leaves), then SIGKILL after ``grace_s``. A node killed outright is counted alive until
+        Ray's health checks fail (16-17 s here): a new node started before that sat beside a
+        stale one of the same address, on which the next run's workers could be placed and
+        wait for that verdict."""
+        ns, old = self.namespace(host), self.node_ids.get(host)
+        for pid in self.pids(ns):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while self.pids(ns) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._kill(ns)
+        if old is not None:
+            self.wait_nodes(lambda live: old not in live, f"end of host {host}'s node {old[:8]} in the control store")
+        self.start_node(host)
 
 
 class LinkLog:

@@ -190,8 +190,11 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
     proc = _start(bed, tmp_path, "host_lost", f"zero={zero}", pace, f"task={task}",
                   *(["all_reduce=hierarchical"] if zero == 0 else []), *([f"shard_scope={scope}"] if zero else []))
     metrics = tmp_path / "metrics.jsonl"
+    reporting = False  # _report shows the run's stderr itself when it fails
     try:
-        wait_for(metrics, lambda ms: len(ms) >= 4 and ms[-1]["world_size"] == 4, timeout_s=120)
+        started = wait_for(metrics, lambda ms: len(ms) >= 4 and ms[-1]["world_size"] == 4, timeout_s=120)
+        assert len(started) >= 4 and started[-1]["world_size"] == 4, \
+            f"the run did not train 4 steps at 4 workers within 120 s: world sizes {[m['world_size'] for m in started]}"
         at = time.monotonic()
         if how == "killed":
             assert bed.kill(1), "no process ran on host 1"
@@ -213,19 +216,21 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
             assert wait_for(metrics, lambda ms: ms[-1]["world_size"] == 4, timeout_s=60)[-1]["world_size"] == 4, \
                 "the run did not grow back to 4 within 60 s of the healed link"
         fast.touch()
+        reporting = True
         report = _report(proc)
     finally:
         fast.touch()
-        if proc.poll() is None:  # a run that failed the test: ended before the next test's
-            proc.kill()
+        if not reporting:  # the test failed while the run trained: ended (if it still runs) before the next test's
+            if proc.poll() is None:
+                proc.kill()
             _, err = proc.communicate()
-            events = tmp_path / "events.jsonl"  # shown with the failure:
-            print(f"the run's stderr, the last of it:\n{err[-8000:]}\nits events:\n"
-                  + ("\n".join(events.read_text().splitlines()[-20:]) if events.exists() else "none"))
+            events = tmp_path / "events.jsonl"  # shown with the failure, whether the run was still going or had ended:
+            print(f"the run (exit code {proc.returncode}), its stderr, the last of it:\n{err[-8000:]}\nits events:\n"
+                  + ("\n".join(events.read_text().splitlines()[-20:]) if events.exists() else "none")
+                  + "\nits last metrics:\n" + "\n".join(json.dumps(m) for m in lines(metrics)[-6:]))
         if how == "partitioned":
             bed.heal(1)
-        bed.kill(1)  # whatever is left of host 1's node: a new one for the next test
-        bed.start_node(1)
+        bed.replace_node(1)  # a new node for the next test, once the control store counts this one dead
     assert report["diff"] < (GPT_TOL if task == "gpt" else TOL)
     change = next((e for e in report["events"] if e["kind"] == "membership_changed"), None)
     assert change is not None, f"world sizes {report['world_sizes']}, events " + "; ".join(
