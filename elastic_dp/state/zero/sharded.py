@@ -327,12 +327,9 @@ class Sharded(BucketedGradients):
         self._wait_gathers()
 
     def drop_pending(self) -> None:
-        """Before the group is re-configured: forget what is in flight on it (a new
-        generation re-gathers the parameters from the chunks it is given). The group is
-        aborted first when anything is: a peer may be gone, and tearing the group down
-        must not wait for it."""
-        if (self._gathers or self.snapshots.pending is not None) and self.group.configured:
-            self.group.abort(self.group.generation)
+        """Before the group is re-configured, and after it was aborted (``WorkerActor.configure_group``:
+        a peer may be gone, and tearing the group down must not wait for it): forget what is in
+        flight on it (a new generation re-gathers the parameters from the chunks it is given)."""
         self.snapshots.drop()  # its thread is done with the old group before it goes
         self._gathers = {}
 
