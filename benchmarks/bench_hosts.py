@@ -6,7 +6,9 @@ flat and hierarchical all-reduce (stage 0) and ZeRO-2 and ZeRO-3 sharded inside 
 training jobs.gpt in the same namespaces, next to ``elastic-dp plan``'s figure; and
 ``--compress powersgd:rank=2`` against DDP with torch's ``powerSGD_hook`` at rank 2, and
 ``--compress int8`` over every byte and on the hop between the hosts alone
-(``--compress-scope hosts``). As root (the
+(``--compress-scope hosts``); and ZeRO-3 over all the ranks, where the parameter gathers cross
+the link, in fp32 and with ``--param-dtype bf16`` (bf16 gathers, fp32 reductions) against
+FSDP2 over all the ranks with and without its bf16 ``MixedPrecisionPolicy``. As root (the
 namespaces); docs/BENCHMARKS.md has the figures.
 
     python -m benchmarks.bench_hosts [--hosts 2] [--workers-per-host 2] [--rate-mbit 200] [--steps 24] [--rounds 1]
@@ -50,20 +52,26 @@ def _measure(log: LinkLog, progress: Path, procs: list[subprocess.Popen], first:
 
 
 RUNS = {
-    # name: (elastic-dp train's flags, or the peer's torchrun module and flags; the plan's figure: stage, key)
-    "flat": (["--all-reduce", "flat"], (0, "flat")),
-    "hierarchical": (["--all-reduce", "hierarchical"], (0, "hierarchical")),
-    "zero2_host": (["--zero", "2", "--shard-scope", "host"], (2, "host")),
-    "zero3_host": (["--zero", "3", "--shard-scope", "host"], (3, "host")),
-    "ddp": (["benchmarks.ddp_gpt"], (0, "flat")),
-    "fsdp2_hsdp": (["benchmarks.fsdp2_gpt", "--hsdp"], (3, "host")),
+    # name: (elastic-dp train's flags, or the peer's torchrun module and flags;
+    #        the plan's figure: its key and the plan's settings)
+    "flat": (["--all-reduce", "flat"], ("flat", {})),
+    "hierarchical": (["--all-reduce", "hierarchical"], ("hierarchical", {})),
+    "zero2_host": (["--zero", "2", "--shard-scope", "host"], ("host", {"zero": 2})),
+    "zero3_host": (["--zero", "3", "--shard-scope", "host"], ("host", {"zero": 3})),
+    "ddp": (["benchmarks.ddp_gpt"], ("flat", {})),
+    "fsdp2_hsdp": (["benchmarks.fsdp2_gpt", "--hsdp"], ("host", {"zero": 3})),
     "powersgd2": (["--compress", "powersgd:rank=2:start=2"], None),
     "int8": (["--compress", "int8"], None),
     "int8_hosts": (["--compress", "int8", "--compress-scope", "hosts"], None),
     "ddp_powersgd2": (["benchmarks.ddp_gpt", "--powersgd", "2"], None),
+    "zero3": (["--zero", "3"], ("gloo", {"zero": 3})),
+    "zero3_bf16": (["--zero", "3", "--param-dtype", "bf16"], ("gloo", {"zero": 3, "param_dtype": "bf16"})),
+    "fsdp2": (["benchmarks.fsdp2_gpt"], ("gloo", {"zero": 3})),
+    "fsdp2_bf16": (["benchmarks.fsdp2_gpt", "--param-dtype", "bf16"], ("gloo", {"zero": 3, "param_dtype": "bf16"})),
 }
 """What each run is: elastic_dp's, or a peer's (``benchmarks.*``), and which figure of
-``elastic-dp plan`` it is set against (FSDP2's HSDP moves what ``--shard-scope host`` does)."""
+``elastic-dp plan`` it is set against (FSDP2's HSDP moves what ``--shard-scope host`` does,
+FSDP2 over all the ranks what ZeRO-3 does)."""
 
 
 def elastic_dp(bed: Testbed, workers: int, steps: int, flags: list[str], out: Path) -> dict:
@@ -129,10 +137,10 @@ def main() -> None:
         sent = statistics.median(b for run in runs for b in run["bytes_per_host_per_step"])
         step_s = statistics.median(run["step_s"] for run in runs)
         plan = "—"
-        if RUNS[name][1] is not None:  # the plan has no figure of a compressor yet
-            zero, key = RUNS[name][1]
-            link = MemoryPlan(params=params, workers=workers, zero=zero, precision="fp32",
-                              hosts=args.hosts).link_bytes_per_step()[key]
+        if RUNS[name][1] is not None:  # the compressors' figures: elastic-dp plan --compress
+            key, settings = RUNS[name][1]
+            link = MemoryPlan(params=params, workers=workers, precision="fp32", hosts=args.hosts,
+                              **{"zero": 0, **settings}).link_bytes_per_step()[key]
             plan = f"{link / gradient_bytes:.2f}"
         print(f"{name:14}{sent:18,.0f}{sent / gradient_bytes:13.3f}{plan:>8}{step_s:9.3f}{batch / step_s:11.1f}")
 
