@@ -32,6 +32,7 @@ from pathlib import Path
 
 from benchmarks.hosts import LinkLog, Testbed
 from elastic_dp.observe.capacity import MemoryPlan
+from elastic_dp.state.units import gathered_once, model_units
 from jobs.gpt import TASK
 from tests.scripts.scenario import lines
 
@@ -112,7 +113,9 @@ def main() -> None:
     if reason:
         sys.exit(f"no testbed: {reason}")
     workers = args.hosts * args.workers_per_host
-    params = sum(p.numel() for p in TASK.model().parameters())
+    model = TASK.model()
+    params = sum(p.numel() for p in model.parameters())
+    once = gathered_once(model, model_units(model, TASK.shard_units))  # stage 3's root and last unit
     gradient_bytes = 4 * params
     results: dict[str, list[dict]] = {name: [] for name in names}
     root = Path(tempfile.mkdtemp(prefix="edp-bench-hosts-"))
@@ -140,6 +143,7 @@ def main() -> None:
         if RUNS[name][1] is not None:  # the compressors' figures: elastic-dp plan --compress
             key, settings = RUNS[name][1]
             link = MemoryPlan(params=params, workers=workers, precision="fp32", hosts=args.hosts,
+                              gathered_once=once if settings.get("zero") == 3 else 0.0,
                               **{"zero": 0, **settings}).link_bytes_per_step()[key]
             plan = f"{link / gradient_bytes:.2f}"
         print(f"{name:14}{sent:18,.0f}{sent / gradient_bytes:13.3f}{plan:>8}{step_s:9.3f}{batch / step_s:11.1f}")

@@ -155,26 +155,28 @@ def _plan(args: argparse.Namespace) -> int:
         workers = args.hosts * args.workers_per_host
     if workers is None:
         raise ConfigError("give --workers, or --hosts and --workers-per-host")
-    params, compressed = _job_shapes(args)
-    if args.params is not None:
-        params = parse_size(args.params, "--params")
+    params, compressed, once = _job_shapes(args)
+    if args.params is not None:  # the job's units say nothing of another count
+        params, once = parse_size(args.params, "--params"), 0.0
     if params is None:
         raise ConfigError("give --params (the parameter count) or --job (a job module whose model has them)")
     plan = MemoryPlan(params=params, workers=workers, zero=args.zero, hosts=args.hosts,
                       precision=args.precision, optimizer=args.optimizer,
                       unit_params=parse_size(args.unit_params, "--unit-params") if args.unit_params else None,
-                      reshard=args.reshard, shard_scope=args.shard_scope, spares=args.spares, compress=args.compress,
+                      reshard=args.reshard, gathered_once=once,
+                      shard_scope=args.shard_scope, spares=args.spares, compress=args.compress,
                       compressed=compressed, param_dtype=args.param_dtype, compress_scope=args.compress_scope)
     gpu = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
     print(json.dumps(plan.report(gpu), indent=1) if args.json else render(plan, gpu))
     return 0
 
 
-def _job_shapes(args: argparse.Namespace) -> tuple[float | None, tuple[int, int] | None]:
-    """``--job``'s model built on the meta device (no memory): its parameter count, and with
-    ``--compress`` what a compressed step moves (``compression.wire_bytes_per_step``)."""
+def _job_shapes(args: argparse.Namespace) -> tuple[float | None, tuple[int, int] | None, float]:
+    """``--job``'s model built on the meta device (no memory): its parameter count, with
+    ``--compress`` what a compressed step moves (``compression.wire_bytes_per_step``), and at
+    ``--zero 3`` the parameters gathered once a step (``units.gathered_once``)."""
     if args.job is None:
-        return None, None
+        return None, None, 0.0
     import torch
 
     from elastic_dp.comm.compression import parse_compress, wire_bytes_per_step
@@ -182,10 +184,16 @@ def _job_shapes(args: argparse.Namespace) -> tuple[float | None, tuple[int, int]
 
     task = load_task(args.job)
     with torch.device("meta"):
-        params = list(task.model().parameters())
+        model = task.model()
+    params = list(model.parameters())
     spec = parse_compress(args.compress)
     compressed = wire_bytes_per_step(params, spec, Buckets()) if spec is not None else None
-    return float(sum(p.numel() for p in params)), compressed
+    once = 0.0
+    if args.zero == 3 and args.reshard:
+        from elastic_dp.state.units import gathered_once, model_units
+
+        once = float(gathered_once(model, model_units(model, task.shard_units)))
+    return float(sum(p.numel() for p in params)), compressed, once
 
 
 def _tokenize(args: argparse.Namespace) -> int:

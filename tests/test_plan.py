@@ -270,3 +270,39 @@ def test_plan_gives_the_bytes_and_the_errors_of_compression_at_zero_2(capsys):
     assert psgd_2 - gather == pytest.approx(psgd_0)
     assert reports[0, "int8"]["compress"]["error_bytes_per_worker"] == 2 * 4 * total
     assert reports[2, "int8"]["compress"]["error_bytes_per_worker"] == 4 * 4 * total
+
+
+def test_stage_3_gathers_the_root_and_the_last_unit_once_a_step(capsys):
+    """The root unit (the parameters in no unit, and one two units share) and the last unit
+    stay gathered from their forward to their backward (docs/zero.md), so of stage 3's two
+    all-gathers a step they take one: (N-1)/N ((2P + G)Ψ - P·Ψ_once) a worker, and over each
+    link W(H-1)/H of that per host on gloo's all-to-alls. ``--job`` counts Ψ_once from the
+    job's units (jobs.gpt: its blocks; here counted by hand from the model)."""
+    import torch
+
+    from elastic_dp.state.units import gathered_once
+    from jobs.gpt import TASK
+
+    plan = MemoryPlan(params=1e6, workers=4, zero=3, precision="fp32", hosts=2, gathered_once=2e5)
+    assert plan.comm_bytes_per_step() == pytest.approx(0.75 * (12 * 1e6 - 4 * 2e5), rel=1e-12)  # float order
+    assert plan.link_bytes_per_step()["gloo"] == 2 * 0.5 * (12 * 1e6 - 4 * 2e5)
+    assert MemoryPlan(params=1e6, workers=4, zero=3, precision="fp32", gathered_once=2e5,
+                      reshard=False).comm_bytes_per_step() == 0.75 * 8 * 1e6  # every unit gathered once already
+    with pytest.raises(ConfigError, match="gathered_once must be between 0 and --params"):
+        MemoryPlan(params=1e6, workers=4, zero=3, gathered_once=2e6)
+
+    shared = torch.nn.Linear(3, 3)
+    units = [torch.nn.Sequential(torch.nn.Linear(2, 2), shared), torch.nn.Linear(4, 4),
+             torch.nn.Sequential(torch.nn.Linear(5, 5), shared)]
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), *units)
+    assert gathered_once(model, units) == 42 + 12 + 30  # the root's layer, the shared one, the last unit's own
+
+    model = TASK.model()
+    by_hand = sum(p.numel() for p in model.parameters()) - sum(p.numel() for b in model.blocks[:-1]
+                                                               for p in b.parameters())
+    argv = ["plan", "--job", "jobs.gpt", "--hosts", "2", "--workers-per-host", "2", "--precision", "fp32",
+            "--zero", "3", "--json"]
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["gathered_once"] == by_hand
+    assert cli.main([*argv, "--params", "834304"]) == 0  # another count: the job's units are not its
+    assert json.loads(capsys.readouterr().out)["inputs"]["gathered_once"] == 0

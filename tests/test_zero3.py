@@ -423,3 +423,50 @@ def test_param_dtype_and_keep_fp32_are_stage_3_settings_refused_elsewhere_naming
     for settings in ({"zero": 2, "param_dtype": "bf16"}, {"param_dtype": "bf16"}):
         with pytest.raises(ConfigError, match=r"TrainConfig\.param_dtype"):
             TrainConfig(**settings)
+
+
+def test_a_step_gathers_what_the_plan_counts_the_root_and_the_last_unit_once(monkeypatch):
+    """The elements a stage-3 step puts through its all-gathers and reduce-scatters, counted at
+    the collective group's calls (one step: a run of 2 steps less a run of 1, which cancels the
+    build's and the final weights' gathers), less the pieces' padding to a multiple of the world
+    size: exactly ``elastic-dp plan``'s count, every parameter gathered twice but the root
+    unit's and the last unit's (``units.gathered_once``), every gradient reduce-scattered once,
+    and the commit vote beside them (a few elements a parameter tensor, which the plan leaves
+    out)."""
+    from elastic_dp.comm.group import CollectiveGroup
+    from elastic_dp.comm.vote import Ballot
+    from elastic_dp.state.units import gathered_once, model_units
+
+    world, counted, strategies = 2, {}, []
+    gather, scatter = CollectiveGroup.all_gather_async, CollectiveGroup.reduce_scatter_async
+
+    def count(kind, tensor):
+        counted[kind] = counted.get(kind, 0) + tensor.numel()
+
+    monkeypatch.setattr(CollectiveGroup, "all_gather_async",
+                        lambda self, out, inp: (count("gathered", out), gather(self, out, inp))[1])
+    monkeypatch.setattr(CollectiveGroup, "reduce_scatter_async",
+                        lambda self, out, inp: (count("scattered", inp), scatter(self, out, inp))[1])
+    config = dataclasses.replace(TINY_GPT_TASK.defaults, micro_batch=None, zero=3)
+    per_run = []
+    for steps in (1, 2):
+        counted.clear()
+        train(TINY_GPT_TASK, dataclasses.replace(config, steps=steps), world, range(steps),
+              initial_weights(TINY_GPT_TASK, config.seed), after_build=strategies.append)
+        per_run.append(dict(counted))
+    step = {k: (per_run[1][k] - per_run[0][k]) / world for k in per_run[1]}  # elements a rank
+    strategy = strategies[0].strategy
+    once_units = {strategy.root, strategy.root - 1}
+    padding = {u: sum(strategy.buckets[b].padded - strategy.buckets[b].numel for b in bs)
+               for u, bs in strategy.unit_buckets.items()}
+    gather_padding = sum(p * (1 if u in once_units else 2) for u, p in padding.items())
+    model = TINY_GPT_TASK.model()
+    params = sum(p.numel() for p in model.parameters())
+    once = gathered_once(model, model_units(model, TINY_GPT_TASK.shard_units))
+    assert 0 < once < params
+    # the vote rides the last piece, whole in every rank's chunk: counts, a use flag a parameter
+    vote = world * (Ballot.COUNTS + len(list(model.parameters())))
+    assert (step["gathered"] - gather_padding, step["scattered"] - sum(padding.values()) - vote) == \
+        (2 * params - once, params), (step, padding, params, once)
+    plan = MemoryPlan(params, world, 3, precision="fp32", gathered_once=once).comm_bytes_per_step()
+    assert plan == pytest.approx((world - 1) / world * 4 * (2 * params - once + params), rel=1e-12)

@@ -33,7 +33,9 @@ algorithms; the all-to-alls that run stage 1 and 2's collectives on gloo send as
 peer snapshots apart: stage 0 all-reduces the gradients, 2(N-1)/N · GΨ; stages 1 and 2
 reduce-scatter them and all-gather the updated parameters, (N-1)/N · (G + P)Ψ; stage 3
 all-gathers the parameters in the forward and again in the backward and reduce-scatters
-the gradients, (N-1)/N · (2P + G)Ψ (one all-gather less with ``--no-reshard-after-forward``).
+the gradients, (N-1)/N · (2P + G)Ψ (one all-gather less with ``--no-reshard-after-forward``,
+and for the root unit's and the last unit's parameters, which stay gathered from their
+forward to their backward: ``gathered_once``, counted by ``--job``).
 
 Over the hosts' links (``--hosts H --workers-per-host W``, N = H·W; the ranks of a host
 contiguous, docs/hosts.md), bytes each host sends per step: stage 0 with a flat ring,
@@ -106,6 +108,10 @@ class MemoryPlan:
     """Stage 3: the largest unit's parameters (None: not known, nothing added for them)."""
     reshard: bool = True
     """Stage 3: the units are freed after their forward (``--no-reshard-after-forward``: not)."""
+    gathered_once: float = 0.0
+    """Stage 3: the parameters gathered once a step, not twice: the root unit's and the last
+    unit's, kept from their forward to their backward (``elastic-dp plan --job`` counts them
+    from the job's model, ``units.gathered_once``; 0: every parameter counted twice, an upper bound)."""
     hosts: int | None = None
     """The hosts the workers are spread over, ``workers`` / ``hosts`` on each (None: not given)."""
     shard_scope: str = "all"
@@ -133,6 +139,8 @@ class MemoryPlan:
         if self.zero not in STAGES:
             *first, last = map(str, STAGES)
             raise ConfigError(f"--zero must be stage {', '.join(first)} or {last}, got {self.zero!r}")
+        if not 0 <= self.gathered_once <= self.params:
+            raise ConfigError(f"gathered_once must be between 0 and --params, got {self.gathered_once}")
         if self.unit_params is not None and not 0 < self.unit_params <= self.params:
             raise ConfigError(f"--unit-params must be positive and at most --params, got {self.unit_params}")
         if (self.unit_params is not None or not self.reshard) and "parameters" not in self._partitioned:
@@ -248,7 +256,7 @@ class MemoryPlan:
         if "gradients" not in self._partitioned and "optimizer" not in self._partitioned:
             per_param = 2 * share * g
         elif "parameters" in self._partitioned and self.reshard:
-            per_param = share * (2 * p + g)
+            per_param = share * (2 * p + g - p * self.gathered_once / self.params)
         else:
             per_param = share * (g + p)
         if n < self.workers:
@@ -293,7 +301,8 @@ class MemoryPlan:
             return {"compressed": 2 * (n - 1) / n * self.compressed[0] + copies}
         if not self._partitioned:
             return {"flat": 2 * (n - 1) / n * g * self.params, "hierarchical": 2 * (h - 1) / h * g * self.params}
-        moved = (2 * p + g if "parameters" in self._partitioned and self.reshard else p + g) * self.params
+        moved = ((2 * p + g) * self.params - p * self.gathered_once if "parameters" in self._partitioned and self.reshard
+                 else (p + g) * self.params)
         return {"gloo": w * (h - 1) / h * moved, "nccl": (n - 1) / n * moved,
                 "host": 2 * (h - 1) / h * g * self.params}
 

@@ -59,6 +59,18 @@ def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
+def gathered_once(model: torch.nn.Module, units: list[torch.nn.Module]) -> int:
+    """How many of ``model``'s parameters stage 3 gathers once a step rather than twice:
+    the root unit's (those in no unit, or shared by two) and the last unit's, which stay
+    gathered from their forward to their backward (docs/zero.md). Works on the meta device."""
+    owner: dict[int, int | None] = {}
+    for u, unit in enumerate(units):
+        for param in unit.parameters():
+            owner[id(param)] = u if owner.get(id(param), u) == u else None  # shared: the root's
+    last = len(units) - 1
+    return sum(p.numel() for p in model.parameters() if owner.get(id(p)) in (None, last))
+
+
 def model_units(model: torch.nn.Module,
                 shard_units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None) -> list[torch.nn.Module]:
     """The task's units of ``model`` (``shard_units``; None: ``default_units``), checked."""
