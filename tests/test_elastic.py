@@ -108,9 +108,11 @@ def test_hangs_are_found_by_the_deadline_and_the_workers_replaced(ray_cluster, t
     assert diff < TOL
     changes = [e for e in events if e["kind"] == "membership_changed" and e["lost"]]
     # frozen inside step 4's all-reduce, rank 1 may have sent its share first (seen once in 5
-    # suite runs): then rank 0 committed step 4 and was found waiting in step 5
+    # suite runs, and in a clean clone's on 2026-12-06): then rank 0 committed step 4 and was
+    # found in step 5, waiting for its grant (nothing re-run) or in its all-reduce (step 5
+    # re-run once); the replay's parameters above say no step counted twice or not at all
     assert [e["lost_ranks"] for e in changes] == [[1], [1]] and changes[0]["step"] == 1
-    assert changes[1]["step"] == 4 or (changes[1]["step"], changes[1]["steps_rerun"]) == (5, 0), changes[1]
+    assert changes[1]["step"] == 4 or (changes[1]["step"], changes[1]["steps_rerun"]) in ((5, 0), (5, 1)), changes[1]
     for change in changes:
         assert "deadline" in change["cause"]
     # found by the 2.5 s deadline, not later. It runs from the last commit the coordinator
