@@ -59,6 +59,25 @@ def _report(proc: subprocess.Popen, timeout_s: float = 150) -> dict:
     return json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
 
 
+def _worker_pids(events: Path) -> list[int]:
+    """Every worker process a run's mesh events named."""
+    return sorted({pid for e in lines(events) if e["kind"] == "mesh" for pid in e["pids"]})
+
+
+def _stacks(pids: list[int]) -> str:
+    """Where each live process of ``pids`` is, every thread (py-spy, which ``ray[default]``
+    installs for ``ray stack``): what a run that stopped going on was waiting for."""
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.exists():
+        return f"(no stacks: {spy} is not installed)"
+    dumps = []
+    for pid in pids:
+        if Path(f"/proc/{pid}").exists():
+            done = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+            dumps.append(f"-- py-spy dump --pid {pid}\n{done.stdout[-6000:]}{done.stderr[-300:]}")
+    return "the stacks of the driver and its live workers:\n" + "\n".join(dumps)
+
+
 def _gpt_params() -> int:
     from jobs import gpt
 
@@ -222,6 +241,7 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
         fast.touch()
         if not reporting:  # the test failed while the run trained: ended (if it still runs) before the next test's
             if proc.poll() is None:
+                print(_stacks([proc.pid, *_worker_pids(tmp_path / "events.jsonl")]))
                 proc.kill()
             _, err = proc.communicate()
             events = tmp_path / "events.jsonl"  # shown with the failure, whether the run was still going or had ended:
