@@ -5,8 +5,8 @@ each rank looping over its own steps with no driver in between. ``--hsdp`` shard
 parameters sharded over the W ranks of each host and replicated across the H hosts, FSDP2's
 HSDP); without it over all H·W ranks. ``--param-dtype bf16``: each ``fully_shard`` with
 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``, the peer of
-``--zero 3 --param-dtype bf16`` (bf16 gathers, fp32 reductions and masters). A peer of ``benchmarks/bench_hosts.py`` on the
-testbed; each rank trains its contiguous slice of the same sampler steps as elastic_dp
+``--zero 3 --param-dtype bf16`` (bf16 gathers, fp32 reductions and masters). A peer of
+``benchmarks/bench_hosts.py`` on the testbed; each rank trains its contiguous slice of the same sampler steps as elastic_dp
 (``ElasticSampler``, global batch 32).
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr 10.213.57.1 \\

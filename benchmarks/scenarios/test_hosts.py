@@ -73,7 +73,8 @@ def _stacks(pids: list[int]) -> str:
     dumps = []
     for pid in pids:
         if Path(f"/proc/{pid}").exists():
-            done = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+            done = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60,
+                                  check=False)  # a process that ended meanwhile: its error is shown
             dumps.append(f"-- py-spy dump --pid {pid}\n{done.stdout[-6000:]}{done.stderr[-300:]}")
     return "the stacks of the driver and its live workers:\n" + "\n".join(dumps)
 
@@ -208,7 +209,7 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
     pace = "pace=0.35" if how == "partitioned" else "pace=0.2"  # time for replacements to start and join
     proc = _start(bed, tmp_path, "host_lost", f"zero={zero}", pace, f"task={task}",
                   *(["all_reduce=hierarchical"] if zero == 0 else []), *([f"shard_scope={scope}"] if zero else []))
-    metrics = tmp_path / "metrics.jsonl"
+    metrics, events = tmp_path / "metrics.jsonl", tmp_path / "events.jsonl"
     reporting = False  # _report shows the run's stderr itself when it fails
     try:
         started = wait_for(metrics, lambda ms: len(ms) >= 4 and ms[-1]["world_size"] == 4, timeout_s=120)
@@ -241,10 +242,9 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
         fast.touch()
         if not reporting:  # the test failed while the run trained: ended (if it still runs) before the next test's
             if proc.poll() is None:
-                print(_stacks([proc.pid, *_worker_pids(tmp_path / "events.jsonl")]))
+                print(_stacks([proc.pid, *_worker_pids(events)]))
                 proc.kill()
-            _, err = proc.communicate()
-            events = tmp_path / "events.jsonl"  # shown with the failure, whether the run was still going or had ended:
+            _, err = proc.communicate()  # shown with the failure, whether the run was still going or had ended:
             print(f"the run (exit code {proc.returncode}), its stderr, the last of it:\n{err[-8000:]}\nits events:\n"
                   + ("\n".join(events.read_text().splitlines()[-20:]) if events.exists() else "none")
                   + "\nits last metrics:\n" + "\n".join(json.dumps(m) for m in lines(metrics)[-6:]))

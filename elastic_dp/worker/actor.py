@@ -128,9 +128,11 @@ class WorkerActor:
         self.group.delay_s = link_delay_s
         self.faults.arm(fault)
         self.faults.at("reform")
-        if self.group.configured:  # what is still in flight on the old group raises now: its teardown
-            self.group.abort(self.group.generation)  # waits for it (seen: a reduction's thread blocked there
-            # on a survivor's shard reduce-scatter, its peer already waiting to join the next generation)
+        # what is still in flight on the old group raises now, since its teardown waits for it
+        # (seen: a survivor's reduction thread blocked on a shard reduce-scatter its peer, already
+        # waiting to join the next generation, never issued)
+        if self.group.configured:
+            self.group.abort(self.group.generation)
         if self.replica is not None:
             self.replica.strategy.drop_pending()
         self.group.configure(host, port, generation=generation, rank=rank, world_size=world_size, hosts=hosts)
