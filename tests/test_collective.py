@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic_dp.comm.group import CollectiveGroup, _socket_fds
+from elastic_dp.comm.group import CollectiveGroup, _socket_fds, wait_released
 from tests.ranks import run_ranks
 
 
@@ -66,10 +66,47 @@ def test_abort_releases_a_blocked_rank_and_twenty_generations_leak_nothing():
     _reform_with_abort(store.port, 0)  # warm-up: gloo's first use starts its lasting threads
     threads, sockets = _native_threads(), len(_socket_fds())
     release_times = [_reform_with_abort(store.port, g) for g in range(1, 21)]
-    time.sleep(0.5)
+    assert wait_released(10), "the destroyed groups were not released"
     assert _native_threads() <= threads, "threads leaked across 20 re-formations"
     assert len(_socket_fds()) <= sockets, "sockets leaked across 20 re-formations"
     assert max(release_times) < 1.0
+
+
+def test_the_next_generation_forms_without_waiting_for_a_collective_no_abort_reached(caplog):
+    """Generation 0 of 3 ranks on hosts a, b, a; rank 0 is in an all-reduce on its host's
+    sub-group that rank 2 never joins, and rank 2 stays (silent, its connections open: a peer
+    that hangs without closing). Ranks 0 and 1 form generation 1 with no abort: gloo's teardown
+    of rank 0's old sub-group would wait for that all-reduce until the collective timeout (60 s
+    here); ``destroy`` lets the groups go on a thread of their own, so generation 1 forms and
+    reduces at once. Once rank 2 lets its groups go the all-reduce raises, the old sub-group is
+    released, and the wait is logged."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    groups = [CollectiveGroup(backend="gloo", timeout_s=60) for _ in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda r: groups[r].configure("127.0.0.1", store.port, generation=0, rank=r, world_size=3,
+                                                    hosts=("a", "b", "a")), range(3)))
+        list(pool.map(lambda r: groups[r].subgroup("host"), (0, 2)))
+    stuck = groups[0].subgroup("host").all_reduce_async(torch.ones(1000))
+    time.sleep(0.1)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda r: groups[r].configure("127.0.0.1", store.port, generation=1, rank=r, world_size=2),
+                      range(2)))
+        sums = list(pool.map(lambda r: groups[r].all_reduce(torch.full((4,), float(r + 1))), range(2)))
+    formed_s = time.perf_counter() - start
+    assert formed_s < 5.0, f"generation 1 waited {formed_s:.1f} s for generation 0's teardown"
+    assert all(torch.equal(s, torch.full((4,), 3.0)) for s in sums)
+    assert not wait_released(1.5), "rank 0's old sub-group is released only once its all-reduce ends"
+    with caplog.at_level("WARNING", logger="elastic_dp.comm.group"):
+        groups[2].destroy()  # rank 2's sockets close: the all-reduce raises
+        assert wait_released(10), "the old sub-group was not released once its peer went"
+    with pytest.raises(RuntimeError):
+        stuck.wait()
+    assert any("teardown waited" in r.getMessage() and "gen 0 rank 0" in r.getMessage() for r in caplog.records)
+    for g in groups[:2]:
+        g.destroy()
+    assert wait_released(10)
 
 
 def test_destroyed_group_refuses_collectives():

@@ -7,6 +7,9 @@ against the sums computed here."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
+import types
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ import torch
 
 from elastic_dp.comm.mesh import Mesh
 from elastic_dp.comm.reducer import GradientReducer, make_buckets
-from elastic_dp.comm.reductions import AllReduce, Hierarchical, ReduceScatter, all_reduce
+from elastic_dp.comm.reductions import AllReduce, Hierarchical, ReduceScatter, ReductionThread, all_reduce
 from elastic_dp.errors import CollectiveError
 from elastic_dp.modes.sync.program import SyncProgram
 from elastic_dp.worker.replica import Replica
@@ -315,3 +318,22 @@ def test_a_bucket_of_an_earlier_generation_does_not_meet_the_next_ones_groups():
         return True
 
     assert all(run_ranks(2, launched_then_moved, hosts=("A", "A")))
+
+
+def test_a_launch_of_the_next_generation_does_not_wait_behind_one_of_the_last():
+    """A reduction's thread runs launches in order within a generation; a launch of generation 0
+    still running (a collective no abort reached) does not hold generation 1's: those start on
+    a thread of their own, while the old one finishes its queue."""
+    group = types.SimpleNamespace(generation=0)
+    thread = ReductionThread("edp-test", lambda: group.generation)
+    release, order = threading.Event(), []
+    stuck = thread.submit(lambda: (release.wait(30), order.append("gen 0, first")))
+    queued = thread.submit(lambda: order.append("gen 0, second"))  # behind the first: launch order
+    start = time.perf_counter()
+    group.generation = 1
+    thread.submit(lambda: order.append("gen 1")).wait()
+    assert time.perf_counter() - start < 5.0 and order == ["gen 1"]
+    release.set()
+    stuck.wait()
+    queued.wait()
+    assert order == ["gen 1", "gen 0, first", "gen 0, second"]

@@ -65,18 +65,34 @@ def _worker_pids(events: Path) -> list[int]:
 
 
 def _stacks(pids: list[int]) -> str:
-    """Where each live process of ``pids`` is, every thread (py-spy, which ``ray[default]``
-    installs for ``ray stack``): what a run that stopped going on was waiting for."""
+    """Where each live process of ``pids`` is (``py-spy dump --native``; py-spy comes with
+    ``ray[default]`` for ``ray stack``): what a run that stopped going on was waiting for.
+    One line a thread, innermost frame first, for the threads in elastic_dp's code and
+    gloo's (the interpreter's own frames left out, each name cut to 70 characters): CI
+    shows a part of a long output, and the threads that matter must fit in it."""
     spy = Path(sys.executable).parent / "py-spy"
     if not spy.exists():
         return f"(no stacks: {spy} is not installed)"
     dumps = []
     for pid in pids:
-        if Path(f"/proc/{pid}").exists():
-            done = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60,
-                                  check=False)  # a process that ended meanwhile: its error is shown
-            dumps.append(f"-- py-spy dump --pid {pid}\n{done.stdout[-6000:]}{done.stderr[-300:]}")
-    return "the stacks of the driver and its live workers:\n" + "\n".join(dumps)
+        if not Path(f"/proc/{pid}").exists():
+            continue
+        done = subprocess.run([str(spy), "dump", "--native", "--json", "--pid", str(pid)], capture_output=True,
+                              text=True, timeout=60, check=False)  # a process that ended meanwhile: its error is shown
+        try:
+            threads = json.loads(done.stdout)
+        except json.JSONDecodeError:
+            dumps.append(f"-- {pid}: {done.stdout[-300:]}{done.stderr[-300:]}")
+            continue
+        dumps.append(f"-- {pid}: {len(threads)} threads")
+        for thread in threads:
+            frames = [f for f in thread["frames"] if "libpython" not in f["filename"]]
+            ours = any("elastic_dp" in f["filename"] for f in frames)
+            if ours or any("gloo" in f["name"] for f in frames):
+                shown = [f"{f['name'][:70]}@{Path(f['filename']).name}:{f['line']}" for f in frames[:16 if ours else 6]]
+                dumps.append(f"  {thread.get('thread_name') or thread['os_thread_id']}: " + " < ".join(shown))
+    return "the stacks of the driver and its live workers (threads in elastic_dp or gloo, innermost first):\n" + \
+        "\n".join(dumps)
 
 
 def _gpt_params() -> int:

@@ -75,7 +75,7 @@ class ErrorFeedback(Reduction):
         self._history: dict[int, tuple] = {}
         """With ``rewinds``, the state as of each of the last two steps begun (what ``save``
         kept at each, by its number)."""
-        self._thread = ReductionThread(self.thread)
+        self._thread = ReductionThread(self.thread, lambda: self.group.generation)
 
     def _world(self, generation: int) -> CollectiveGroup:
         """The process group a compressor's thread reduces on: the generation's ``world``

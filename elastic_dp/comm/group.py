@@ -415,15 +415,25 @@ class CollectiveGroup:
                 sock.close()  # closes the duplicate only
 
     def destroy(self) -> None:
-        """Release the group and its sub-groups once no collective on them is running
-        (after an abort, too)."""
+        """Let the group and its sub-groups go (after an abort, too); returns at once.
+
+        The process group itself is dropped on a thread of its own (``_release``): a gloo
+        group's teardown joins its threads, and a thread still running a collective finishes
+        it first. An abort makes those raise within milliseconds; one it did not reach (a
+        peer that neither answers nor closes) would hold the caller, the next generation's
+        forming, until the collective timeout, so the caller does not wait for it (logged
+        where it took over a second; ``wait_released`` waits)."""
         with self._lock:
             subs, self._subs = list(self._subs.values()), {}
         for sub in subs:
             sub.destroy()
         if self.backend == "nccl" and self._pg is not None:
             self._pg.shutdown()
-        self._forget()  # for gloo, dropping the last reference closes its sockets and threads
+        held = [self._pg] if self._pg is not None else []
+        what = f"gen {self.generation} rank {self.rank}"
+        self._forget()
+        if held:
+            _release(held, what)
 
     def _forget(self) -> None:
         self._pg = None
@@ -431,6 +441,48 @@ class CollectiveGroup:
         self._store = None
         self._sockets = []
         self.world_size = 0
+
+
+_releasing: set[threading.Thread] = set()
+_releasing_lock = threading.Lock()
+SLOW_RELEASE_S = 1.0
+"""A group's teardown that took longer than this is logged: some collective of it was in
+flight, and no abort had released it."""
+
+
+def _release(held: list[dist.ProcessGroup], what: str) -> None:
+    """Drop the process group in ``held`` (its only reference) on a daemon thread: for gloo,
+    the last reference closes its sockets and joins its threads."""
+
+    def drop() -> None:
+        start = time.monotonic()
+        held.clear()
+        took = time.monotonic() - start
+        if took > SLOW_RELEASE_S:
+            logger.warning("%s: the old group's teardown waited %.1f s for a collective still in flight "
+                           "(no abort reached it)", what, took)
+        with _releasing_lock:
+            _releasing.discard(threading.current_thread())
+
+    thread = threading.Thread(target=drop, name="elastic-dp-release", daemon=True)
+    with _releasing_lock:
+        _releasing.add(thread)
+    thread.start()
+
+
+def wait_released(timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the groups being let go (``CollectiveGroup.destroy``) to be
+    released: their sockets closed and threads joined. Whether all were."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _releasing_lock:
+            threads = list(_releasing)
+        if not threads:
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        threads[0].join(left)
 
 
 def _socket_fds() -> dict[int, str]:

@@ -155,7 +155,7 @@ class QuantizedAllReduce(Reduction):
         self.errors: dict[int, torch.Tensor] = {}
         """This rank's error, by launch index (a fragment's, a bucket's)."""
         self._saved: dict[int, torch.Tensor] | None = None
-        self._thread = ReductionThread("edp-quantized")
+        self._thread = ReductionThread("edp-quantized", lambda: self.group.generation)
 
     def launch(self, index: int, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Any:
         if out is not None:

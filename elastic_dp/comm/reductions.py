@@ -204,7 +204,7 @@ class ReduceScatter(Reduction):
     def __init__(self, group: CollectiveGroup, scope: str = "all") -> None:
         super().__init__(group)
         self.scope = scope
-        self._thread = ReductionThread("edp-replicas")
+        self._thread = ReductionThread("edp-replicas", lambda: self.group.generation)
 
     @property
     def parts(self) -> int:
@@ -230,19 +230,33 @@ class ReduceScatter(Reduction):
 
 class ReductionThread:
     """A thread of a reduction's own, started on first use, that runs the steps of each
-    launch one after another, in launch order."""
+    launch one after another, in launch order.
 
-    def __init__(self, name: str) -> None:
+    One thread a generation (``generation``: the group's current one, read at each launch):
+    the first launch of a new generation starts a new thread, and the old one ends once its
+    queue is done (its launches raise there, their generation gone). A collective of the
+    old generation that no abort reached would otherwise hold every launch of the new one
+    behind it until the collective timeout."""
+
+    def __init__(self, name: str, generation: Callable[[], int]) -> None:
         self.name = name
+        self.generation = generation
         self._pool: ThreadPoolExecutor | None = None
+        self._generation: int | None = None  # the generation the thread runs launches of
         self._lock = threading.Lock()
 
     def submit(self, fn: Any, *args: Any) -> _Chained:
+        """Run ``fn(*args)`` after the launches of this generation before it."""
+        generation = self.generation()
         with self._lock:
+            if self._pool is not None and self._generation != generation:
+                self._pool.shutdown(wait=False)
+                self._pool = None
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"elastic-dp-{self.name}",
                                                 initializer=set_os_name, initargs=(self.name,))
-        return _Chained(self._pool.submit(fn, *args))
+                self._generation = generation
+            return _Chained(self._pool.submit(fn, *args))
 
 
 class _Chained:
@@ -287,7 +301,7 @@ class Hierarchical(Reduction):
     def __init__(self, group: CollectiveGroup, *, always: bool = False) -> None:
         super().__init__(group)
         self.always = always
-        self._thread = ReductionThread("edp-hierarchy")
+        self._thread = ReductionThread("edp-hierarchy", lambda: self.group.generation)
 
     def active(self) -> bool:
         """Whether this generation reduces hierarchically (else flat)."""

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import ray
 import torch
 
-from elastic_dp.comm.group import CollectiveGroup
+from elastic_dp.comm.group import CollectiveGroup, wait_released
 from elastic_dp.config import TrainConfig
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState, write_part
 from elastic_dp.durable.storage import Storage
@@ -43,6 +43,10 @@ from elastic_dp.worker.leave import SigtermLeave, announce
 from elastic_dp.worker.replica import Replica
 
 logger = logging.getLogger(__name__)
+
+RELEASE_WAIT_S = 10.0
+"""How long ``reset`` waits for the run's groups to be released (``comm.group.wait_released``)."""
+
 
 class WorkerActor:
     """One model replica on one GPU (NCCL; gloo where workers share a GPU) or one CPU slot (gloo)."""
@@ -104,6 +108,7 @@ class WorkerActor:
             raise WorkerError(f"{self.sigterm.notice.cause}: the worker is leaving, it is not kept")
         self.group.abort()
         self.group.destroy()
+        wait_released(RELEASE_WAIT_S)  # aborted first: its sockets close and threads end in ms
         self.group = CollectiveGroup(backend=self.group.backend, timeout_s=self.group.timeout_s)
         self.replica = self.program = None
         self._staged.clear()
