@@ -49,7 +49,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from elastic_dp.comm.handles import Done, Staged, Summed, delayed_by_link, to_host
+from elastic_dp.comm.handles import Done, Staged, Summed, Watched, delayed_by_link, to_host
 from elastic_dp.comm.mesh import Mesh
 from elastic_dp.errors import CollectiveError
 
@@ -74,6 +74,9 @@ class CollectiveGroup:
         """The current generation's ranks and their hosts."""
         self._store: dist.Store | None = None
         self._pg: dist.ProcessGroup | None = None
+        self._calls: dist.ProcessGroup | Watched | None = None
+        """Where the collectives start: gloo's group watched for an abort (``handles.Watched``),
+        NCCL's itself (its abort is real)."""
         self.side = False
         """Also build the ``world`` sub-group with each generation (not on demand), for
         collectives made inside a step's forward and backward (``elastic_dp.comm.batchnorm``):
@@ -165,10 +168,13 @@ class CollectiveGroup:
             self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, self.timeout)
             after = _socket_fds()
             self._sockets = [fd for fd, inode in after.items() if before.get(fd) != inode]
+            generation = self.generation
+            self._calls = Watched(self._pg, lambda: self._aborted >= generation,
+                                  f"gen {generation} rank {rank}/{world_size}")
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
-            self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
+            self._pg = self._calls = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
 
     def subgroup(self, dim: str, index: int | None = None, generation: int | None = None) -> CollectiveGroup:
         """This rank's group along the mesh's dimension ``dim`` (``mesh.DIMS``) in the current
@@ -213,10 +219,10 @@ class CollectiveGroup:
                 sub.abort(self.generation)
         return sub
 
-    def _require(self) -> dist.ProcessGroup | None:
+    def _require(self) -> dist.ProcessGroup | Watched | None:
         if not self.configured:
             raise RuntimeError("the collective group is not configured")
-        return self._pg
+        return self._calls
 
     def _staging(self, tensor: torch.Tensor) -> bool:
         return self.backend == "gloo" and tensor.is_cuda
@@ -436,7 +442,7 @@ class CollectiveGroup:
             _release(held, what)
 
     def _forget(self) -> None:
-        self._pg = None
+        self._pg = self._calls = None
         self._subs = {}
         self._store = None
         self._sockets = []
@@ -461,11 +467,10 @@ def _release(held: list[dist.ProcessGroup], what: str) -> None:
         if took > SLOW_RELEASE_S:
             logger.warning("%s: the old group's teardown waited %.1f s for a collective still in flight "
                            "(no abort reached it)", what, took)
-        with _releasing_lock:
-            _releasing.discard(threading.current_thread())
 
     thread = threading.Thread(target=drop, name="elastic-dp-release", daemon=True)
     with _releasing_lock:
+        _releasing.difference_update([t for t in _releasing if not t.is_alive()])
         _releasing.add(thread)
     thread.start()
 
@@ -474,15 +479,13 @@ def wait_released(timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for the groups being let go (``CollectiveGroup.destroy``) to be
     released: their sockets closed and threads joined. Whether all were."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        with _releasing_lock:
-            threads = list(_releasing)
-        if not threads:
-            return True
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        threads[0].join(left)
+    with _releasing_lock:
+        threads = list(_releasing)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _releasing_lock:
+        _releasing.difference_update([t for t in threads if not t.is_alive()])
+        return not _releasing
 
 
 def _socket_fds() -> dict[int, str]:

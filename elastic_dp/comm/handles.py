@@ -1,16 +1,24 @@
 """Work handles: what a started collective of ``elastic_dp.comm.group`` returns. Each has
 ``wait(timeout=None)``; the ones here complete a call the process group only started: a
 single rank's (nothing to do), gloo's calls on host copies of CUDA tensors (copied back),
-gloo's reduce-scatter as an all-to-all (the rows received summed in rank order), and a
-collective on a slow link (``--inject slowlink``: done no earlier than its delay)."""
+gloo's reduce-scatter as an all-to-all (the rows received summed in rank order), a
+collective on a slow link (``--inject slowlink``: done no earlier than its delay), and any
+gloo collective whose wait must end once its group is aborted (``Abortable``, through
+``Watched``)."""
 
 from __future__ import annotations
 
 import datetime
 import functools
 import time
+from typing import Any, Callable
 
 import torch
+
+from elastic_dp.errors import CollectiveError
+
+ABORT_POLL_S = 0.1
+"""How often a wait on a gloo collective looks whether its group was aborted."""
 
 
 class Done:
@@ -56,6 +64,56 @@ class Summed:
                 output.copy_(total)
             self.rows = None
         return True
+
+
+class Abortable:
+    """A gloo collective whose ``wait()`` also ends, raising ``CollectiveError``, once its
+    group is aborted (``aborted()``), whether or not gloo ended the collective.
+
+    An abort shuts the group's sockets down, which makes a collective blocked on them raise
+    within milliseconds; but one started on another thread in the moment of the shutdown
+    can miss it inside gloo's transport and wait until the collective timeout (measured:
+    an aborting rank that issued collectives on a second thread in a loop had one of them
+    wait the whole timeout in 3 to 6 of 30 aborts). So the wait runs in slices of
+    ``ABORT_POLL_S`` (a wait with a timeout costs no more than one without: 1.60 against
+    1.61 ms a small all-reduce here) and looks between them."""
+
+    def __init__(self, work, aborted: Callable[[], bool], what: str) -> None:
+        self.work, self.aborted, self.what = work, aborted, what
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        while True:
+            left = ABORT_POLL_S if deadline is None else min(ABORT_POLL_S, max(0.0, deadline - time.monotonic()))
+            try:
+                return self.work.wait(datetime.timedelta(seconds=left))
+            except RuntimeError:  # the collective failed, or this slice of the wait ended
+                if self.work.is_completed() or (deadline is not None and time.monotonic() >= deadline):
+                    raise
+            if self.aborted():
+                raise CollectiveError(f"{self.what}: the group was aborted while this collective was in flight, "
+                                      "which the abort had not ended")
+
+
+class Watched:
+    """A gloo process group whose collectives return ``Abortable`` handles (``aborted``:
+    whether the generation was aborted; ``what``: which group, for the error)."""
+
+    COLLECTIVES = frozenset({"allreduce", "alltoall_base", "send", "recv", "broadcast"})
+
+    def __init__(self, pg, aborted: Callable[[], bool], what: str) -> None:
+        self.pg, self.aborted, self.what = pg, aborted, what
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self.COLLECTIVES:
+            raise AttributeError(f"{name} is not one of the collectives a watched group starts: "
+                                 f"{sorted(self.COLLECTIVES)}")
+        call = getattr(self.pg, name)
+
+        def started(*args: Any, **kwargs: Any) -> Abortable:
+            return Abortable(call(*args, **kwargs), self.aborted, self.what)
+
+        return started
 
 
 def wait_for(work, timeout: datetime.timedelta | None) -> None:
