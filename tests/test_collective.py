@@ -78,47 +78,54 @@ def test_abort_releases_a_blocked_rank_and_twenty_generations_leak_nothing():
     assert max(release_times) < 1.0
 
 
-def test_the_next_generation_forms_without_waiting_for_a_collective_no_abort_reached(caplog):
-    """Generation 0 of 3 ranks on hosts a, b, a; rank 0 is in an all-reduce on its host's
-    sub-group that rank 2 never joins, and rank 2 stays (silent, its connections open: a peer
-    that hangs without closing). Ranks 0 and 1 form generation 1 with no abort: gloo's teardown
-    of rank 0's old sub-group would wait for that all-reduce until the collective timeout (60 s
-    here); ``destroy`` lets the groups go on a thread of their own, so generation 1 forms and
-    reduces at once. Once rank 2 lets its groups go the all-reduce raises, the old sub-group is
-    released, and the wait is logged."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
-    groups = [CollectiveGroup(backend="gloo", timeout_s=60) for _ in range(3)]
+def _reform_beside_a_stuck_collective(store_port: int, generation: int) -> float:
+    """Generation ``generation`` of 3 ranks on hosts a, b, a; rank 0 is in an all-reduce on its
+    host's sub-group that rank 2 never joins, and rank 2 stays (silent, its connections open: a
+    peer that hangs without closing). Ranks 0 and 1 form the next generation with no abort and
+    all-reduce on it; returns the seconds that took. Then rank 2 lets its groups go, and rank 0's
+    all-reduce raises."""
+    groups = [CollectiveGroup(backend="gloo", timeout_s=20) for _ in range(3)]
     with ThreadPoolExecutor(3) as pool:
-        list(pool.map(lambda r: groups[r].configure("127.0.0.1", store.port, generation=0, rank=r, world_size=3,
-                                                    hosts=("a", "b", "a")), range(3)))
+        list(pool.map(lambda r: groups[r].configure("127.0.0.1", store_port, generation=generation, rank=r,
+                                                    world_size=3, hosts=("a", "b", "a")), range(3)))
         list(pool.map(lambda r: groups[r].subgroup("host"), (0, 2)))
     stuck = groups[0].subgroup("host").all_reduce_async(torch.ones(1000))
     time.sleep(0.1)
     start = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda r: groups[r].configure("127.0.0.1", store.port, generation=1, rank=r, world_size=2),
-                      range(2)))
+        list(pool.map(lambda r: groups[r].configure("127.0.0.1", store_port, generation=generation + 1, rank=r,
+                                                    world_size=2), range(2)))
         sums = list(pool.map(lambda r: groups[r].all_reduce(torch.full((4,), float(r + 1))), range(2)))
     formed_s = time.perf_counter() - start
-    assert formed_s < 5.0, f"generation 1 waited {formed_s:.1f} s for generation 0's teardown"
     assert all(torch.equal(s, torch.full((4,), 3.0)) for s in sums)
-    assert not wait_released(1.5), "rank 0's old sub-group is released only once its all-reduce ends"
-    with caplog.at_level("WARNING", logger="elastic_dp.comm.group"):
-        groups[2].destroy()  # rank 2's sockets close: the all-reduce raises
-        assert wait_released(10), "the old sub-group was not released once its peer went"
+    groups[2].destroy()  # rank 2's sockets close
     with pytest.raises(RuntimeError):
         stuck.wait()
-    assert any("teardown waited" in r.getMessage() and "gen 0 rank 0" in r.getMessage() for r in caplog.records)
     for g in groups[:2]:
         g.destroy()
-    assert wait_released(10)
+    return formed_s
+
+
+def test_the_next_generation_forms_without_waiting_for_a_collective_no_abort_reached():
+    """Dropping a gloo group whose collective is in flight joins the thread running it, which
+    waits for the collective (measured: in about half the tries; in the others gloo lets the
+    group go at once), so re-forming without ``destroy``'s thread of its own waited for the
+    collective timeout (20 s here, 60 s once by hand). With it the next generation forms and
+    reduces at once, 6 times of 6, and every old group is released once the silent peer goes
+    (a release that took over a second is logged: ``SLOW_RELEASE_S``)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    formed = [_reform_beside_a_stuck_collective(store.port, 2 * g) for g in range(6)]
+    # a blocked teardown waits the collective timeout, 20 s; a new TCPStore client under load took up to 5 s
+    assert max(formed) < 10.0, f"a generation waited {max(formed):.1f} s for the last one's teardown"
+    assert wait_released(25), "an old group was not released once its peer went"
 
 
 def _abort_while_issuing(store_port: int, generation: int) -> list[float]:
-    """Both ranks issue matched all-reduces and all-gathers in a loop on a thread each; rank
-    0's group is aborted a few ms in. Returns how long each of rank 0's waits took."""
-    groups = [CollectiveGroup(backend="gloo", timeout_s=3) for _ in range(2)]
+    """Both ranks issue matched all-reduces and all-gathers in a loop on a thread each; both
+    groups are aborted a few ms in, rank 0's first (as the coordinator aborts every member
+    still in a call). Returns how long each wait of either rank took."""
+    groups = [CollectiveGroup(backend="gloo", timeout_s=10) for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda r: groups[r].configure("127.0.0.1", store_port, generation=generation,
                                                     rank=r, world_size=2), range(2)))
@@ -140,24 +147,25 @@ def _abort_while_issuing(store_port: int, generation: int) -> list[float]:
         thread.start()
     time.sleep(0.005 + 0.002 * (generation % 10))
     groups[0].abort()
+    groups[1].abort()
     for thread in threads:
         thread.join()
     for g in groups:
         g.destroy()
-    return waits[0]
+    return waits[0] + waits[1]
 
 
 def test_an_abort_ends_every_wait_of_its_rank_even_on_a_collective_gloo_did_not_end():
     """An abort shuts the group's sockets down; a collective started on another thread in that
-    moment can miss it inside gloo's transport and wait for the collective timeout (3 s here;
-    without ``handles.Abortable`` this test failed 2 of 2 runs, and with ranks as processes 3
-    to 6 of 30 aborts left such a wait). The aborting rank's every wait ends within the
-    abort's poll (0.1 s) instead, over 30 aborts."""
+    moment can miss it inside gloo's transport and wait for the collective timeout (10 s here;
+    without ``handles.Abortable`` this test failed each of 3 runs, and with ranks as processes 3
+    to 6 of 30 aborts left such a wait). Every wait of an aborted rank ends within the
+    abort's poll (0.1 s) instead, over 20 aborts of both ranks."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
-    longest = [max(_abort_while_issuing(store.port, g)) for g in range(30)]
-    assert max(longest) < 1.0, f"a wait of the aborting rank took {max(longest):.2f} s (collective timeout 3 s)"
-    assert wait_released(10)
+    longest = [max(_abort_while_issuing(store.port, g)) for g in range(20)]
+    assert max(longest) < 2.0, f"a wait of an aborted rank took {max(longest):.2f} s (collective timeout 10 s)"
+    assert wait_released(15)  # a collective gloo did not end holds its group until the timeout
 
 
 def test_destroyed_group_refuses_collectives():

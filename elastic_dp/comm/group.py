@@ -84,6 +84,8 @@ class CollectiveGroup:
         rank whose forward failed. Read when a generation's group is built."""
         self._subs: dict[str, CollectiveGroup] = {}
         """The generation's sub-groups built so far, by dimension."""
+        self.label = ""
+        """A sub-group's dimension and index (``host/0``), for what it logs and raises."""
         self._sockets: list[int] = []  # the gloo group's own TCP sockets, for abort()
         self._aborted = -1  # every generation up to this one is aborted
         self._lock = threading.Lock()  # configure (training thread) against abort (control thread)
@@ -169,8 +171,7 @@ class CollectiveGroup:
             after = _socket_fds()
             self._sockets = [fd for fd, inode in after.items() if before.get(fd) != inode]
             generation = self.generation
-            self._calls = Watched(self._pg, lambda: self._aborted >= generation,
-                                  f"gen {generation} rank {rank}/{world_size}")
+            self._calls = Watched(self._pg, lambda: self._aborted >= generation, self._name())
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
@@ -200,6 +201,7 @@ class CollectiveGroup:
             raise ValueError(f"rank {self.rank} is not in the {dim} group {index} {ranks}")
         sub = CollectiveGroup(backend=self.backend, timeout_s=self.timeout_s)
         sub.generation, sub.rank, sub.world_size = self.generation, ranks.index(self.rank), len(ranks)
+        sub.label = key
         sub.mesh = Mesh(tuple(self.mesh.hosts[r] for r in ranks))
         with self._lock:
             self._check_not_aborted(self.generation, self.rank)
@@ -436,10 +438,15 @@ class CollectiveGroup:
         if self.backend == "nccl" and self._pg is not None:
             self._pg.shutdown()
         held = [self._pg] if self._pg is not None else []
-        what = f"gen {self.generation} rank {self.rank}"
+        what = self._name()
         self._forget()
         if held:
             _release(held, what)
+
+    def _name(self) -> str:
+        """``gen G rank R/N``, and which sub-group (its own rank and size)."""
+        return f"gen {self.generation} rank {self.rank}/{self.world_size}" + (
+            f" of the {self.label} sub-group" if self.label else "")
 
     def _forget(self) -> None:
         self._pg = self._calls = None
