@@ -88,8 +88,10 @@ class Abortable:
             try:
                 return self.work.wait(datetime.timedelta(seconds=left))
             except RuntimeError:  # the collective failed, or this slice of the wait ended
-                if self.work.is_completed() or (deadline is not None and time.monotonic() >= deadline):
+                if deadline is not None and time.monotonic() >= deadline:
                     raise
+            if self.work.is_completed():  # failed, or done since the slice ended: its own outcome
+                return self.work.wait()
             if self.aborted():
                 raise CollectiveError(f"{self.what}: the group was aborted while this collective was in flight, "
                                       "which the abort had not ended")
