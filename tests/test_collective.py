@@ -159,7 +159,7 @@ def _abort_while_issuing(store_port: int, generation: int) -> list[float]:
 def test_an_abort_ends_every_wait_of_its_rank_even_on_a_collective_gloo_did_not_end():
     """An abort shuts the group's sockets down; a collective started on another thread in that
     moment can miss it inside gloo's transport and wait for the collective timeout (10 s here;
-    without ``handles.Abortable`` this test failed each of 3 runs, and with ranks as processes 3
+    without ``handles.Abortable`` this test failed each of 3 runs, and with ranks as processes 2
     to 6 of 30 aborts left such a wait). Every wait of an aborted rank ends within the
     abort's poll (0.1 s) instead, over 20 aborts of both ranks."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,

@@ -74,7 +74,7 @@ class Abortable:
     within milliseconds; but one started on another thread in the moment of the shutdown
     can miss it inside gloo's transport and wait until the collective timeout (measured:
     an aborting rank that issued collectives on a second thread in a loop had one of them
-    wait the whole timeout in 3 to 6 of 30 aborts). So the wait runs in slices of
+    wait the whole timeout in 2 to 6 of 30 aborts, over 7 runs). So the wait runs in slices of
     ``ABORT_POLL_S`` (a wait with a timeout costs no more than one without: 1.60 against
     1.61 ms a small all-reduce here) and looks between them."""
 
