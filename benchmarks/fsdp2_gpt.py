@@ -6,8 +6,8 @@ parameters sharded over the W ranks of each host and replicated across the H hos
 HSDP); without it over all H·W ranks. ``--param-dtype bf16``: each ``fully_shard`` with
 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``, the peer of
 ``--zero 3 --param-dtype bf16`` (bf16 gathers, fp32 reductions and masters). A peer of
-``benchmarks/bench_hosts.py`` on the testbed; each rank trains its contiguous slice of the same sampler steps as elastic_dp
-(``ElasticSampler``, global batch 32).
+``benchmarks/bench_hosts.py`` on the testbed; each rank trains its contiguous slice of the
+same sampler steps as elastic_dp (``ElasticSampler``, global batch 32).
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr 10.213.57.1 \\
         --master-port 29500 -m benchmarks.fsdp2_gpt --hsdp --steps 24 --progress OUT.jsonl [--param-dtype bf16]

@@ -133,9 +133,10 @@ class WorkerActor:
         self.group.delay_s = link_delay_s
         self.faults.arm(fault)
         self.faults.at("reform")
-        # what is still in flight on the old group raises now, since its teardown waits for it
-        # (seen: a survivor's reduction thread blocked on a shard reduce-scatter its peer, already
-        # waiting to join the next generation, never issued)
+        # what is still in flight on the old group ends now: its waits raise and its teardown (on a
+        # thread of its own, CollectiveGroup.destroy) finishes (seen: a survivor's reduction thread
+        # blocked on a shard reduce-scatter its peer, already waiting to join the next generation,
+        # never issued)
         if self.group.configured:
             self.group.abort(self.group.generation)
         if self.replica is not None:
