@@ -1,13 +1,20 @@
 """Reading token files (elastic_dp.tokens.TokenWindows): windows per second from a local
-directory (memory-mapped) and from an S3-compatible object store (one ranged read per
-window; moto's server on loopback here, so the figure is the per-request cost of the
-client and a local server, not of a network), in the order an elastic sampler asks for
-them.
+directory (memory-mapped) and from an S3-compatible object store (moto's server on
+loopback here, so the figure is the per-request cost of the client and a local server,
+not of a network), in the order an elastic sampler asks for them, one worker's steps of
+``--batch`` windows read as the trainer reads them: the step's slice and the next one's
+named to the dataset (``read_ahead``), then the step's windows read.
 
-    python -m benchmarks.bench_tokens --windows 2000 --context 1024 --json
+Four ways, each from a cold start (a new dataset, an empty cache): ``local`` memory-mapped;
+``s3_before`` one ranged read a window, nothing read ahead (the reader before the
+read-ahead); ``s3_ahead`` read ahead with the default cache (256 MiB); ``s3_small_cache``
+read ahead with a cache of ``--cache-mb`` (a fifth of the corpus by default: what a corpus
+much larger than the cache reads like).
 
-The last line is one JSON object: ``local_windows_per_s``, ``s3_windows_per_s`` (each the
-median of ``--rounds``), ``context``, ``windows``.
+    python -m benchmarks.bench_tokens --steps 60 --batch 32 --context 1024 --json
+
+The last line is one JSON object: ``<way>_windows_per_s`` (each the median of ``--rounds``),
+the rounds, ``context``, ``batch``, ``steps``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from elastic_dp import ElasticSampler
+from elastic_dp.data.ahead import Horizon
 from elastic_dp.tokens import TokenWindows, write_token_files
 
 
@@ -35,17 +43,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rate(dataset: TokenWindows, indices: np.ndarray) -> float:
+def _rate(dataset: TokenWindows, sampler: ElasticSampler, steps: int, ahead: bool) -> float:
+    """Windows a second over ``steps`` steps, read as a worker reads them (its ``Horizon``
+    naming the steps ahead before each step's reads)."""
+    horizon = Horizon(dataset) if ahead else None
     start = time.perf_counter()
-    for i in indices:
-        dataset[int(i)]
-    return len(indices) / (time.perf_counter() - start)
+    for step in range(steps):
+        if horizon is not None:
+            horizon.at(step, sampler.batch, "one worker", steps - 1)
+        for i in sampler.batch(step):
+            dataset[int(i)]
+    return steps * sampler.global_batch / (time.perf_counter() - start)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--windows", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=32, help="windows a step (one worker's slice)")
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--cache-mb", type=float, default=8.0, help="s3_small_cache's cache, a fifth of the corpus")
     parser.add_argument("--tokens", type=int, default=20_000_000, help="corpus size in tokens")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
@@ -73,19 +89,27 @@ def main() -> None:
             uris = {"local": local, "s3": f"s3://tokens/corpus?{query}"}
             for uri in uris.values():
                 write_token_files(corpus, uri, tokenizer=byte_ids, file_tokens=args.tokens // 4)
-            datasets = {name: TokenWindows(uri, args.context) for name, uri in uris.items()}
-            sampler = ElasticSampler(len(datasets["local"]), global_batch=args.windows, seed=0)
-            rates = {name: [] for name in datasets}
+            ways = {"local": (uris["local"], {}, False), "s3_before": (uris["s3"], {}, False),
+                    "s3_ahead": (uris["s3"], {}, True),
+                    "s3_small_cache": (uris["s3"], {"cache_mb": args.cache_mb}, True)}
+            length = len(TokenWindows(uris["local"], args.context))
+            rates = {name: [] for name in ways}
+            requests = {name: [] for name in ways}
             for r in range(args.rounds):
-                indices = sampler.batch(r)
-                for name, dataset in datasets.items():
-                    rates[name].append(_rate(dataset, indices))
+                sampler = ElasticSampler(length, global_batch=args.batch, seed=r)
+                for name, (uri, options, ahead) in ways.items():
+                    dataset = TokenWindows(uri, args.context, **options)
+                    rates[name].append(_rate(dataset, sampler, args.steps, ahead))
+                    if dataset.cache is not None:
+                        requests[name].append((dataset.cache.loads, round(dataset.cache.loaded_bytes / 2**20, 1)))
+                        dataset.cache.close()
     finally:
         server.terminate()
         server.wait(timeout=10)
-    result = {"context": args.context, "windows": args.windows,
+    result = {"context": args.context, "batch": args.batch, "steps": args.steps, "cache_mb": args.cache_mb,
               **{f"{name}_windows_per_s": round(statistics.median(v), 1) for name, v in rates.items()},
-              "rounds": {name: [round(x, 1) for x in v] for name, v in rates.items()}}
+              "rounds": {name: [round(x, 1) for x in v] for name, v in rates.items()},
+              "requests_and_mib": {name: v for name, v in requests.items() if v}}
     if not args.json:
         for name, v in rates.items():
             print(f"{name}: median {statistics.median(v):.1f} windows/s of {args.context + 1} tokens ({v})")

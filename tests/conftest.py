@@ -7,12 +7,14 @@ import os
 import shutil
 import tempfile
 
+import pyarrow.fs as pafs
 import pytest
 
 from elastic_dp import keep_workers
 from elastic_dp.control.membership.kept import KEPT
+from tests.s3server import moto_server
 
-# Credentials for the loopback S3 server of tests/test_s3.py (moto accepts any). Set before
+# Credentials for the loopback S3 server of the ``s3`` fixture (moto accepts any). Set before
 # Ray starts, so that the workers, which inherit Ray's environment, have them too.
 for _key, _value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                      "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
@@ -120,3 +122,13 @@ if os.environ.get("EDP_RECORD_DIFFS"):
 
     torch.allclose = _recording(torch.allclose)
     torch.testing.assert_close = _recording(torch.testing.assert_close)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on loopback with bucket ``ckpt``: (storage URI, pyarrow S3 filesystem, port)."""
+    with moto_server() as port:
+        query = f"endpoint_override=127.0.0.1:{port}&scheme=http"
+        fs, _ = pafs.FileSystem.from_uri(f"s3://ckpt?{query}&allow_bucket_creation=true")
+        fs.create_dir("ckpt")
+        yield f"s3://ckpt/runs?{query}", fs, port

@@ -8,9 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import socket
-import subprocess
-import sys
 import time
 
 import pyarrow.fs as pafs
@@ -23,40 +20,11 @@ from elastic_dp.tokens import TokenWindows, write_token_files
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
 from tests.runs import fit
+from tests.s3server import free_port
 from tests.tasks import TINY_GPT_TASK
 
 TOL = 2e-5  # float32 reduction order over 6 AdamW steps (as in test_resume)
 # worst measured 2.6e-06 (2 tests here, 3 suite runs on 2026-12-04, python -m tests.noise): 8x margin
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server on loopback with bucket ``ckpt``: (storage URI, pyarrow S3 filesystem)."""
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "moto server did not start"
-                time.sleep(0.2)
-        query = f"endpoint_override=127.0.0.1:{port}&scheme=http"
-        fs, _ = pafs.FileSystem.from_uri(f"s3://ckpt?{query}&allow_bucket_creation=true")
-        fs.create_dir("ckpt")
-        yield f"s3://ckpt/runs?{query}", fs, port
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 def _fit(workers, out, *, steps, storage, every=0, zero=0, resume=None):
@@ -134,8 +102,7 @@ def _flip_last_byte(fs, path: str) -> None:
 
 
 def test_an_unreachable_endpoint_is_reported_within_seconds(s3):
-    _, _, port = s3
-    closed = _free_port()
+    closed = free_port()
     start = time.monotonic()
     with pytest.raises(StorageError, match=rf"endpoint 127\.0\.0\.1:{closed} .* does not answer.*CheckpointConfig\.storage"):
         Trainer(TINY_GPT_TASK, checkpoint=CheckpointConfig(

@@ -6,9 +6,11 @@ drives it, and ``WorkerActor`` wraps both as a threaded Ray actor.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import traceback
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,7 @@ from elastic_dp.comm.batchnorm import GlobalBatchStats, batch_norm_modules
 from elastic_dp.comm.group import CollectiveGroup
 from elastic_dp.config import TrainConfig
 from elastic_dp.data import micro_batches
+from elastic_dp.data.ahead import Horizon
 from elastic_dp.durable.checkpoint import Checkpoint, Part, TrainingState
 from elastic_dp.errors import ElasticDPError, TaskError, WorkerError
 from elastic_dp.faults import FaultHook
@@ -27,6 +30,8 @@ from elastic_dp.state.base import Strategy
 from elastic_dp.state.stages import make_strategy
 from elastic_dp.state.units import GENERATORS, UnitInit, build_on_meta, checkpoint_units, model_units
 from elastic_dp.task import Task, kept_in_fp32, trainable
+
+logger = logging.getLogger(__name__)
 
 Batches = list[tuple[int, Any]]
 """A slice's micro-batches: (samples, collated batch)."""
@@ -86,6 +91,8 @@ class Replica:
             init.all()  # at stage 3 each unit when the first layout keeps its chunks of it
         self.dataset = task.dataset()
         self.eval_dataset = task.eval_dataset() if config.eval_every and task.eval_dataset is not None else None
+        self.horizon = Horizon(self.dataset)
+        """What the dataset is told it will read (``read_ahead``)."""
         if next(self.model.parameters(), None) is None:
             raise TaskError(f"the model Task.model built ({type(self.model).__name__}) has no parameters: there is "
                             "nothing to train; return the module whose parameters the optimizer steps")
@@ -195,8 +202,20 @@ class Replica:
         """bf16 autocast with ``--precision bf16``, else a no-op."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16")
 
+    def read_ahead(self, step: int, slice_of: Callable[[int], np.ndarray], layout: Hashable) -> None:
+        """Before ``step`` computes: name to the dataset the samples of the steps ahead, where
+        it reads ahead (``elastic_dp.data.ahead.Horizon``); ``slice_of(s)`` is step ``s``'s
+        slice for this worker in ``layout``. A naming that fails is let go: the read of the
+        same samples raises it, in the step."""
+        try:
+            self.horizon.at(step, slice_of, layout, self.config.steps - 1)
+        except Exception:  # the read reports it
+            logger.debug("the dataset's read_ahead failed", exc_info=True)
+
     def collate(self, indices: np.ndarray) -> Batches:
-        """The micro-batches of a slice, in pinned memory on a GPU."""
+        """The micro-batches of a slice, in pinned memory on a GPU (the slice named to the
+        dataset first, where it reads ahead: its reads then go together)."""
+        self.horizon.now(indices)
         batches = []
         for chunk in micro_batches(indices, self.config.micro_batch):
             batch = self.task.collate([self.dataset[int(j)] for j in chunk])

@@ -152,6 +152,8 @@ class DiLoCoProgram(Program):
             for done, s in enumerate(range(start, stop), start=1):
                 replica.faults.arm(faults.get(s))
                 mine = split(batches.batch(s), group.world_size)[group.rank]
+                replica.read_ahead(s, lambda t: split(batches.batch(t), group.world_size)[group.rank],
+                                   (group.generation, group.rank, group.world_size))
                 result = self.inner_step(s, mine)
                 replica.faults.disarm()
                 steps.append(result)

@@ -143,6 +143,7 @@ class SyncProgram(Program):
                 if not grants.wait_for(step):
                     break
                 indices = slice_of(step)
+                replica.read_ahead(step, slice_of, (generation, rank, world, grants.sizes(step)))
                 try:  # keyed by the slice's bounds too: --balance may change them from a step on
                     batches = self.prefetcher.take((generation, step, rank, world, grants.sizes(step)), indices)
                 except Exception as exc:  # the task's dataset or collate raised: the step records it
