@@ -11,10 +11,16 @@ read-ahead); ``s3_ahead`` read ahead with the default cache (256 MiB); ``s3_smal
 read ahead with a cache of ``--cache-mb`` (a fifth of the corpus by default: what a corpus
 much larger than the cache reads like).
 
-    python -m benchmarks.bench_tokens --steps 60 --batch 32 --context 1024 --json
+    python -m benchmarks.bench_tokens --steps 200 --batch 32 --context 1024 --gpt-steps 40 --json
+
+``--gpt-steps N`` also trains the GPT job (``jobs.gpt``, one worker, its defaults) for N steps on
+its corpus as token files, local and in the S3 server, alternating, ``--rounds`` times each,
+and compares the median step time after the first two steps (``gpt_s3_over_local``).
 
 The last line is one JSON object: ``<way>_windows_per_s`` (each the median of ``--rounds``),
-the rounds, ``context``, ``batch``, ``steps``.
+the rounds, the requests and MiB each way asked the store for, ``context``, ``batch``,
+``steps``; with ``--gpt-steps`` the GPT job's ``gpt_local_step_s``, ``gpt_s3_step_s`` and
+their ratio.
 """
 
 from __future__ import annotations
@@ -56,6 +62,24 @@ def _rate(dataset: TokenWindows, sampler: ElasticSampler, steps: int, ahead: boo
     return steps * sampler.global_batch / (time.perf_counter() - start)
 
 
+def _gpt_step_s(uri: str, steps: int, out: str) -> float:
+    """The GPT job's median step time over ``steps`` steps on the token files at ``uri``
+    (after the first two: the first fetches and warms up)."""
+    import dataclasses
+    import functools
+
+    from elastic_dp import ClusterConfig, Trainer
+    from jobs import gpt
+
+    task = dataclasses.replace(gpt.TASK, dataset=functools.partial(TokenWindows, uri, gpt.CONTEXT), eval_dataset=None,
+                               sample=None)
+    Trainer(task, train=dataclasses.replace(task.defaults, steps=steps), cluster=ClusterConfig(workers=1),
+            out_dir=out, progress=False).fit()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        times = [json.loads(line)["step_s"] for line in f if line.strip()]
+    return statistics.median(times[2:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60)
@@ -64,6 +88,7 @@ def main() -> None:
     parser.add_argument("--cache-mb", type=float, default=8.0, help="s3_small_cache's cache, a fifth of the corpus")
     parser.add_argument("--tokens", type=int, default=20_000_000, help="corpus size in tokens")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gpt-steps", type=int, default=0, help="also time the GPT job's step, local against S3")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -101,8 +126,24 @@ def main() -> None:
                     dataset = TokenWindows(uri, args.context, **options)
                     rates[name].append(_rate(dataset, sampler, args.steps, ahead))
                     if dataset.cache is not None:
-                        requests[name].append((dataset.cache.loads, round(dataset.cache.loaded_bytes / 2**20, 1)))
+                        requests[name].append((dataset.cache.loads, round(dataset.read_bytes / 2**20, 1)))
                         dataset.cache.close()
+            gpt_times: dict[str, list[float]] = {"local": [], "s3": []}
+            if args.gpt_steps:
+                import ray
+
+                from jobs import gpt
+
+                ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+                try:
+                    gpt_uris = {"local": os.path.join(local, "gpt"), "s3": f"s3://tokens/gpt?{query}"}
+                    for uri in gpt_uris.values():
+                        write_token_files([gpt.corpus()], uri)
+                    for r in range(args.rounds):
+                        for name, uri in gpt_uris.items():
+                            gpt_times[name].append(_gpt_step_s(uri, args.gpt_steps, os.path.join(local, f"run-{name}-{r}")))
+                finally:
+                    ray.shutdown()
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -110,6 +151,11 @@ def main() -> None:
               **{f"{name}_windows_per_s": round(statistics.median(v), 1) for name, v in rates.items()},
               "rounds": {name: [round(x, 1) for x in v] for name, v in rates.items()},
               "requests_and_mib": {name: v for name, v in requests.items() if v}}
+    if args.gpt_steps:
+        local_s, s3_s = (statistics.median(gpt_times[k]) for k in ("local", "s3"))
+        result.update(gpt_local_step_s=round(local_s, 4), gpt_s3_step_s=round(s3_s, 4),
+                      gpt_s3_over_local=round(s3_s / local_s, 3),
+                      gpt_rounds={k: [round(x, 4) for x in v] for k, v in gpt_times.items()})
     if not args.json:
         for name, v in rates.items():
             print(f"{name}: median {statistics.median(v):.1f} windows/s of {args.context + 1} tokens ({v})")

@@ -186,11 +186,13 @@ class TokenWindows:
         return self.starts[-1]
 
     def __getstate__(self) -> dict[str, Any]:  # opened again where it is unpickled
-        return {k: v for k, v in self.__dict__.items() if k not in ("_storage", "_open", "_cache", "_lock")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_storage", "_open", "_cache", "_lock", "read_bytes")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._storage, self._open, self._cache = None, {}, None
+        self.read_bytes = 0
+        """Bytes read from the object store by this process's copy."""
         self._lock = threading.Lock()  # the prefetch thread and the step's may open files at once
 
     @property
@@ -283,6 +285,7 @@ class TokenWindows:
         size, f = self.dtype.itemsize, windows[0][0]
         start, stop = windows[0][1] * size, windows[-1][1] * size + self.window_bytes
         data = self._file(f).read_at(stop - start, start)
+        self.read_bytes += len(data)  # a statistic: a lost update under threads costs nothing
         if len(data) != stop - start:
             raise TaskError(f"{self._storage.url(self.files[f])} is shorter than tokens.json says: "
                             f"{len(data)} bytes at {start}, {stop - start} asked for")

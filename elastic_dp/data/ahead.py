@@ -66,9 +66,9 @@ class AheadCache:
             return key in self._entries
 
     def missing(self, keys: list[Hashable]) -> list[Hashable]:
-        """Those of ``keys`` neither held nor on their way."""
+        """Those of ``keys`` neither held nor on their way, each once, in their order."""
         with self._lock:
-            return [k for k in keys if k not in self._entries]
+            return [k for k in dict.fromkeys(keys) if k not in self._entries]
 
     def ahead(self, keys: list[Hashable], load: Load) -> None:
         """Start one fetch of ``keys``' pieces on the pool (those held or on their way are not
@@ -117,11 +117,10 @@ class AheadCache:
             for future in futures.values():
                 future.set_exception(exc)
             return
+        arrived = dict(zip(keys, pieces))  # a key named twice (a batch that crosses an epoch) once
         with self._lock:
-            for key, (value, size) in zip(keys, pieces):
-                future = futures.get(key)
-                if future is None:
-                    continue  # held already, or fetched by another
+            for key, future in futures.items():
+                size = arrived[key][1]
                 self.loaded_bytes += size
                 if self._entries.get(key) is future:
                     if size > self.capacity_bytes:
@@ -130,9 +129,8 @@ class AheadCache:
                         self._sizes[key] = size
                         self._held += size
             self._evict(keep=set(futures))
-        for key, (value, _) in zip(keys, pieces):
-            if key in futures:
-                futures[key].set_result(value)
+        for key, future in futures.items():
+            future.set_result(arrived[key][0])
 
     def _evict(self, keep: set) -> None:
         """Drop fetched pieces, least recently used first, until the held ones fit."""
