@@ -8,6 +8,10 @@ import signal
 import threading
 import time
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -382,3 +386,28 @@ def moe_adamw(model: nn.Module) -> torch.optim.Optimizer:
 MOE_TASK = Task(model=MoEModel, dataset=Regression, loss=mse, optimizer=moe_adamw, eval_dataset=Regression,
                 defaults=TrainConfig(steps=12, global_batch=8, seed=11))
 MOE_BLOCK_TASK = dataclasses.replace(MOE_TASK, model=MoENet)
+
+
+def parquet_regression(n: int, seed: int = 0) -> list[pa.Table]:
+    """Three tables of a regression problem (``x``: 8 floats a row, ``y``: one), unequal sizes."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 8)).astype(np.float32)
+    y = np.sin(x @ rng.standard_normal(8)).astype(np.float32)[:, None]
+    cuts = [0, n // 3, n // 3 + n // 4, n]
+    return [pa.table({"x": pa.array(list(x[a:b]), type=pa.list_(pa.float32(), 8)),
+                      "y": pa.array(list(y[a:b]), type=pa.list_(pa.float32(), 1)),
+                      "id": pa.array(np.arange(a, b))}) for a, b in zip(cuts, cuts[1:])]
+
+
+def write_parquet(tables: list[pa.Table], uri: str, row_group_size: int = 20) -> None:
+    """``tables`` as ``part-00.parquet`` … under ``uri`` (any ``pyarrow.fs`` URI)."""
+    fs, root = pafs.FileSystem.from_uri(uri)
+    fs.create_dir(root)
+    for k, table in enumerate(tables):
+        with fs.open_output_stream(f"{root}/part-{k:02d}.parquet") as out:
+            pq.write_table(table, out, row_group_size=row_group_size)
+
+
+def parquet_mse(model: nn.Module, batch) -> torch.Tensor:
+    """The MSE of ``mlp`` on a batch of ``ParquetRows`` of ``parquet_regression``."""
+    return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])

@@ -10,34 +10,13 @@ import os
 from collections import Counter
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, TaskError, Trainer
 from elastic_dp.data import ParquetRows, rank_slice
 from elastic_dp.data.ahead import Horizon
-from tests.tasks import MLP_TASK
-
-
-def parquet_regression(n: int, seed: int = 0) -> list[pa.Table]:
-    """Three tables of a regression problem (``x``: 8 floats a row, ``y``: one), unequal sizes."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 8)).astype(np.float32)
-    y = np.sin(x @ rng.standard_normal(8)).astype(np.float32)[:, None]
-    cuts = [0, n // 3, n // 3 + n // 4, n]
-    return [pa.table({"x": pa.array(list(x[a:b]), type=pa.list_(pa.float32(), 8)),
-                      "y": pa.array(list(y[a:b]), type=pa.list_(pa.float32(), 1)),
-                      "id": pa.array(np.arange(a, b))}) for a, b in zip(cuts, cuts[1:])]
-
-
-def write_parquet(tables: list[pa.Table], uri: str, row_group_size: int = 20) -> None:
-    fs, root = pafs.FileSystem.from_uri(uri)
-    fs.create_dir(root)
-    for k, table in enumerate(tables):
-        with fs.open_output_stream(f"{root}/part-{k:02d}.parquet") as out:
-            pq.write_table(table, out, row_group_size=row_group_size)
+from tests.tasks import MLP_TASK, parquet_mse, parquet_regression, write_parquet
 
 
 @pytest.fixture(scope="module")
@@ -121,19 +100,13 @@ def test_a_missing_or_corrupt_file_is_refused_naming_it(s3, stores, tmp_path):
         ParquetRows(bad)
 
 
-def _parquet_mse(model, batch):
-    import torch
-
-    return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
-
-
 def test_a_run_on_a_corrupt_file_fails_before_any_step_naming_it_and_writes_nothing(ray_cluster, tmp_path):
     rows = str(tmp_path / "rows")
     write_parquet(parquet_regression(60), rows)
     path = os.path.join(rows, "part-02.parquet")
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 9)
-    task = dataclasses.replace(MLP_TASK, dataset=functools.partial(ParquetRows, rows), loss=_parquet_mse)
+    task = dataclasses.replace(MLP_TASK, dataset=functools.partial(ParquetRows, rows), loss=parquet_mse)
     with pytest.raises(TaskError, match=r"rows/part-02\.parquet is not a readable Parquet file"):
         Trainer(task, train=dataclasses.replace(task.defaults, steps=3), cluster=ClusterConfig(workers=2),
                 checkpoint=CheckpointConfig(dir=str(tmp_path / "ckpt"), every=1), out_dir=str(tmp_path / "out"),
