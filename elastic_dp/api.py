@@ -18,6 +18,7 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import ray
 
@@ -34,6 +35,7 @@ from elastic_dp.control.coordinator import Coordinator
 from elastic_dp.control.membership import Membership
 from elastic_dp.control.membership.pool import WorkerPool
 from elastic_dp.data import ElasticSampler
+from elastic_dp.data.raydata import with_ray_data
 from elastic_dp.durable.checkpoint import CheckpointStore
 from elastic_dp.durable.storage import Storage
 from elastic_dp.errors import ClusterError, ConfigError, ElasticDPError
@@ -102,7 +104,10 @@ class Trainer:
         try:
             if probe is not None:
                 probe.check(self.train, wait_s=0.0)  # a dataset that was built while Ray started
-            return build_coordinator(self.task, self.train, self.cluster, self.checkpoint, recorder,
+            # a Ray Dataset is built and executed once, here, and its rows read by the workers
+            task = with_ray_data(self.task, probe.dataset if probe is not None else None,
+                                 evaluates=bool(self.train.eval_every))
+            return build_coordinator(task, self.train, self.cluster, self.checkpoint, recorder,
                                      self.faults, name=self.name, settings=self.settings).run()
         except ray.exceptions.RayTaskError as exc:
             if isinstance(exc.cause, ElasticDPError):  # a worker's: shown in the caller's words
@@ -179,12 +184,16 @@ class DatasetProbe:
 
     def __init__(self, task: Task) -> None:
         self.length: int | None = None
+        self.dataset: Any = None
+        """What the factory built (a Ray Dataset's factory fails here: Ray is not up)."""
         self._thread = threading.Thread(target=self._measure, args=(task,), name="edp-dataset-probe", daemon=True)
         self._thread.start()
 
     def _measure(self, task: Task) -> None:
         try:
-            self.length = len(task.dataset())
+            with _no_ray_auto_init():  # a Ray Dataset's factory would start Ray beside _ensure_ray
+                self.dataset = task.dataset()
+            self.length = len(self.dataset)
         except Exception:  # noqa: BLE001 — the workers build it too, and say what fails
             logger.debug("the dataset could not be built on the driver", exc_info=True)
 
@@ -194,6 +203,23 @@ class DatasetProbe:
         self._thread.join(wait_s)
         if self.length is not None:
             ElasticSampler(self.length, global_batch=train.global_batch, seed=train.seed)
+
+
+@contextlib.contextmanager
+def _no_ray_auto_init() -> Iterator[None]:
+    """Ray's APIs (Ray Data's builders among them) do not start Ray on their own in the
+    block: they raise instead. Ray reads the switch (``RAY_ENABLE_AUTO_CONNECT``) once, into
+    a module of its own; without that module nothing is switched."""
+    try:
+        from ray._private import auto_init_hook
+    except ImportError:
+        yield
+        return
+    before, auto_init_hook.enable_auto_connect = auto_init_hook.enable_auto_connect, False
+    try:
+        yield
+    finally:
+        auto_init_hook.enable_auto_connect = before
 
 
 def _starts_local_ray(cluster: ClusterConfig) -> bool:

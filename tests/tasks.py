@@ -411,3 +411,24 @@ def write_parquet(tables: list[pa.Table], uri: str, row_group_size: int = 20) ->
 def parquet_mse(model: nn.Module, batch) -> torch.Tensor:
     """The MSE of ``mlp`` on a batch of ``ParquetRows`` of ``parquet_regression``."""
     return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+def _regression_rows(batch: dict) -> dict:
+    """``map_batches``' transform of ``ray_regression``: 8 features and a target of each id."""
+    ids = batch["id"].astype(np.float64)
+    x = np.stack([np.sin(ids * 0.37 * (k + 1)) for k in range(8)], axis=1).astype(np.float32)
+    return {"x": x, "y": np.sin(x.sum(axis=1, keepdims=True)).astype(np.float32)}
+
+
+def ray_regression(rows: int = 150, blocks: int = 6):
+    """A Ray Dataset of a regression problem (``ray.data.range`` and a ``map_batches``), in
+    a deterministic order (``preserve_order``): ``parquet_mse`` trains ``mlp`` on it."""
+    import ray.data
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    return ray.data.range(rows, override_num_blocks=blocks).map_batches(_regression_rows)
+
+
+def ray_rows_listed(factory=ray_regression) -> list:
+    """The replay's dataset of a Ray Dataset factory: its rows as ``iter_rows`` lists them."""
+    return list(factory().iter_rows())

@@ -39,6 +39,13 @@ Load = Callable[[], list[tuple[Any, int]]]
 in bytes (what the bound counts)."""
 
 
+def detached(row: dict[str, Any]) -> dict[str, Any]:
+    """A row whose arrays are copies, not views of the block or row group it was read from:
+    a view would keep the whole of that alive in the cache, past its bound (and read-only,
+    which torch warns of when it makes a tensor of it)."""
+    return {name: value.copy() if isinstance(value, np.ndarray) else value for name, value in row.items()}
+
+
 class AheadCache:
     """Pieces by key, fetched ahead on ``inflight`` threads, at most ``capacity_bytes`` kept.
     One fetch may bring several pieces (a ranged read that covers several samples)."""

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from elastic_dp.data.ahead import AheadCache
+from elastic_dp.data.ahead import AheadCache, detached
 from elastic_dp.durable.storage import Storage
 from elastic_dp.errors import TaskError
 
@@ -140,13 +140,7 @@ class ParquetRows:
             raise TaskError(f"reading row group {g} of {_url(self._storage, path)} failed: {exc}") from exc
         columns = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
         first, size = self.starts[group], self.row_bytes + ROW_OBJECT_BYTES * (1 + len(columns))
-        return [({name: _own(values[i - first]) for name, values in columns.items()}, size) for i in rows]
-
-
-def _own(value: Any) -> Any:
-    """A list column's array copied out of the row group's buffers (which are read-only, and
-    would be kept whole by a view)."""
-    return value.copy() if isinstance(value, np.ndarray) else value
+        return [(detached({name: values[i - first] for name, values in columns.items()}), size) for i in rows]
 
 
 def _parquet_files(storage: Storage, uri: str) -> tuple[list[str], list[int]]:
