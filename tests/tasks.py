@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import signal
 import threading
@@ -396,7 +397,7 @@ def parquet_regression(n: int, seed: int = 0) -> list[pa.Table]:
     cuts = [0, n // 3, n // 3 + n // 4, n]
     return [pa.table({"x": pa.array(list(x[a:b]), type=pa.list_(pa.float32(), 8)),
                       "y": pa.array(list(y[a:b]), type=pa.list_(pa.float32(), 1)),
-                      "id": pa.array(np.arange(a, b))}) for a, b in zip(cuts, cuts[1:])]
+                      "id": pa.array(np.arange(a, b))}) for a, b in itertools.pairwise(cuts)]
 
 
 def write_parquet(tables: list[pa.Table], uri: str, row_group_size: int = 20) -> None:
@@ -432,3 +433,20 @@ def ray_regression(rows: int = 150, blocks: int = 6):
 def ray_rows_listed(factory=ray_regression) -> list:
     """The replay's dataset of a Ray Dataset factory: its rows as ``iter_rows`` lists them."""
     return list(factory().iter_rows())
+
+
+def write_hf_regression(path: str, rows: int = 150) -> None:
+    """A Hugging Face ``datasets`` dataset of ``parquet_regression``'s rows, saved as its Arrow files."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    table = pa.concat_tables(parquet_regression(rows, seed=7))
+    datasets.Dataset(table).save_to_disk(path)
+
+
+def hf_rows(path: str):
+    """The dataset ``write_hf_regression`` saved, loaded as users load one (memory-mapped
+    Arrow files, map-style), its rows as numpy (``default_collate`` makes the tensors)."""
+    import datasets
+
+    return datasets.load_from_disk(path).with_format("numpy")

@@ -21,7 +21,16 @@ from tests.procs import ROOT
 from tests.raydata_job import TASK as RAY_DATA_JOB
 from tests.records import read_lines
 from tests.reference import max_abs_diff, replay
-from tests.tasks import MLP_TASK, parquet_mse, parquet_regression, ray_regression, ray_rows_listed, write_parquet
+from tests.tasks import (
+    MLP_TASK,
+    hf_rows,
+    parquet_mse,
+    parquet_regression,
+    ray_regression,
+    ray_rows_listed,
+    write_hf_regression,
+    write_parquet,
+)
 
 TOL = 2e-5  # float32 reduction order over SGD steps, as tests/test_elastic.py's (worst measured 2.6e-06)
 
@@ -76,3 +85,11 @@ def test_a_ray_data_job_from_the_command_line_starts_ray_once_and_ends_on_the_re
     expected = replay(dataclasses.replace(RAY_DATA_JOB, dataset=ray_rows_listed), config,
                       str(tmp_path / "out" / "initial.safetensors"))
     assert max_abs_diff(load_file(tmp_path / "out" / "final.safetensors"), expected) < TOL
+
+
+def test_a_hugging_face_dataset_through_a_kill_a_join_and_a_resume_at_two_ends_on_the_replay(ray_cluster, tmp_path):
+    """Hugging Face ``datasets`` (Arrow files on disk, ``load_from_disk``) is map-style: it
+    goes through the map-style path as it is, rows as numpy (``with_format("numpy")``)."""
+    write_hf_regression(str(tmp_path / "hf"))
+    _kill_join_resume(dataclasses.replace(MLP_TASK, dataset=functools.partial(hf_rows, str(tmp_path / "hf")),
+                                          loss=parquet_mse), tmp_path)
