@@ -181,6 +181,7 @@ class Replica:
         model = self.settled_model()
         total, samples = 0.0, 0
         model.eval()
+        Horizon(self.eval_dataset).now(np.arange(start, stop))  # a reader of remote data fetches them together
         chunks = micro_batches(np.arange(start, stop), self.config.micro_batch or self.config.global_batch)
         try:
             with torch.no_grad():
