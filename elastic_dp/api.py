@@ -104,8 +104,10 @@ class Trainer:
         try:
             if probe is not None:
                 probe.check(self.train, wait_s=0.0)  # a dataset that was built while Ray started
-            # a Ray Dataset is built and executed once, here, and its rows read by the workers
-            task = with_ray_data(self.task, probe.dataset if probe is not None else None,
+            # a Ray Dataset is built and executed once, here, and its rows read by the workers;
+            # the probe's build, where it failed, may have been one (Ray was not up)
+            built = probe.dataset if probe is not None else None
+            task = with_ray_data(self.task, built, build=probe is None or probe.finished,
                                  evaluates=bool(self.train.eval_every))
             return build_coordinator(task, self.train, self.cluster, self.checkpoint, recorder,
                                      self.faults, name=self.name, settings=self.settings).run()
@@ -196,6 +198,11 @@ class DatasetProbe:
             self.length = len(self.dataset)
         except Exception:  # noqa: BLE001 — the workers build it too, and say what fails
             logger.debug("the dataset could not be built on the driver", exc_info=True)
+
+    @property
+    def finished(self) -> bool:
+        """The build ended, in a dataset or in an error."""
+        return not self._thread.is_alive()
 
     def check(self, train: TrainConfig, wait_s: float) -> None:
         """Raise ConfigError (``ElasticSampler``'s) if the length, once known within

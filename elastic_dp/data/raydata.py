@@ -163,18 +163,20 @@ def _rows(rows: RayRows) -> RayRows:
     return rows
 
 
-def with_ray_data(task: Any, built: Any = None, *, evaluates: bool = False) -> Any:
+def with_ray_data(task: Any, built: Any = None, *, build: bool = True, evaluates: bool = False) -> Any:
     """``task`` with each of its datasets that is a Ray Dataset replaced by its ``RayRows``
-    (built on this driver, Ray up); ``built``: the training dataset the driver built
-    already, if it did (not built again when it is not a Ray Dataset); ``evaluates``: the
-    run evaluates (``--eval-every``), so its eval dataset is looked at too. A factory that
-    fails here is left to the workers, which report what fails."""
+    (built on this driver, Ray up). ``built``: the training dataset the driver built already
+    (not built again); ``build``: without ``built``, build it here to look at it (False: the
+    driver's own build is still going on, which a Ray Data factory's never is: it fails at
+    once without Ray). ``evaluates``: the run evaluates (``--eval-every``), so its eval
+    dataset is looked at too. A factory that fails here is left to the workers, which report
+    what fails."""
     changes = {}
     for field in ("dataset", "eval_dataset") if evaluates else ("dataset",):
         factory = getattr(task, field)
-        if factory is None:
+        value = built if field == "dataset" else None
+        if factory is None or (value is None and field == "dataset" and not build):
             continue
-        value = built if field == "dataset" and built is not None else None
         if value is None:
             try:
                 value = factory()
