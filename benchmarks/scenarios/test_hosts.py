@@ -59,6 +59,29 @@ def _report(proc: subprocess.Popen, timeout_s: float = 150) -> dict:
     return json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
 
 
+def _cluster_view(bed: Testbed) -> str:
+    """What holds the cluster's slots: ``ray status -v`` (each node's use, the demands not
+    met) and the processes in each host (``ip netns pids``): why a run did not get the
+    workers it asked for."""
+    views = []
+    try:
+        done = bed.run([str(Path(sys.executable).parent / "ray"), "status", "-v"], timeout_s=30)
+        views.append(f"$ ray status -v\n{(done.stdout + done.stderr)[-4000:]}")
+    except Exception as exc:  # noqa: BLE001 — a diagnosis; the failure it explains is the test's
+        views.append(f"$ ray status -v: {exc}")
+    for host in range(bed.hosts):
+        pids = subprocess.run(["ip", "netns", "pids", bed.namespace(host)], capture_output=True, text=True,
+                              check=False).stdout.split()
+        names = []
+        for pid in pids:
+            try:
+                names.append(f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes().replace(bytes(1), b' ')[:90].decode()}")
+            except OSError:
+                continue
+        views.append(f"host {host}'s processes:\n" + "\n".join(names))
+    return "\n".join(views)
+
+
 def _worker_pids(events: Path) -> list[int]:
     """Every worker process a run's mesh events named."""
     return sorted({pid for e in lines(events) if e["kind"] == "mesh" for pid in e["pids"]})
@@ -263,7 +286,8 @@ def test_losing_a_whole_host_leaves_the_run_on_the_other_one_and_on_the_replay(b
             _, err = proc.communicate()  # shown with the failure, whether the run was still going or had ended:
             print(f"the run (exit code {proc.returncode}), its stderr, the last of it:\n{err[-8000:]}\nits events:\n"
                   + ("\n".join(events.read_text().splitlines()[-20:]) if events.exists() else "none")
-                  + "\nits last metrics:\n" + "\n".join(json.dumps(m) for m in lines(metrics)[-6:]))
+                  + "\nits last metrics:\n" + "\n".join(json.dumps(m) for m in lines(metrics)[-6:])
+                  + "\nthe cluster after it:\n" + _cluster_view(bed))
         if how == "partitioned":
             bed.heal(1)
         bed.replace_node(1)  # a new node for the next test, once the control store counts this one dead
