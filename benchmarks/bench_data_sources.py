@@ -55,7 +55,9 @@ def dict_loss(model, batch) -> object:
     return gpt.loss(model, (batch["x"], batch["y"]))
 
 
-def _step_s(task, steps: int, workers: int, out: str) -> float:
+def median_step_s(task, steps: int, workers: int, out: str) -> float:
+    """``task``'s median step time over ``steps`` steps on ``workers`` (after the first two:
+    the first reads and warms up), from the run's ``metrics.jsonl`` in ``out``."""
     from elastic_dp import ClusterConfig, Trainer
 
     Trainer(task, train=dataclasses.replace(task.defaults, steps=steps), cluster=ClusterConfig(workers=workers),
@@ -74,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    from benchmarks import bench_data_sources as this  # its functions by their module's name, not __main__'s
+    from benchmarks import bench_data_sources as this  # noqa: PLW0406 — its functions by their module's name, not __main__'s
 
     ray.init(address="local", num_cpus=max(2, args.workers), include_dashboard=False, log_to_driver=False)
     try:
@@ -86,7 +88,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:
             for r in range(args.rounds):
                 for name, task in tasks.items():
-                    times[name].append(_step_s(task, args.steps, args.workers, os.path.join(out, f"{name}-{r}")))
+                    times[name].append(median_step_s(task, args.steps, args.workers, os.path.join(out, f"{name}-{r}")))
     finally:
         ray.shutdown()
     batch = gpt.TASK.defaults.global_batch

@@ -63,21 +63,16 @@ def _rate(dataset: TokenWindows, sampler: ElasticSampler, steps: int, ahead: boo
 
 
 def _gpt_step_s(uri: str, steps: int, out: str) -> float:
-    """The GPT job's median step time over ``steps`` steps on the token files at ``uri``
-    (after the first two: the first fetches and warms up)."""
+    """The GPT job's median step time over ``steps`` steps on the token files at ``uri``, one worker."""
     import dataclasses
     import functools
 
-    from elastic_dp import ClusterConfig, Trainer
+    from benchmarks.bench_data_sources import median_step_s
     from jobs import gpt
 
     task = dataclasses.replace(gpt.TASK, dataset=functools.partial(TokenWindows, uri, gpt.CONTEXT), eval_dataset=None,
                                sample=None)
-    Trainer(task, train=dataclasses.replace(task.defaults, steps=steps), cluster=ClusterConfig(workers=1),
-            out_dir=out, progress=False).fit()
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        times = [json.loads(line)["step_s"] for line in f if line.strip()]
-    return statistics.median(times[2:])
+    return median_step_s(task, steps, 1, out)
 
 
 def main() -> None:

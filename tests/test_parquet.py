@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections import Counter
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -15,7 +14,7 @@ import pytest
 
 from elastic_dp import CheckpointConfig, ClusterConfig, ElasticSampler, TaskError, Trainer
 from elastic_dp.data import ParquetRows, rank_slice
-from elastic_dp.data.ahead import Horizon
+from tests.reading import count_fetches, fetched_by, read_through_a_resize
 from tests.tasks import MLP_TASK, parquet_mse, parquet_regression, write_parquet
 
 
@@ -37,34 +36,20 @@ def test_rows_are_read_tables_in_order_and_none_is_read_twice_by_a_worker_throug
     ``pq.read_table``'s row at its index; no worker reads a row from the store twice (its
     re-split slice of step 4 holds rows it named at three, read once); a worker reads a
     row group once for all the rows it named in it at once."""
-    fetched: Counter = Counter()
-    fetch = ParquetRows._fetch
-
-    def counted(self, group, rows):
-        fetched[(id(self), "requests")] += 1
-        for i in rows:
-            fetched[(id(self), i)] += 1
-        return fetch(self, group, rows)
-
-    monkeypatch.setattr(ParquetRows, "_fetch", counted)
+    fetched = count_fetches(monkeypatch, ParquetRows, lambda _, group, rows: rows)
     expected = pq.read_table(stores[where]).to_pylist()
     workers = [ParquetRows(stores[where]) for _ in range(3)]
     assert len(workers[0]) == len(expected) == 150 and len(workers[0].groups) == 9
+
+    def check(i, row):
+        assert row["id"] == expected[i]["id"] == i
+        assert np.array_equal(row["x"], np.float32(expected[i]["x"])) and row["x"].flags.writeable
+        assert np.array_equal(row["y"], np.float32(expected[i]["y"]))
+
     sampler = ElasticSampler(150, global_batch=30, seed=1)
-    horizons = [Horizon(w) for w in workers]
-    for step in range(8):
-        world = 3 if step < 4 else 2
-        for rank in range(world):
-            slice_of = lambda s, rank=rank, world=world: rank_slice(sampler.batch(s), world, rank)  # noqa: E731
-            horizons[rank].at(step, slice_of, (world, rank), 7)
-            for i in slice_of(step):
-                row = workers[rank][int(i)]
-                assert row["id"] == expected[i]["id"] == i
-                assert np.array_equal(row["x"], np.float32(expected[i]["x"])) and row["x"].flags.writeable
-                assert np.array_equal(row["y"], np.float32(expected[i]["y"]))
+    read_through_a_resize(workers, sampler, 8, 4, check)
     for w in workers[:2]:
-        rows = {k[1]: n for k, n in fetched.items() if k[0] == id(w) and k[1] != "requests"}
-        assert max(rows.values()) == 1, "a row was read twice by one worker"
+        assert max(fetched_by(fetched, w).values()) == 1, "a row was read twice by one worker"
         # named at once (the cache holds them all): one read a row group at three workers, and
         # one more of those holding rows the re-split at two gave it
         assert fetched[(id(w), "requests")] <= 2 * len(w.groups)

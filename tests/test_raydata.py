@@ -7,14 +7,13 @@ benchmarks/scenarios/test_data_sources.py.)"""
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 
 import numpy as np
 import pytest
 
 from elastic_dp import ElasticSampler, TaskError
 from elastic_dp.data import RayRows, rank_slice
-from elastic_dp.data.ahead import Horizon
+from tests.reading import count_fetches, fetched_by, read_through_a_resize
 from tests.tasks import _regression_rows, ray_regression
 
 
@@ -47,35 +46,24 @@ def test_rows_are_iter_rows_rows_and_none_is_read_twice_by_a_worker_through_a_re
     Every row equals the row ``iter_rows()`` yields at its index from a dataset the same
     factory builds anew (as a user's replay would); no worker reads a row from the object
     store twice (its re-split slice of step 4 holds rows it named at three)."""
-    import ray.cloudpickle as cloudpickle
+    from ray import cloudpickle
 
-    fetched: Counter = Counter()
-    fetch = RayRows._fetch
-
-    def counted(self, block, rows):
-        for i in rows:
-            fetched[(id(self), i)] += 1
-        return fetch(self, block, rows)
-
-    monkeypatch.setattr(RayRows, "_fetch", counted)
+    fetched = count_fetches(monkeypatch, RayRows, lambda _, block, rows: rows)
     rows = RayRows.of(factory())
     expected = list(factory().iter_rows())
     assert len(rows) == len(expected) and len(rows.blocks) >= 5
     workers = [cloudpickle.loads(cloudpickle.dumps(rows)) for _ in range(3)]
+
+    def check(i, row):
+        want = expected[i]
+        assert set(row) == set(want) == {"x", "y"}
+        assert np.array_equal(row["x"], want["x"]) and np.array_equal(row["y"], want["y"])
+        assert row["x"].flags.writeable  # a copy: the cache does not hold the block alive
+
     sampler = ElasticSampler(len(rows), global_batch=15, seed=2)
-    horizons = [Horizon(w) for w in workers]
-    for step in range(8):
-        world = 3 if step < 4 else 2
-        for rank in range(world):
-            slice_of = lambda s, rank=rank, world=world: rank_slice(sampler.batch(s), world, rank)  # noqa: E731
-            horizons[rank].at(step, slice_of, (world, rank), 7)
-            for i in slice_of(step):
-                row, want = workers[rank][int(i)], expected[int(i)]
-                assert set(row) == set(want) == {"x", "y"}
-                assert np.array_equal(row["x"], want["x"]) and np.array_equal(row["y"], want["y"])
-                assert row["x"].flags.writeable  # a copy: the cache does not hold the block alive
+    read_through_a_resize(workers, sampler, 8, 4, check)
     for w in workers[:2]:
-        assert max(n for k, n in fetched.items() if k[0] == id(w)) == 1, "a row was read twice by one worker"
+        assert max(fetched_by(fetched, w).values()) == 1, "a row was read twice by one worker"
     new = rank_slice(sampler.batch(4), 2, 0)
     assert set(rank_slice(sampler.batch(4), 3, 0)) < set(new)
     assert all(fetched[(id(workers[0]), int(i))] == 1 for i in new)

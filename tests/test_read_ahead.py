@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 
 import numpy as np
 import pytest
 
 from elastic_dp import ElasticSampler
 from elastic_dp.data import rank_slice
-from elastic_dp.data.ahead import AheadCache, Horizon
+from elastic_dp.data.ahead import AheadCache
 from elastic_dp.tokens import TokenWindows, write_token_files
+from tests.reading import count_fetches, fetched_by, read_through_a_resize
 
 
 def _pieces(keys, size, calls):
@@ -105,28 +105,12 @@ def test_readers_of_one_piece_on_many_threads_fetch_it_once():
 def corpora(s3, tmp_path_factory):
     """The same corpus of 600,000 random uint16 tokens in 3 files, local and in S3."""
     ids = np.random.default_rng(0).integers(0, 65_000, 600_000, dtype=np.uint16)
-    tokens = lambda data: np.frombuffer(data, dtype=np.uint16)  # noqa: E731
+    tokens = lambda data: np.frombuffer(data, dtype=np.uint16)
     local = tmp_path_factory.mktemp("corpus")
     remote = s3[0].replace("/runs?", "/ahead-corpus?")
     for uri in (local, remote):
         write_token_files([ids.tobytes()], uri, tokenizer=tokens, file_tokens=200_000)
     return str(local), remote
-
-
-def _counting(monkeypatch) -> Counter:
-    """Each window a ranged read brought, by (dataset, window): what the store was asked for."""
-    fetched: Counter = Counter()
-    fetch = TokenWindows._fetch
-
-    def counted(self, windows):
-        pieces = fetch(self, windows)
-        for f, first in windows:
-            fetched[(id(self), self.starts[f] + first // self.context)] += 1
-        fetched[(id(self), "requests")] += 1
-        return pieces
-
-    monkeypatch.setattr(TokenWindows, "_fetch", counted)
-    return fetched
 
 
 @pytest.mark.parametrize("cache_mb", [256, 0.01], ids=["cache-over-corpus", "cache-under-corpus"])
@@ -139,28 +123,22 @@ def test_windows_read_ahead_through_a_resize_are_the_files_and_none_is_fetched_t
     overlaps what it named for step 6 at three); a worker asks the store far fewer times
     than it reads windows when its cache holds the corpus, and never more than once a
     window when it does not."""
-    fetched = _counting(monkeypatch)
+    fetched = count_fetches(monkeypatch, TokenWindows,
+                            lambda w, windows: (w.starts[f] + first // w.context for f, first in windows))
     local, remote = corpora
     context, batch, steps = 64, 24, 12
     expected = TokenWindows(local, context)
     sampler = ElasticSampler(len(expected), global_batch=batch, seed=3)
     workers = [TokenWindows(remote, context, cache_mb=cache_mb) for _ in range(3)]
-    horizons = [Horizon(w) for w in workers]
-    read = Counter()
-    for step in range(steps):
-        world = 3 if step < 6 else 2
-        for rank in range(world):
-            slice_of = lambda s, rank=rank, world=world: rank_slice(sampler.batch(s), world, rank)  # noqa: E731
-            horizons[rank].at(step, slice_of, (world, rank), steps - 1)
-            for i in slice_of(step):
-                got_input, got_target = workers[rank][int(i)]
-                want_input, want_target = expected[int(i)]
-                assert np.array_equal(got_input, want_input) and np.array_equal(got_target, want_target), i
-                read[id(workers[rank])] += 1
+
+    def check(i, window):
+        assert np.array_equal(window[0], expected[i][0]) and np.array_equal(window[1], expected[i][1]), i
+
+    read = read_through_a_resize(workers, sampler, steps, 6, check)
     for w in workers:
         cache = w.cache
         assert cache is not None and cache.held_bytes <= w.cache_bytes
-        windows = {k[1]: n for k, n in fetched.items() if k[0] == id(w) and k[1] != "requests"}
+        windows = fetched_by(fetched, w)
         assert windows and max(windows.values()) == 1, "a window was fetched twice by one worker"
         requests = fetched[(id(w), "requests")]
         assert requests <= len(windows)

@@ -21,6 +21,8 @@ is lost (a new process, a re-formed group) only costs the fetches again.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -44,6 +46,80 @@ def detached(row: dict[str, Any]) -> dict[str, Any]:
     a view would keep the whole of that alive in the cache, past its bound (and read-only,
     which torch warns of when it makes a tensor of it)."""
     return {name: value.copy() if isinstance(value, np.ndarray) else value for name, value in row.items()}
+
+
+ROW_OBJECT_BYTES = 128
+"""What a cache counts a row's Python objects as (its dict, and each column's value),
+beyond the row's own bytes."""
+
+
+class PieceRows:
+    """A map-style dataset of rows stored in pieces that are read whole (Parquet's row
+    groups, a Ray Dataset's blocks): row ``i`` lies in piece ``bisect(starts, i) - 1``. The
+    rows a worker names ahead are read by piece, one read of a piece for all its rows named at
+    once, into an ``AheadCache`` of ``cache_bytes``; a row read alone reads its piece for it.
+    A reader sets ``starts`` (the first row of each piece, then the number of rows),
+    ``row_bytes`` (what the cache counts a row as: ``ROW_OBJECT_BYTES`` included),
+    ``cache_bytes`` and ``inflight``, calls ``_local_state`` as it is built and unpickled,
+    and reads a piece's rows in ``_fetch``."""
+
+    LOCAL: tuple[str, ...] = ("_cache", "_lock")
+    """Attributes that are each process's own: not pickled, made again where unpickled."""
+    cache_name = "edp-rows"
+
+    starts: list[int]
+    row_bytes: int
+    cache_bytes: int
+    inflight: int
+
+    def _local_state(self) -> None:
+        self._cache: AheadCache | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self.LOCAL}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local_state()
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def cache(self) -> AheadCache:
+        with self._lock:
+            if self._cache is None:
+                self._cache = AheadCache(self.cache_bytes, self.inflight, self.cache_name)
+        return self._cache
+
+    @property
+    def ahead_samples(self) -> int:
+        """Rows a worker names ahead (``Horizon``): half of what the cache holds."""
+        return max(1, self.cache_bytes // (2 * self.row_bytes))
+
+    def _locate(self, i: int) -> int:
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        return bisect.bisect_right(self.starts, i) - 1
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        i = int(i)
+        return self.cache.get(i, functools.partial(self._fetch, self._locate(i), [i]))
+
+    def read_ahead(self, indices) -> None:
+        """Start reading the pieces of rows ``indices`` (those not held or on their way), one
+        read of each for all its rows named."""
+        cache = self.cache
+        by_piece: dict[int, list[int]] = {}
+        for i in cache.missing([int(i) for i in indices]):
+            by_piece.setdefault(self._locate(i), []).append(i)
+        for piece, rows in by_piece.items():
+            cache.ahead(rows, functools.partial(self._fetch, piece, rows))
+
+    def _fetch(self, piece: int, rows: list[int]) -> list[tuple[dict[str, Any], int]]:
+        """Rows ``rows`` of piece ``piece``, each with ``row_bytes``."""
+        raise NotImplementedError
 
 
 class AheadCache:

@@ -19,9 +19,6 @@ rows named in it).
 
 from __future__ import annotations
 
-import bisect
-import functools
-import threading
 from typing import Any
 
 import numpy as np
@@ -29,7 +26,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from elastic_dp.data.ahead import AheadCache, detached
+from elastic_dp.data.ahead import ROW_OBJECT_BYTES, PieceRows, detached
 from elastic_dp.durable.storage import Storage
 from elastic_dp.errors import TaskError
 
@@ -37,13 +34,14 @@ CACHE_MB = 256
 """The rows read ahead that a process keeps, in MiB (``cache_mb``)."""
 INFLIGHT = 4
 """Row groups on their way at once (``inflight``)."""
-ROW_OBJECT_BYTES = 128
-"""What the cache counts a row's Python objects as, per column and for the row's dict,
-beyond its Arrow bytes."""
 
 
-class ParquetRows:
-    """The rows of the Parquet files at ``uri``, by index (module docstring)."""
+class ParquetRows(PieceRows):
+    """The rows of the Parquet files at ``uri``, by index (module docstring); a piece is a row
+    group, of ``groups``."""
+
+    LOCAL = (*PieceRows.LOCAL, "_storage", "_open", "_footers")
+    cache_name = "edp-parquet"
 
     def __init__(self, uri: str, columns: list[str] | None = None, *, cache_mb: float = CACHE_MB,
                  inflight: int = INFLIGHT) -> None:
@@ -55,11 +53,11 @@ class ParquetRows:
         self.paths, self.file_sizes = _parquet_files(storage, self.uri)
         self.groups: list[tuple[int, int]] = []
         """(file, row group) in order, each a piece of reading."""
-        rows, nbytes, self.num_columns = [], 0, 0
+        rows, nbytes, columns = [], 0, 0
         for f, path in enumerate(self.paths):
             metadata = _footer(storage, path)
             names = metadata.schema.to_arrow_schema().names
-            self.num_columns = len(names)
+            columns = len(self.columns) if self.columns is not None else len(names)
             missing = sorted(set(self.columns or ()) - set(names))
             if missing:
                 raise TaskError(f"{path} has no column {', '.join(missing)} (its columns: {', '.join(names)}): "
@@ -72,59 +70,21 @@ class ParquetRows:
                     nbytes += group.total_byte_size
         self.starts = np.cumsum([0, *rows]).tolist()
         """The first row of each row group in ``groups``; the last entry is the number of rows."""
-        self.row_bytes = max(1, nbytes // max(1, self.starts[-1]))
-        """A row's bytes, uncompressed, on average (what the cache's bound counts a row as)."""
-        self.__setstate__({})
+        self.row_bytes = max(1, nbytes // max(1, self.starts[-1])) + ROW_OBJECT_BYTES * (1 + columns)
+        """A row's bytes, uncompressed, on average, and its Python objects' (what the cache
+        counts a row as)."""
+        self._local_state()
 
-    def __len__(self) -> int:
-        return self.starts[-1]
-
-    def __getstate__(self) -> dict[str, Any]:  # the cache and the store's handles are each process's own
-        return {k: v for k, v in self.__dict__.items() if k not in ("_storage", "_cache", "_open", "_footers", "_lock")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+    def _local_state(self) -> None:
+        super()._local_state()
         self._storage: Storage | None = None
-        self._cache: AheadCache | None = None
         self._open: dict[int, Any] = {}  # a file's handle, its reads positional (the pool's threads share it)
         self._footers: dict[int, pq.FileMetaData] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def cache(self) -> AheadCache:
-        with self._lock:
-            if self._cache is None:
-                self._storage = Storage(self.uri, "the Parquet files' URI")
-                self._cache = AheadCache(self.cache_bytes, self.inflight, "edp-parquet")
-        return self._cache
-
-    @property
-    def ahead_samples(self) -> int:
-        """Rows a worker names ahead (``Horizon``): half of what the cache holds."""
-        columns = len(self.columns) if self.columns is not None else self.num_columns
-        return max(1, self.cache_bytes // (2 * (self.row_bytes + ROW_OBJECT_BYTES * (1 + columns))))
-
-    def _locate(self, i: int) -> int:
-        if not 0 <= i < len(self):
-            raise IndexError(f"row {i} of {len(self)}")
-        return bisect.bisect_right(self.starts, i) - 1
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        i = int(i)
-        return self.cache.get(i, functools.partial(self._fetch, self._locate(i), [i]))
-
-    def read_ahead(self, indices) -> None:
-        """Start reading the row groups of rows ``indices`` (those not held or on their way),
-        one read of each for all its rows named."""
-        cache = self.cache
-        by_group: dict[int, list[int]] = {}
-        for i in cache.missing([int(i) for i in indices]):
-            by_group.setdefault(self._locate(i), []).append(i)
-        for group, rows in by_group.items():
-            cache.ahead(rows, functools.partial(self._fetch, group, rows))
 
     def _file(self, f: int) -> Any:
         with self._lock:
+            if self._storage is None:
+                self._storage = Storage(self.uri, "the Parquet files' URI")
             if f not in self._open:
                 self._open[f] = self._storage.fs.open_input_file(self.paths[f])
                 self._footers[f] = pq.ParquetFile(self._open[f]).metadata
@@ -139,8 +99,9 @@ class ParquetRows:
         except (OSError, pa.ArrowException) as exc:
             raise TaskError(f"reading row group {g} of {_url(self._storage, path)} failed: {exc}") from exc
         columns = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
-        first, size = self.starts[group], self.row_bytes + ROW_OBJECT_BYTES * (1 + len(columns))
-        return [(detached({name: values[i - first] for name, values in columns.items()}), size) for i in rows]
+        first = self.starts[group]
+        return [(detached({name: values[i - first] for name, values in columns.items()}), self.row_bytes)
+                for i in rows]
 
 
 def _parquet_files(storage: Storage, uri: str) -> tuple[list[str], list[int]]:

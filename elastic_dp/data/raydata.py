@@ -23,14 +23,12 @@ yields blocks in the order its tasks finish), and a ``random_shuffle`` or
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import logging
-import threading
 from typing import Any
 
-from elastic_dp.data.ahead import AheadCache, detached
+from elastic_dp.data.ahead import ROW_OBJECT_BYTES, PieceRows, detached
 from elastic_dp.errors import TaskError
 
 logger = logging.getLogger(__name__)
@@ -39,15 +37,17 @@ CACHE_MB = 256
 """The rows read ahead that a process keeps, in MiB (``RayRows.cache_mb``)."""
 INFLIGHT = 4
 """Blocks on their way at once."""
-ROW_OBJECT_BYTES = 128
-"""What the cache counts a row's Python objects as, per column and for the row's dict."""
 
 _RANDOM_OPERATORS = {"RandomShuffle": "random_shuffle", "RandomizeBlocks": "randomize_block_order"}
 
 
-class RayRows:
+class RayRows(PieceRows):
     """The rows of an executed Ray Dataset, by index (the module docstring): the blocks'
-    references, each with the rows of it that the dataset holds (a block may be sliced)."""
+    references, each with the rows of it that the dataset holds (a block may be sliced); a
+    piece is a block."""
+
+    LOCAL = (*PieceRows.LOCAL, "materialized")  # the driver's hold on the blocks stays there
+    cache_name = "edp-raydata"
 
     def __init__(self, blocks: list[tuple[Any, int, int, int]], columns: int, *, cache_mb: float = CACHE_MB,
                  inflight: int = INFLIGHT) -> None:
@@ -59,7 +59,7 @@ class RayRows:
         rows = max(1, self.starts[-1])
         self.row_bytes = max(1, sum(b[3] for b in blocks) // rows) + ROW_OBJECT_BYTES * (1 + columns)
         self.cache_bytes, self.inflight = int(cache_mb * 2**20), inflight
-        self.__setstate__({})
+        self._local_state()
 
     @classmethod
     def of(cls, dataset: Any, **options: Any) -> RayRows:
@@ -77,48 +77,6 @@ class RayRows:
         rows = cls(blocks, columns, **options)
         rows.materialized = materialized  # holds the blocks for the run, on the driver
         return rows
-
-    def __len__(self) -> int:
-        return self.starts[-1]
-
-    def __getstate__(self) -> dict[str, Any]:  # the cache is each process's own; the driver's hold stays there
-        return {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_lock", "materialized")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._cache: AheadCache | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def cache(self) -> AheadCache:
-        with self._lock:
-            if self._cache is None:
-                self._cache = AheadCache(self.cache_bytes, self.inflight, "edp-raydata")
-        return self._cache
-
-    @property
-    def ahead_samples(self) -> int:
-        """Rows a worker names ahead (``Horizon``): half of what the cache holds."""
-        return max(1, self.cache_bytes // (2 * self.row_bytes))
-
-    def _locate(self, i: int) -> int:
-        if not 0 <= i < len(self):
-            raise IndexError(f"row {i} of {len(self)}")
-        return bisect.bisect_right(self.starts, i) - 1
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        i = int(i)
-        return self.cache.get(i, functools.partial(self._fetch, self._locate(i), [i]))
-
-    def read_ahead(self, indices) -> None:
-        """Start reading the blocks of rows ``indices`` (those not held or on their way), one
-        ``ray.get`` of each for all its rows named."""
-        cache = self.cache
-        by_block: dict[int, list[int]] = {}
-        for i in cache.missing([int(i) for i in indices]):
-            by_block.setdefault(self._locate(i), []).append(i)
-        for block, rows in by_block.items():
-            cache.ahead(rows, functools.partial(self._fetch, block, rows))
 
     def _fetch(self, block: int, rows: list[int]) -> list[tuple[dict[str, Any], int]]:
         """Rows ``rows`` of block ``block``, as ``iter_rows`` yields them."""
